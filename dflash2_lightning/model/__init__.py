@@ -1,0 +1,8 @@
+"""The draft model: DFlash backbone, DFlash2 convolution and candidate selector."""
+
+from dflash2_lightning.model.backbone import ContextKV, LayerKV
+from dflash2_lightning.model.conv import DFlashGroupedConv
+from dflash2_lightning.model.draft import DraftModel
+from dflash2_lightning.model.selector import CandidateSelector
+
+__all__ = ["CandidateSelector", "ContextKV", "DFlashGroupedConv", "DraftModel", "LayerKV"]

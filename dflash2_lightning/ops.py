@@ -1,0 +1,216 @@
+"""The two DFlash2 custom ops, as ``torch.library`` ops so export traces each as one node.
+
+``dflash::block_conv``
+    One side of the grouped dynamic depthwise convolution::
+
+        y[b, i, c] = sum_t [i mod block_size >= t] * (base[t, c] + delta[b, i, t, c // group]) * x[b, i - t, c]
+
+    Taps never cross a block start; inside a block position ``i`` reads only ``i`` and earlier
+    positions. ``group = H / G`` comes from the shapes. Differentiable (explicit backward below).
+
+``dflash::lattice_walk``
+    The candidate selector's greedy walk (temperature 0). All ``[L, K, K]`` edge scores of a block
+    are computed in one batched operation, then the small table is walked::
+
+        score[b, l, p, c] = unary[b, l, c] + <pred_codebook[prev_l[p]] * proj[b, l], succ_codebook[cand[b, l, c]]>
+
+    with ``prev_0 = anchor`` and ``prev_l = cand[:, l - 1]``. Ties go to the lowest candidate index.
+
+A CUDA implementation from ``dflash2_lightning.kernels`` is used on CUDA tensors when Triton is
+installed; the eager implementations here are the reference every other implementation is tested
+against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["block_conv", "lattice_walk", "block_conv_reference", "edge_scores", "walk_edge_scores",
+           "lattice_walk_per_position"]
+
+
+# ----------------------------------------------------------------------------- block conv
+def _shift_within_blocks(x: Tensor, tap: int, block_size: int) -> Tensor:
+    """``out[:, i] = x[:, i - tap]`` when ``i`` and ``i - tap`` are in the same block, else 0."""
+    if tap == 0:
+        return x
+    b, s = x.shape[:2]
+    blocks = x.reshape(b, s // block_size, block_size, *x.shape[2:])
+    pad = [0, 0] * (x.dim() - 2) + [tap, 0]
+    shifted = F.pad(blocks[:, :, : block_size - tap], pad)
+    return shifted.reshape(x.shape)
+
+
+def _unshift_within_blocks(x: Tensor, tap: int, block_size: int) -> Tensor:
+    """The adjoint of :func:`_shift_within_blocks`: ``out[:, j] = x[:, j + tap]`` inside a block."""
+    if tap == 0:
+        return x
+    b, s = x.shape[:2]
+    blocks = x.reshape(b, s // block_size, block_size, *x.shape[2:])
+    pad = [0, 0] * (x.dim() - 2) + [0, tap]
+    shifted = F.pad(blocks[:, :, tap:], pad)
+    return shifted.reshape(x.shape)
+
+
+def _check_conv_shapes(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> None:
+    if x.dim() != 3 or base.dim() != 2 or delta.dim() != 4:
+        raise ValueError(f"block_conv expects x [B,S,H], base [T,H], delta [B,S,T,G]; got "
+                         f"{tuple(x.shape)}, {tuple(base.shape)}, {tuple(delta.shape)}")
+    b, s, h = x.shape
+    t, g = delta.shape[2], delta.shape[3]
+    if s % block_size:
+        raise ValueError(f"sequence length {s} is invalid: must be a multiple of block_size={block_size}")
+    if base.shape != (t, h) or delta.shape[:2] != (b, s) or h % g:
+        raise ValueError(f"block_conv shapes disagree: x {tuple(x.shape)}, base {tuple(base.shape)}, "
+                         f"delta {tuple(delta.shape)} (need base [T,H], delta [B,S,T,G], G divides H)")
+
+
+def block_conv_reference(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tensor:
+    """Eager, differentiable block convolution (the math of the module docstring)."""
+    b, s, h = x.shape
+    taps, groups = delta.shape[2], delta.shape[3]
+    group = h // groups
+    out = None
+    for tap in range(taps):
+        shifted = _shift_within_blocks(x, tap, block_size).reshape(b, s, groups, group)
+        # base * x + delta * x, never a dense [.., T, H] coefficient tensor held for backward.
+        term = base[tap].reshape(groups, group) * shifted + delta[:, :, tap, :, None] * shifted
+        out = term if out is None else out + term
+    return out.reshape(b, s, h)
+
+
+@torch.library.custom_op("dflash::block_conv", mutates_args=())
+def _block_conv_op(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tensor:
+    _check_conv_shapes(x, base, delta, block_size)
+    if x.is_cuda:
+        from dflash2_lightning.kernels import cuda_block_conv  # Triton, optional extra
+
+        if cuda_block_conv is not None:
+            return cuda_block_conv(x, base, delta, block_size)
+    return block_conv_reference(x, base, delta, block_size)
+
+
+@_block_conv_op.register_fake
+def _(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _block_conv_setup(ctx, inputs, output) -> None:
+    x, base, delta, block_size = inputs
+    ctx.save_for_backward(x, base, delta)
+    ctx.block_size = block_size
+
+
+def _block_conv_backward(ctx, grad_y: Tensor):
+    x, base, delta = ctx.saved_tensors
+    bs = ctx.block_size
+    b, s, h = x.shape
+    taps, groups = delta.shape[2], delta.shape[3]
+    group = h // groups
+    gy = grad_y.reshape(b, s, groups, group)
+    grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+    grad_base = torch.empty_like(base) if ctx.needs_input_grad[1] else None
+    grad_delta = torch.empty_like(delta) if ctx.needs_input_grad[2] else None
+    for tap in range(taps):
+        if grad_base is not None or grad_delta is not None:
+            prod = gy * _shift_within_blocks(x, tap, bs).reshape(b, s, groups, group)
+            if grad_base is not None:
+                grad_base[tap] = prod.sum(dim=(0, 1)).reshape(h)
+            if grad_delta is not None:
+                grad_delta[:, :, tap] = prod.sum(-1)
+        if grad_x is not None:
+            coef = base[tap].reshape(groups, group) + delta[:, :, tap, :, None]
+            grad_x += _unshift_within_blocks((coef * gy).reshape(b, s, h), tap, bs)
+    return grad_x, grad_base, grad_delta, None
+
+
+_block_conv_op.register_autograd(_block_conv_backward, setup_context=_block_conv_setup)
+
+
+def block_conv(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tensor:
+    """One side of the block convolution: ``x [B,S,H]``, ``base [T,H]``, ``delta [B,S,T,G]`` -> ``[B,S,H]``."""
+    return _block_conv_op(x, base, delta, int(block_size))
+
+
+# ----------------------------------------------------------------------------- lattice walk
+def edge_scores(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
+                pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+    """All edge scores of a block at once: ``[B, L, K_prev, K]`` (float32 or wider).
+
+    Row ``p`` of position ``l`` scores moving from predecessor ``prev_l[p]`` to each candidate;
+    position 0 has the anchor as its only predecessor (every row is the same).
+    """
+    dtype = torch.promote_types(unary.dtype, torch.float32)
+    b, length, k = cand.shape
+    prev = torch.cat([anchor.reshape(b, 1, 1).expand(b, 1, k), cand[:, :-1]], dim=1)  # [B, L, K]
+    context = pred_codebook[prev].to(dtype) * proj.to(dtype)[:, :, None, :]  # [B, L, K, r]
+    successor = succ_codebook[cand].to(dtype)  # [B, L, K, r]
+    transition = torch.matmul(context, successor.transpose(-1, -2))  # [B, L, K_prev, K]
+    return unary.to(dtype)[:, :, None, :] + transition
+
+
+def walk_edge_scores(scores: Tensor, cand: Tensor) -> Tensor:
+    """Greedy walk through ``[B, L, K, K]`` edge scores; returns the chosen tokens ``[B, L]``."""
+    b, length, k, _ = scores.shape
+    choice = torch.zeros(b, dtype=torch.long, device=scores.device)
+    rows = torch.arange(b, device=scores.device)
+    tokens = torch.empty(b, length, dtype=torch.long, device=scores.device)
+    for position in range(length):
+        # argmax returns the first maximum, so ties go to the lowest candidate index.
+        choice = scores[rows, position, choice].argmax(-1)
+        tokens[:, position] = cand[rows, position, choice]
+    return tokens
+
+
+def _check_walk_shapes(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
+                       pred_codebook: Tensor, succ_codebook: Tensor) -> None:
+    if cand.dim() != 3 or unary.shape != cand.shape or proj.dim() != 3 or proj.shape[:2] != cand.shape[:2]:
+        raise ValueError(f"lattice_walk expects cand/unary [B,L,K] and proj [B,L,r]; got "
+                         f"{tuple(cand.shape)}, {tuple(unary.shape)}, {tuple(proj.shape)}")
+    if anchor.shape != cand.shape[:1] or pred_codebook.shape != succ_codebook.shape \
+            or pred_codebook.shape[1] != proj.shape[2]:
+        raise ValueError(f"lattice_walk shapes disagree: anchor {tuple(anchor.shape)}, codebooks "
+                         f"{tuple(pred_codebook.shape)}/{tuple(succ_codebook.shape)}, proj {tuple(proj.shape)}")
+
+
+@torch.library.custom_op("dflash::lattice_walk", mutates_args=())
+def _lattice_walk_op(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
+                     pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+    _check_walk_shapes(cand, unary, proj, anchor, pred_codebook, succ_codebook)
+    if cand.is_cuda:
+        from dflash2_lightning.kernels import cuda_lattice_walk  # Triton, optional extra
+
+        if cuda_lattice_walk is not None:
+            return cuda_lattice_walk(cand, unary, proj, anchor, pred_codebook, succ_codebook)
+    scores = edge_scores(cand, unary, proj, anchor, pred_codebook, succ_codebook)
+    return walk_edge_scores(scores, cand)
+
+
+@_lattice_walk_op.register_fake
+def _(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
+      pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+    return cand.new_empty(cand.shape[:2])
+
+
+def lattice_walk(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
+                 pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+    """Greedy selector path ``[B, L]`` through candidates ``cand [B, L, K]`` seeded with ``anchor [B]``."""
+    return _lattice_walk_op(cand, unary, proj, anchor, pred_codebook, succ_codebook)
+
+
+def lattice_walk_per_position(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
+                              pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+    """The obvious loop (one projection per position). Kept as the benchmark's baseline."""
+    prev = anchor
+    path = []
+    dtype = torch.promote_types(unary.dtype, torch.float32)
+    for position in range(cand.shape[1]):
+        context = pred_codebook[prev].to(dtype) * proj[:, position].to(dtype)
+        scores = unary[:, position].to(dtype) + torch.einsum(
+            "br,bkr->bk", context, succ_codebook[cand[:, position]].to(dtype))
+        choice = scores.argmax(-1, keepdim=True)
+        prev = cand[:, position].gather(1, choice)[:, 0]
+        path.append(prev)
+    return torch.stack(path, dim=1)

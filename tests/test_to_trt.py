@@ -1,0 +1,141 @@
+"""``export/to_trt.py``: refuses cleanly without TensorRT/GPU; graph discovery and profiles; engine on a GPU."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "export" / "to_trt.py"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"dflash2_export_{name}", REPO / "export" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+to_trt = _load("to_trt")
+HAS_TRT_AND_GPU = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
+
+
+def test_stops_at_once_without_tensorrt_or_gpu(tmp_path):
+    if HAS_TRT_AND_GPU:
+        pytest.skip("TensorRT and a GPU are present")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--onnx", str(tmp_path), "--out", str(tmp_path / "e.engine")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == to_trt.EXIT_MISSING == 2
+    if importlib.util.find_spec("tensorrt") is None:
+        assert "TensorRT is not installed" in out.stderr
+        assert "--extra-index-url https://pypi.nvidia.com" in out.stderr and "tensorrt-cu13" in out.stderr
+    if not torch.cuda.is_available():
+        assert "No CUDA GPU" in out.stderr
+    assert not (tmp_path / "e.engine").exists()
+
+
+def test_parse_range():
+    assert to_trt.parse_range("1,4,64", "--batch") == (1, 4, 64)
+    for bad in ("1,4", "4,1,64", "0,1,2", "a,b,c"):
+        with pytest.raises(ValueError, match=f"--batch={bad!r} is invalid"):
+            to_trt.parse_range(bad, "--batch")
+
+
+def test_dim_role():
+    assert [to_trt.dim_role(n) for n in ("batch", "batch_size", "context", "ctx_len", "past_len", "num_tokens")] == \
+        ["batch", "batch", "context", "context", "context", "context"]
+    assert to_trt.dim_role("nblocks") is None
+
+
+def _touch(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def test_find_graphs_prefers_the_tensorrt_copy(tmp_path):
+    for name in ("context.onnx", "context.trt.onnx", "draft_step.onnx"):
+        _touch(tmp_path / name)
+    graphs = to_trt.find_graphs(tmp_path)
+    assert [(g.name, g.trt_path.name, g.ort_path.name) for g in graphs] == [
+        ("context", "context.trt.onnx", "context.onnx"), ("draft_step", "draft_step.onnx", "draft_step.onnx")]
+    assert [g.name for g in to_trt.find_graphs(tmp_path, ["draft_step"])] == ["draft_step"]
+    one = to_trt.find_graphs(tmp_path / "context.onnx")[0]
+    assert (one.trt_path.name, one.ort_path.name) == ("context.trt.onnx", "context.onnx")
+    with pytest.raises(FileNotFoundError, match="no .onnx graphs named"):
+        to_trt.find_graphs(tmp_path, ["nope"])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        to_trt.find_graphs(tmp_path / "missing")
+
+
+def test_profile_shapes():
+    inputs = {"ids": (["batch", 16], 7), "kv": (["batch", 2, "context", 64], 1), "w": ([2, None], 1)}
+    shapes = to_trt.profile_shapes(inputs, (1, 2, 8), (1, 256, 4096), {"w:1": (3, 3, 3)})
+    assert shapes["ids"] == ((1, 16), (2, 16), (8, 16))
+    assert shapes["kv"] == ((1, 2, 1, 64), (2, 2, 256, 64), (8, 2, 4096, 64))
+    assert shapes["w"] == ((2, 3), (2, 3), (2, 3))
+    with pytest.raises(ValueError, match=r"\['nblocks', 'w:1'\]: pass --dim"):
+        to_trt.profile_shapes({"a": (["nblocks"], 1), "w": ([2, None], 1)}, (1, 1, 1), (1, 1, 1), {})
+
+
+def test_read_graph_on_the_single_op_graphs(tmp_path):
+    gpu_check = _load("gpu_check")
+    paths = gpu_check.single_op_graphs(tmp_path, "float16")
+    inputs, custom = to_trt.read_graph(paths["block_conv"])
+    assert custom == 1
+    assert inputs["x"] == (["batch", gpu_check.BS, gpu_check.H], 10)  # FLOAT16
+    inputs, custom = to_trt.read_graph(paths["lattice_walk"])
+    assert custom == 1 and inputs["cand"][1] == 7 and inputs["anchor"][0] == ["batch"]
+    shapes = to_trt.profile_shapes(inputs, (1, 4, 8), (1, 1, 1), {})
+    assert shapes["anchor"] == ((1,), (4,), (8,))
+
+
+def test_dflash_nodes_get_the_aot_switch(tmp_path):
+    import onnx
+
+    gpu_check = _load("gpu_check")
+    path = gpu_check.single_op_graphs(tmp_path, "float32")["block_conv"]
+    model = onnx.load_from_string(to_trt.with_aot_attribute(path))
+    (node,) = model.graph.node
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["aot"] == 1 and attrs["plugin_namespace"] == b"dflash" and attrs["block_size"] == gpu_check.BS
+    onnx.save(model, str(path))
+    again = onnx.load_from_string(to_trt.with_aot_attribute(path))
+    assert [a.name for a in again.graph.node[0].attribute].count("aot") == 1
+
+
+def test_compare_outputs():
+    ref = {"y": torch.ones(4), "tokens": torch.arange(4)}
+    good = {"y": torch.ones(4) + 1e-5, "tokens": torch.arange(4)}
+    assert all(line.startswith("ok") for line in to_trt.compare_outputs(good, ref, reduced_precision=False))
+    bad = {"y": torch.ones(4) + 1.0, "tokens": torch.tensor([0, 1, 2, 0])}
+    lines = to_trt.compare_outputs(bad, ref, reduced_precision=False)
+    assert [line.split()[0] for line in lines] == ["MISMATCH", "MISMATCH"]
+    assert "75.0% of 4 values equal" in lines[1]
+
+
+@pytest.mark.tensorrt
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRT_AND_GPU, reason="needs TensorRT and a CUDA device")
+def test_engine_from_single_op_graphs_matches_reference(tmp_path):
+    from dflash2_lightning import ops
+
+    plugins = _load("plugins")
+    plugins.register_plugins()
+    gpu_check = _load("gpu_check")
+    for name, path in gpu_check.single_op_graphs(tmp_path, "float32").items():
+        inputs, _ = to_trt.read_graph(path)
+        shapes = to_trt.profile_shapes(inputs, (1, 2, 4), (1, 1, 1), {})
+        plan, summary = to_trt.build_engine(to_trt.GraphFiles(name, path, None), shapes, tmp_path / "tc",
+                                            tf32=False, workspace_gib=0)
+        assert len(summary["plugin_layers"]) == 1
+        feed = gpu_check._engine_inputs(name, torch.float32, 2)
+        got = next(iter(to_trt.run_engine(plan, feed).values()))
+        if name == "block_conv":
+            want = ops.block_conv_reference(feed["x"], feed["base"], feed["delta"], gpu_check.BS)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:
+            assert torch.equal(got, ops.lattice_walk(*(feed[k] for k in ("cand", "unary", "proj", "anchor",
+                                                                           "pred", "succ"))))

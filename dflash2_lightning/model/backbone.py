@@ -137,9 +137,12 @@ class DraftAttention(nn.Module):
         k = torch.cat([context.keys, block.keys], dim=2)
         v = torch.cat([context.values, block.values], dim=2)
         repeat = self.num_heads // self.num_kv_heads
-        if repeat > 1:
+        # SDPA's own GQA skips copying K/V per query head (same numbers). CUDA kernels take it only
+        # without a mask (else they fall back to the slow math kernel), so there the copy stays.
+        gqa = repeat > 1 and (mask is None or not q.is_cuda)
+        if repeat > 1 and not gqa:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 

@@ -1,0 +1,59 @@
+"""Shared test fixtures: tiny draft geometries and weights moved away from their no-op init."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from dflash2_lightning.config import DraftConfig
+from dflash2_lightning.model import DraftModel
+
+# Small enough for a 2-core CI box, big enough to exercise GQA (4 heads / 2 KV heads), several
+# target features (3 ids) and conv groups (hidden 32 / group 8 = 4 groups).
+TINY_DRAFT: dict[str, Any] = dict(
+    hidden_size=32, vocab_size=96, num_target_layers=6, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, intermediate_size=48, block_size=4, target_layer_ids=[1, 2, 4],
+    mask_token_id=95, rope_theta=10_000.0, conv_kernel_size=2, conv_group_size=8, selector_rank=6,
+    selector_top_k=5,
+)
+
+
+@pytest.fixture
+def tiny_draft_config() -> Callable[..., DraftConfig]:
+    """Factory: ``tiny_draft_config(**overrides)`` -> a validated tiny :class:`DraftConfig` (DFlash2 by default)."""
+
+    def make(**overrides: Any) -> DraftConfig:
+        return DraftConfig(**{**TINY_DRAFT, **overrides})
+
+    return make
+
+
+def randomize_draft_(model: DraftModel, seed: int = 0) -> DraftModel:
+    """Give every parameter random, non-trivial values in place (norm weights near 1, conv and selector
+    away from their identity / zero init), so that a test cannot pass on a no-op module."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+            if p.dim() == 1:  # RMSNorm weights
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith("base_kernel"):
+                p.copy_(0.5 * noise)
+            elif "codebook" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(0.15 * noise)
+    return model
+
+
+@pytest.fixture
+def randomized_draft() -> Callable[..., DraftModel]:
+    """Factory: ``randomized_draft(cfg, dtype=torch.float32, seed=0)`` -> a :class:`DraftModel` with random weights."""
+
+    def make(cfg: DraftConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> DraftModel:
+        return randomize_draft_(DraftModel(cfg).to(dtype), seed).eval()
+
+    return make

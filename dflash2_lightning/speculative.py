@@ -1,0 +1,354 @@
+"""Greedy speculative decoding: the draft proposes a block, the target verifies it in one forward pass.
+
+One cycle, for a sequence whose last emitted token (the *anchor*) sits at position ``start``::
+
+    draft:   [anchor, MASK x (bs-1)] at positions start..start+bs-1   -> d_1 .. d_{bs-1}
+    target:  [anchor, d_1 .. d_{bs-1}] on top of its KV cache         -> greedy g_1 .. g_bs
+    accept:  a = length of the longest prefix with d_k == g_k
+    emit:    d_1 .. d_a, g_{a+1}                                      (a + 1 tokens)
+    caches:  target KV cropped to start + a + 1 (anchor + accepted drafts);
+             draft context += K/V of the target features of those a + 1 verified tokens
+
+The emitted tokens are exactly the target's own greedy tokens (lossless): every accepted draft equals
+the target's argmax after the verified prefix, and the last token is the target's argmax itself.
+The target's first token comes from the prompt's forward pass (prefill), before any cycle.
+
+The draft's context cache is built only from verified tokens and only ever appended to; it is never
+recomputed. The loop talks to the draft through three calls (the :class:`Drafter` protocol), so a
+drafter running in another runtime (onnxruntime, TensorRT) drops in for :class:`TorchDrafter`::
+
+    cache = draft.context_kv(features [B, C, n_t*H], positions [B, C])
+    cache = cache.append(draft.context_kv(new_features, new_positions))
+    tokens = draft.draft_block(anchor [B], cache, embed, head, start)   # [B, bs-1]
+
+Acceptance accounting (:class:`SpecResult`, :class:`AcceptanceStats`): per cycle the number of accepted
+drafts ``a`` (0..bs-1) and the tokens actually emitted. A cycle is *truncated* when it emitted fewer
+than ``a + 1`` tokens because the generation stopped inside it (a stop token among the accepted
+drafts, or ``max_new_tokens``); only the last cycle of a sequence can be. ``tau`` is the mean of
+``a + 1`` over untruncated cycles (a property of the draft); ``tokens_per_cycle`` counts every cycle
+with what it really emitted (what sets the speed). The last cycle still verifies a whole block, so its
+acceptance is measured in full; only its emission is cut. Batch size 1.
+
+Lossless up to floating-point ties: a cached block verify and one-token steps compute the same logits
+up to rounding, so an argmax can flip only where two logits tie to within that rounding (never seen in
+float64; rare in float32; ``dflash2 eval`` checks every output and reports any mismatch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from dflash2_lightning.model.backbone import ContextKV
+from dflash2_lightning.model.draft import DraftModel
+
+Head = Callable[[Tensor], Tensor]
+DraftPath = Literal["selector", "backbone"]
+
+
+# ----------------------------------------------------------------------------- the draft interface
+class ContextCache(Protocol):
+    """The draft's cache of context K/V; :class:`ContextKV` is one."""
+
+    def append(self, other: Any) -> "ContextCache": ...
+
+
+class Drafter(Protocol):
+    """What the loop needs from a draft: geometry, context K/V of new features, one block of drafts."""
+
+    block_size: int
+    target_layer_ids: list[int]
+
+    def context_kv(self, features: Tensor, positions: Tensor) -> ContextCache: ...
+
+    def draft_block(self, anchor: Tensor, context: ContextCache, embed: Head, head: Head,
+                    start: int) -> Tensor: ...
+
+
+class TorchDrafter:
+    """A :class:`DraftModel` behind the :class:`Drafter` interface, with a choice of decoding path.
+
+    ``path="selector"`` proposes with the DFlash2 selector walk (``DraftModel.propose``); ``"backbone"``
+    takes the argmax of the target head on the draft hidden, which is what a DFlash baseline always
+    does and lets a DFlash2 draft be measured without its selector. The block is the one
+    ``DraftModel.draft_block`` builds; the embedding is cast to the draft's dtype and the draft hidden
+    back to the target's before the head, so a float32 draft runs beside a float64 or bf16 target.
+    """
+
+    def __init__(self, model: DraftModel, path: DraftPath | None = None) -> None:
+        path = path or ("selector" if model.candidate_selector is not None else "backbone")
+        if path not in ("selector", "backbone"):
+            raise ValueError(f"path={path!r} is invalid: must be 'selector' or 'backbone'")
+        if path == "selector" and model.candidate_selector is None:
+            raise ValueError("path='selector' is invalid for a DFlash draft (projector_type='dflash' "
+                             "has no candidate selector): use path='backbone'")
+        self.model, self.path = model.eval(), path
+        self.block_size = model.config.block_size
+        self.target_layer_ids = list(model.config.target_layer_ids or [])
+        self.dtype = next(model.parameters()).dtype
+
+    @torch.no_grad()
+    def context_kv(self, features: Tensor, positions: Tensor) -> ContextKV:
+        return self.model.context_kv(features.to(self.dtype), positions)
+
+    @torch.no_grad()
+    def draft_block(self, anchor: Tensor, context: ContextKV, embed: Head, head: Head, start: int) -> Tensor:
+        cfg = self.model.config
+        tokens = torch.full((anchor.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long,
+                            device=anchor.device)
+        tokens[:, 0] = anchor
+        positions = (start + torch.arange(cfg.block_size, device=anchor.device)).expand_as(tokens)
+        embeds = embed(tokens)
+        hidden = self.model(embeds.to(self.dtype), positions, context)[:, 1:]  # slot 0 is the anchor
+        target_head = lambda h: head(h.to(embeds.dtype))  # noqa: E731
+        if self.path == "selector":
+            return self.model.propose(hidden, anchor, target_head)
+        return target_head(hidden).argmax(-1)
+
+
+def as_drafter(draft: DraftModel | Drafter, path: DraftPath | None = None) -> Drafter:
+    """Wrap a :class:`DraftModel` in a :class:`TorchDrafter`; pass any other drafter through unchanged."""
+    if isinstance(draft, DraftModel):
+        return TorchDrafter(draft, path)
+    if path is not None and getattr(draft, "path", path) != path:
+        raise ValueError(f"path={path!r} was requested but the drafter decodes with path={draft.path!r}")
+    return draft
+
+
+# ----------------------------------------------------------------------------- the target side
+@dataclass
+class TargetHandles:
+    """The pieces of the target the loop uses: the HF causal LM, its embedding and its head."""
+
+    hf: nn.Module
+    embed: Head
+    head: Head
+
+
+def target_handles(target: Any) -> TargetHandles:
+    """Accept a project ``Target`` (has ``.hf``, ``.embed``, ``.head``) or a bare HF causal LM."""
+    hf = getattr(target, "hf", target)
+    embed = getattr(target, "embed", None) if hasattr(target, "hf") else None
+    head = getattr(target, "head", None) if hasattr(target, "hf") else None
+    return TargetHandles(hf, embed or hf.get_input_embeddings(), head or hf.get_output_embeddings())
+
+
+def _new_cache(hf: nn.Module) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(config=hf.config)
+
+
+def _crop(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions of an HF cache (transformers 5 crops by a negative count)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _forward(hf: nn.Module, ids: Tensor, start: int, cache: Any, hidden: bool, last_only: bool = False) -> Any:
+    """One cached target forward of ``ids`` at positions ``start..``; ``last_only`` keeps only the last logits."""
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+    return hf(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=hidden,
+              logits_to_keep=1 if last_only else 0)
+
+
+def target_features(hidden_states: Sequence[Tensor], layer_ids: Iterable[int]) -> Tensor:
+    """``cat([hidden_states[l + 1] for l in layer_ids], -1)`` (HF index 0 is the embedding output)."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def _stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
+    return next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+
+
+def _prompt_tensor(input_ids: Tensor | Sequence[int], device: torch.device) -> Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    ids = ids[None] if ids.dim() == 1 else ids
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+        raise ValueError(f"input_ids shape {tuple(ids.shape)} is invalid: must be [1, P] with P >= 1 (batch 1)")
+    return ids
+
+
+def _check_budget(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class GreedyResult:
+    """Target-only greedy decoding: the generated tokens and the wall time it took."""
+
+    tokens: list[int]
+    prompt_length: int
+    stopped: bool
+    seconds: float
+
+
+@dataclass
+class SpecResult:
+    """One speculative generation: tokens plus per-cycle acceptance.
+
+    ``accepted[i]`` drafts accepted in cycle ``i`` (0..bs-1), ``emitted[i]`` tokens it emitted (after a stop
+    token or the budget cut it), ``anchors[i]`` the anchor's absolute position. ``context`` is the draft's
+    context cache at the end (verified tokens only); it is left out of :meth:`summary`.
+    """
+
+    tokens: list[int]
+    prompt_length: int
+    block_size: int
+    accepted: list[int]
+    emitted: list[int]
+    anchors: list[int]
+    stopped: bool
+    seconds: float
+    context: Any = field(default=None, repr=False)
+
+    @property
+    def truncated(self) -> list[bool]:
+        return [e < a + 1 for a, e in zip(self.accepted, self.emitted)]
+
+    def stats(self) -> "AcceptanceStats":
+        return AcceptanceStats.from_results([self])
+
+
+@dataclass
+class AcceptanceStats:
+    """Acceptance over many cycles (one or many sequences).
+
+    ``histogram[a]`` counts untruncated cycles that accepted ``a`` drafts; ``accept[k-1]`` is the fraction of
+    them whose offsets ``1..k`` were all accepted; ``tau = 1 + sum(accept) = mean(a + 1)``. ``tokens``
+    counts every generated token (the prefill token too), ``cycle_tokens`` only those cycles emitted.
+    """
+
+    block_size: int
+    histogram: list[int]
+    cycles: int
+    truncated_cycles: int
+    cycle_tokens: int
+    tokens: int
+    seconds: float
+
+    @classmethod
+    def from_results(cls, results: Sequence[SpecResult]) -> "AcceptanceStats":
+        if not results:
+            raise ValueError("results is empty: need at least one SpecResult")
+        bs = results[0].block_size
+        hist = [0] * bs
+        truncated = 0
+        for r in results:
+            for a, cut in zip(r.accepted, r.truncated):
+                truncated += cut
+                if not cut:
+                    hist[a] += 1
+        return cls(bs, hist, sum(len(r.accepted) for r in results), truncated,
+                   sum(sum(r.emitted) for r in results), sum(len(r.tokens) for r in results),
+                   sum(r.seconds for r in results))
+
+    @property
+    def full_cycles(self) -> int:
+        return sum(self.histogram)
+
+    @property
+    def accept(self) -> list[float]:
+        """``accept[k-1]`` = P(offsets 1..k all accepted), k = 1..bs-1, over untruncated cycles."""
+        n = max(self.full_cycles, 1)
+        return [sum(self.histogram[k:]) / n for k in range(1, self.block_size)]
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per untruncated cycle (accepted + 1); 0.0 when there was no full cycle."""
+        return 1.0 + sum(self.accept) if self.full_cycles else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        """Tokens emitted by cycles / cycles, truncated cycles included (the prefill token is not a cycle)."""
+        return self.cycle_tokens / self.cycles if self.cycles else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"tau": self.tau, "tokens_per_cycle": self.tokens_per_cycle, "accept": self.accept,
+                "histogram": self.histogram, "cycles": self.cycles, "truncated_cycles": self.truncated_cycles,
+                "tokens": self.tokens, "seconds": self.seconds,
+                "tokens_per_second": self.tokens / self.seconds if self.seconds > 0 else None}
+
+
+# ----------------------------------------------------------------------------- decoding
+@torch.no_grad()
+def target_greedy(target: Any, input_ids: Tensor | Sequence[int], max_new_tokens: int,
+                  stop_token_ids: Iterable[int] = ()) -> GreedyResult:
+    """Plain greedy decoding with the target's KV cache: one token per forward pass.
+
+    Emits up to and including the first stop token, at most ``max_new_tokens`` tokens. This is the
+    reference the speculative loop must reproduce and the tokens/s baseline.
+    """
+    _check_budget(max_new_tokens)
+    hf = target_handles(target).hf
+    ids = _prompt_tensor(input_ids, hf.device)
+    stop, tokens, cache = set(stop_token_ids), [], _new_cache(hf)
+    t0 = time.perf_counter()
+    logits = _forward(hf, ids, 0, cache, hidden=False, last_only=True).logits
+    while True:
+        token = int(logits[0, -1].argmax())
+        tokens.append(token)
+        if token in stop or len(tokens) >= max_new_tokens:
+            break
+        step = torch.tensor([[token]], device=ids.device)
+        logits = _forward(hf, step, ids.shape[1] + len(tokens) - 1, cache, hidden=False).logits
+    return GreedyResult(tokens, ids.shape[1], tokens[-1] in stop, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Tensor | Sequence[int],
+                         max_new_tokens: int, stop_token_ids: Iterable[int] = (),
+                         path: DraftPath | None = None) -> SpecResult:
+    """Greedy speculative decoding of one prompt; the tokens equal :func:`target_greedy`'s.
+
+    ``target`` is a project ``Target`` or an HF causal LM; ``draft`` a :class:`DraftModel` (decoded with
+    ``path``, default: the selector walk for DFlash2, argmax for DFlash) or any :class:`Drafter`.
+    """
+    _check_budget(max_new_tokens)
+    drafter = as_drafter(draft, path)
+    t = target_handles(target)
+    ids = _prompt_tensor(input_ids, t.hf.device)
+    bs, layer_ids, stop = drafter.block_size, drafter.target_layer_ids, set(stop_token_ids)
+    prompt_len = ids.shape[1]
+    arange = lambda a, n: torch.arange(a, a + n, device=ids.device)[None]  # noqa: E731
+
+    t0 = time.perf_counter()
+    cache = _new_cache(t.hf)
+    out = _forward(t.hf, ids, 0, cache, hidden=True, last_only=True)
+    context = drafter.context_kv(target_features(out.hidden_states, layer_ids), arange(0, prompt_len))
+    anchor = int(out.logits[0, -1].argmax())
+    tokens = [anchor]
+    accepted, emitted, anchors = [], [], []
+    done = anchor in stop or max_new_tokens == 1
+    while not done:
+        start = prompt_len + len(tokens) - 1  # the anchor's position; everything before it is in both caches
+        drafts = drafter.draft_block(torch.tensor([anchor], device=ids.device), context, t.embed, t.head, start)
+        block = torch.cat([torch.tensor([[anchor]], device=ids.device), drafts.to(ids.device)], dim=1)
+        out = _forward(t.hf, block, start, cache, hidden=True)
+        greedy = out.logits[0].argmax(-1)
+        a = int((block[0, 1:] == greedy[:-1]).long().cumprod(0).sum())
+        new = block[0, 1:a + 1].tolist() + [int(greedy[a])]
+        # Cut exactly where greedy decoding would: after the first stop token or at the budget.
+        cut = _stop_index(new, stop)
+        keep = min(len(new) if cut is None else cut + 1, max_new_tokens - len(tokens))
+        tokens += new[:keep]
+        accepted.append(a)
+        emitted.append(keep)
+        anchors.append(start)
+        done = keep < len(new) or tokens[-1] in stop or len(tokens) >= max_new_tokens
+        if not done:
+            # The anchor and the accepted drafts are verified: their features join the draft's context.
+            verified = target_features(out.hidden_states, layer_ids)[:, :a + 1]
+            context = context.append(drafter.context_kv(verified, arange(start, a + 1)))
+            _crop(cache, start + a + 1)
+            anchor = new[-1]
+    return SpecResult(tokens, prompt_len, bs, accepted, emitted, anchors, tokens[-1] in stop,
+                      time.perf_counter() - t0, context)

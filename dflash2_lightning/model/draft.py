@@ -106,7 +106,8 @@ class DraftModel(nn.Module):
             start = context.positions[:, -1:] + 1 if context.length else torch.zeros(b, 1, dtype=torch.long)
         positions = torch.as_tensor(start, device=anchor.device).reshape(-1, 1) + torch.arange(bs, device=anchor.device)
         hidden = self(embed(tokens), positions.expand(b, bs), context)
-        return self.propose(hidden[:, 1:], anchor, head)
+        # contiguous: a sliced [B, bs-1, H] view sends the head's matmul down a slow batched path on CPU.
+        return self.propose(hidden[:, 1:].contiguous(), anchor, head)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,123 @@
+"""The two drafting graphs as torch modules, in the exact form they are exported.
+
+A server drafts in two calls, so the draft is exported as two graphs:
+
+``context``
+    ``features [B, C, n_t*H]``, ``positions [B, C]`` -> ``k_0, v_0, ..., k_{L-1}, v_{L-1}``, each
+    ``[B, num_kv_heads, C, head_dim]``: the K/V of newly verified target features, to append to the
+    draft's cache (:meth:`DraftModel.context_kv`).
+
+``draft_step``
+    ``k_0, v_0, ..., k_{L-1}, v_{L-1}`` (the whole cache, ``C`` = its length), ``anchor [B]``,
+    ``start [B]`` (the anchor's position) and, only with a sliding window, ``context_positions [B, C]``
+    -> ``tokens [B, bs-1]`` and ``hidden [B, bs-1, H]`` (the final-norm hidden states the head reads;
+    kept for tolerance checks and optional to export). Inside: the target's embedding (baked), the
+    draft layers with their block convolutions, the final norm, the target's head (baked), then
+    argmax (DFlash) or top-k + ``hidden_projection`` (a plain MatMul) + the lattice walk (DFlash2).
+
+``B`` (``"batch"``) and ``C`` (``"context"``) are dynamic. Names are the public interface of the
+exported files; :data:`ContextKV` layouts are the same as the torch draft's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dflash2_lightning.model import ContextKV, DraftModel, LayerKV
+
+BATCH, CONTEXT = "batch", "context"
+
+
+def kv_names(num_layers: int) -> list[str]:
+    """``["k_0", "v_0", ..., "k_{L-1}", "v_{L-1}"]``: the cache tensors, output of ``context``, input of ``draft_step``."""
+    return [f"{kind}_{i}" for i in range(num_layers) for kind in ("k", "v")]
+
+
+def context_io(num_layers: int) -> tuple[list[str], list[str]]:
+    """Input and output names of the ``context`` graph."""
+    return ["features", "positions"], kv_names(num_layers)
+
+
+def draft_step_io(num_layers: int, sliding_window: bool, with_hidden: bool = True) -> tuple[list[str], list[str]]:
+    """Input and output names of the ``draft_step`` graph."""
+    inputs = kv_names(num_layers) + ["anchor", "start"] + (["context_positions"] if sliding_window else [])
+    return inputs, ["tokens"] + (["hidden"] if with_hidden else [])
+
+
+class ContextGraph(nn.Module):
+    """``features [B, C, n_t*H]``, ``positions [B, C]`` -> flat per-layer ``(k_0, v_0, ...)``."""
+
+    def __init__(self, draft: DraftModel) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, features: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+        cache = self.draft.context_kv(features, positions)
+        return tuple(t for kv in cache.layers for t in (kv.keys, kv.values))
+
+
+class DraftStepGraph(nn.Module):
+    """Cached context K/V + anchor + start -> ``tokens [B, bs-1]`` (+ ``hidden [B, bs-1, H]``).
+
+    ``embed`` and ``head`` are the target's frozen embedding and lm_head as modules (their weights
+    become initializers of the graph). This is :meth:`DraftModel.draft_block` written without
+    in-place writes, with the hidden states kept as a second output.
+    """
+
+    def __init__(self, draft: DraftModel, embed: nn.Module, head: nn.Module, with_hidden: bool = True) -> None:
+        super().__init__()
+        self.draft, self.embed, self.head, self.with_hidden = draft, embed, head, with_hidden
+
+    def forward(self, kv: list[Tensor], anchor: Tensor, start: Tensor,
+                context_positions: Tensor | None = None) -> tuple[Tensor, ...]:
+        cfg = self.draft.config
+        bs = cfg.block_size
+        layers = [LayerKV(kv[2 * i], kv[2 * i + 1]) for i in range(len(kv) // 2)]
+        context = ContextKV(layers, context_positions)  # positions are read only with a sliding window
+        masks = anchor.new_full((anchor.shape[0], bs - 1), cfg.mask_token_id)
+        tokens = torch.cat([anchor[:, None], masks], dim=1)  # [anchor, MASK x (bs-1)]
+        positions = start[:, None] + torch.arange(bs, device=anchor.device)
+        hidden = self.draft(self.embed(tokens), positions, context)[:, 1:]
+        drafts = self._propose(hidden, anchor)
+        return (drafts, hidden) if self.with_hidden else (drafts,)
+
+    def _propose(self, hidden: Tensor, anchor: Tensor) -> Tensor:
+        """:meth:`DraftModel.propose`, except that bfloat16 logits are ranked in float32.
+
+        ONNX ``TopK`` (opset <= 23) has no bfloat16; widening bf16 to float32 is exact, so the
+        candidates and their scores are the same, and the scores go back to bfloat16 exactly.
+        """
+        selector = self.draft.candidate_selector
+        logits = self.head(hidden)
+        if selector is None:
+            return logits.argmax(-1)
+        if logits.dtype == torch.bfloat16:
+            unary, cand = logits.float().topk(selector.top_k, dim=-1)
+            unary = unary.to(logits.dtype)
+        else:
+            unary, cand = logits.topk(selector.top_k, dim=-1)
+        return selector.greedy_path(cand, unary, hidden, anchor)
+
+
+def frozen_embedding_and_head(embed_weight: Tensor, head_weight: Tensor,
+                              dtype: torch.dtype | None = None) -> tuple[nn.Embedding, nn.Linear]:
+    """Standalone copies of the target's ``embed_tokens`` ``[V, H]`` and bias-free ``lm_head`` ``[V, H]``.
+
+    Tied weights (one tensor) stay one parameter, so the exported graph stores them once.
+    """
+    if embed_weight.dim() != 2 or head_weight.shape != embed_weight.shape:
+        raise ValueError(f"embedding {tuple(embed_weight.shape)} and head {tuple(head_weight.shape)} must both be "
+                         "[vocab_size, hidden_size]")
+    dtype = dtype or embed_weight.dtype
+    tied = embed_weight.data_ptr() == head_weight.data_ptr()
+    vocab, hidden = embed_weight.shape
+    embed = nn.Embedding(vocab, hidden, dtype=dtype)
+    head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+    with torch.no_grad():
+        embed.weight.copy_(embed_weight.detach().to(dtype))
+        if tied:
+            head.weight = embed.weight
+        else:
+            head.weight.copy_(head_weight.detach().to(dtype))
+    return embed.requires_grad_(False), head.requires_grad_(False)

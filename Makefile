@@ -24,11 +24,12 @@ quickstart: $(STAMP)
 tiny: $(STAMP)
 	$(BIN)/dflash2 fit --config configs/tiny.yaml
 
+# One BLAS thread per process: the tests are tiny (overhead-bound) and some start several processes.
 test: $(STAMP)
-	$(BIN)/pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q
 
 test-fast: $(STAMP)
-	$(BIN)/pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_draft_step.py

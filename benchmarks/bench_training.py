@@ -1,0 +1,158 @@
+"""Training throughput (supervised tokens/s) and peak memory (RSS) of the trainer on CPU.
+
+Two target geometries, random weights (nothing is downloaded):
+
+``tiny``
+    The tiny random Qwen3 target of ``configs/tiny.yaml`` (hidden 64, 4 layers, vocab 512) and its
+    draft: 1 layer, block 8, conv 2/16, selector rank 16 / top-8, 16 anchors, 8 x 64 tokens per step.
+``smollm2``
+    A random Qwen3 target of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads / 3 KV heads of 64,
+    MLP 1536, vocab 49152) and the quickstart-sized draft: 1 layer, block 8, conv 2/16, selector
+    rank 32 / top-8, 16 anchors, 8 x 192 tokens per step.
+
+Each in two modes: ``online`` (the frozen target runs inside every training step) and ``offline``
+(target features and greedy tokens read from the memory-mapped cache the DataModule builds first;
+building it is not timed). A configuration runs in its own process (so its peak RSS is its own) through
+the real stack: ``DFlash2Module`` + ``DraftDataModule`` + Lightning ``Trainer``, AdamW, gradient clipping.
+
+"Supervised tokens" are the draft slots the loss trains on in a step (``train/supervised_positions``:
+valid slots of all anchored blocks). Throughput = their sum over the timed steps / the timed steps'
+wall time (from ``on_train_batch_start`` to ``on_train_batch_end``, after ``--warmup`` steps).
+Peak RSS is the process maximum (``ru_maxrss``), target and data included.
+
+Run: ``python benchmarks/bench_training.py [--steps N] [--warmup N] [--threads T] [--only tiny|smollm2]``.
+Prints a markdown table and writes ``benchmarks/results/bench_training.json``. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+TARGETS = {
+    "tiny": {},
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+}
+DRAFTS = {
+    "tiny": dict(num_hidden_layers=1, block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=16,
+                 selector_top_k=8, num_anchors=16),
+    "smollm2": dict(num_hidden_layers=1, block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=32,
+                    selector_top_k=8, num_anchors=16),
+}
+DATA = {"tiny": dict(seq_len=64, batch_size=8), "smollm2": dict(seq_len=192, batch_size=8)}
+
+
+def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str) -> dict:
+    """One configuration in this process: train ``warmup + steps`` steps, time the last ``steps``."""
+    import torch
+    from lightning.pytorch import Callback, Trainer
+
+    from dflash2_lightning.data import DraftDataModule
+    from dflash2_lightning.module import DFlash2Module
+    from dflash2_lightning.target import TargetSpec
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.tokens: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.times.append(time.perf_counter() - self.start)
+            self.tokens.append(float(trainer.callback_metrics["train/supervised_positions"]))
+
+    spec = TargetSpec(tiny=TARGETS[name])
+    model = DFlash2Module(target=spec, token_loss="ce", position_weighting="decay", decay_gamma=4.0, lr=3e-3,
+                          **DRAFTS[name])
+    cfg = model.draft_config
+    data = DraftDataModule(target=spec, mode=mode, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
+                           max_samples=(warmup + steps) * DATA[name]["batch_size"] + 8, val_fraction=0.0,
+                           cache_dir=os.path.join(cache_root, f"{name}-{mode}") if mode == "offline" else None,
+                           feature_device="cpu", **DATA[name])
+    start = time.perf_counter()
+    data.prepare_data()  # offline: build the feature cache (not timed as training)
+    data.setup("fit")
+    prepare = time.perf_counter() - start
+    timer = Timer()
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False, enable_checkpointing=False,
+                      default_root_dir=os.path.join(cache_root, f"run-{name}-{mode}"),  # the HF export lands here
+                      enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                      gradient_clip_val=1.0, limit_val_batches=0, callbacks=[timer])
+    trainer.fit(model, datamodule=data)
+    timed, tokens = timer.times[warmup:], timer.tokens[warmup:]
+    return {
+        "target": name, "mode": mode, "steps_timed": len(timed), "batch": DATA[name]["batch_size"],
+        "seq_len": DATA[name]["seq_len"], "draft_params": model.draft.num_parameters(),
+        "target_params": sum(p.numel() for p in model.target.parameters()),
+        "supervised_tokens_per_step": sum(tokens) / len(tokens),
+        "step_s": sum(timed) / len(timed),
+        "supervised_tokens_per_s": sum(tokens) / sum(timed),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "data_prepare_s": prepare, "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--only", choices=sorted(TARGETS), default=None)
+    parser.add_argument("--one", nargs=2, metavar=("TARGET", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.one:  # child process: one configuration, one JSON line
+        print("RESULT " + json.dumps(run_one(*args.one, args.steps, args.warmup, args.cache)), flush=True)
+        return
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-training-") as cache:
+        for name in [args.only] if args.only else list(TARGETS):
+            for mode in ("online", "offline"):
+                command = [sys.executable, __file__, "--one", name, mode, "--steps", str(args.steps),
+                           "--warmup", str(args.warmup), "--cache", cache]
+                if args.threads:
+                    command += ["--threads", str(args.threads)]
+                done = subprocess.run(command, capture_output=True, text=True,
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH2_CACHE": cache})
+                lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+                if done.returncode or not lines:
+                    raise SystemExit(f"{name}/{mode} failed:\n{done.stderr[-4000:]}")
+                rows.append(json.loads(lines[-1][len("RESULT "):]))
+
+    print("| target | mode | batch x seq | supervised tokens/step | step (s) | supervised tokens/s | peak RSS (MiB) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['target']} | {r['mode']} | {r['batch']} x {r['seq_len']} | {r['supervised_tokens_per_step']:.0f} "
+              f"| {r['step_s']:.3f} | {r['supervised_tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} |")
+    RESULTS.mkdir(exist_ok=True)
+    out = {"command": "python benchmarks/bench_training.py " + " ".join(sys.argv[1:]),
+           "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                       "cpu_count": os.cpu_count(), "python": platform.python_version()},
+           "note": "CPU, float32; a shared machine: treat step times as indicative",
+           "results": rows}
+    path = RESULTS / "bench_training.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""`DFlash2Module`: the LightningModule that trains a DFlash / DFlash2 draft against a frozen target.
+
+One training step::
+
+    batch (input_ids, loss_mask, attention_mask [, features, target_next, teacher_topk_*])
+      online : frozen target (no grad) -> features [B,S,n_t*H], logits [B,S,V]
+      offline: features / target_next / teacher top-k straight from the batch (precomputed cache)
+    DraftObjective: anchors -> blocks -> one draft forward -> token loss (+ selector loss)
+    AdamW, linear warmup then cosine to ``min_lr_ratio * lr``, stepped every optimizer step
+
+The draft's geometry comes from the target (``Target.draft_config``): hidden size, vocabulary, heads,
+RoPE base and default feature layers are never typed twice; the init arguments only override.
+
+The target is *not* a registered child module: it never appears in ``state_dict`` (so Lightning
+checkpoints hold the draft alone), never gets gradients and is not wrapped by DDP/FSDP. It is loaded
+through the memoised :func:`~dflash2_lightning.target.load_target`, so the DataModule shares the
+same instance, and moved to the module's device on first use (offline: only its embedding and head).
+
+Anchors are drawn from a generator seeded by ``(anchor_seed, global_step, batch_idx, rank)``: no RNG
+state to save, and a resumed run draws exactly the anchors the uninterrupted run would have drawn.
+Validation anchors are seeded by each sample's content, so validation metrics do not depend on the
+step, the batch composition or the number of DDP ranks.
+
+At the end of ``fit`` the draft is written as an HF checkpoint (``config.json`` + ``model.safetensors``,
+served as-is by vLLM / SGLang) to ``export_dir`` (default ``<run dir>/hf``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from dflash2_lightning.checkpoint import save_draft
+from dflash2_lightning.config import ConfigError, DraftConfig
+from dflash2_lightning.metrics import DraftMetrics, plot_acceptance
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.objective import (DraftObjective, GoldOutsideTopK, ObjectiveOutput, PositionWeighting,
+                                         Teacher, TokenLoss)
+from dflash2_lightning.target import Target, TargetSpec, load_target
+
+REQUIRED_KEYS = ("input_ids", "loss_mask")
+PLOT_NAME = "acceptance.png"
+MISSING_TARGET = ("model.init_args.target is missing: name the frozen target, e.g. "
+                  "--model.init_args.target.path /models/Qwen3-8B (a local HF model directory), "
+                  "--model.init_args.target.gguf smollm2 (a GGUF file), or target: {tiny: {}} (a tiny random "
+                  "target for tests)")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the message names the global step and the batch index."""
+
+
+class DFlash2Module(pl.LightningModule):
+    """Train a DFlash2 (or DFlash baseline) draft for a frozen target.
+
+    Args:
+        target: which frozen target to load (local HF dir, GGUF, or tiny random). Required.
+        num_hidden_layers: draft layers.
+        block_size: tokens per drafted block (anchor + ``block_size - 1`` drafts).
+        projector_type: ``"dflash2"`` (conv + selector) or ``"dflash"`` (the baseline).
+        conv_kernel_size, conv_group_size: DFlash2 block convolution taps and channels per group.
+        selector_rank, selector_top_k: DFlash2 candidate selector rank and candidates per position.
+        target_layer_ids: target layers feeding the draft (default: the DFlash rule).
+        mask_token_id: token id of the mask slots (default: the tokenizer's reserved mask/pad token).
+        sliding_window: optional attention window over the context (non-causal SWA).
+        num_attention_heads, num_key_value_heads, head_dim, intermediate_size: draft geometry
+            overrides (default: the target's).
+        token_loss: ``"ce"`` (hard labels) or ``"kd"`` (soft distillation from the target's logits).
+        position_weighting: ``"none"``, ``"decay"`` or ``"dpace"``; ``decay_gamma`` / ``dpace_alpha``.
+        selector_loss_alpha: weight of the selector loss (0 disables it).
+        gold_outside_topk: ``"insert_last"`` or ``"drop"`` (see :mod:`dflash2_lightning.objective`).
+        num_anchors: blocks per sample per step (at most).
+        anchor_seed: seed of the anchor sampling.
+        lr, weight_decay, betas: AdamW. Norm weights and the conv base kernels are not decayed.
+        warmup_ratio: linear warmup as a share of all optimizer steps (``warmup_steps`` wins if set).
+        min_lr_ratio: the cosine schedule ends at ``min_lr_ratio * lr``.
+        export_dir: where the HF checkpoint goes at the end of fit (default ``<trainer.log_dir>/hf``).
+        export_dtype: dtype of the exported weights (default: the training parameters' dtype).
+    """
+
+    def __init__(
+        self,
+        target: TargetSpec,
+        num_hidden_layers: int = 1,
+        block_size: int = 16,
+        projector_type: Literal["dflash2", "dflash"] = "dflash2",
+        conv_kernel_size: int = 2,
+        conv_group_size: int = 16,
+        selector_rank: int = 256,
+        selector_top_k: int = 16,
+        target_layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+        sliding_window: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
+        token_loss: TokenLoss = "ce",
+        position_weighting: PositionWeighting = "none",
+        decay_gamma: float = 7.0,
+        dpace_alpha: float = 0.5,
+        selector_loss_alpha: float = 1.0,
+        gold_outside_topk: GoldOutsideTopK = "insert_last",
+        num_anchors: int = 256,
+        anchor_seed: int = 0,
+        lr: float = 6e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_ratio: float = 0.04,
+        warmup_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        export_dir: str | None = None,
+        export_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+    ) -> None:
+        super().__init__()
+        if target is None:
+            raise ConfigError(MISSING_TARGET)
+        self.target_spec = target if isinstance(target, TargetSpec) else TargetSpec(**target)
+        _check(lr > 0, "lr", lr, "> 0")
+        _check(weight_decay >= 0, "weight_decay", weight_decay, ">= 0")
+        _check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas", betas, "two values in [0, 1)")
+        _check(0 <= warmup_ratio < 1, "warmup_ratio", warmup_ratio, "0 <= warmup_ratio < 1")
+        _check(warmup_steps is None or warmup_steps >= 0, "warmup_steps", warmup_steps, "None or >= 0")
+        _check(0 <= min_lr_ratio <= 1, "min_lr_ratio", min_lr_ratio, "0 <= min_lr_ratio <= 1")
+
+        overrides = dict(num_hidden_layers=num_hidden_layers, block_size=block_size, projector_type=projector_type,
+                         conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                         selector_rank=selector_rank, selector_top_k=selector_top_k,
+                         target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                         sliding_window=sliding_window, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                         intermediate_size=intermediate_size)
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        self.draft_config: DraftConfig = self.target.draft_config(**overrides)
+        self.target.check_layer_ids(self.draft_config.target_layer_ids or [])
+        # The checkpoint's hparams record the target as a plain dict and the *resolved* layer ids; both are
+        # kept out of the logged initial hparams, where the DataModule's linked copies already appear.
+        self.save_hyperparameters(ignore=["target", "target_layer_ids"])
+        self.hparams["target"] = dataclasses.asdict(self.target_spec)
+        self.hparams["target_layer_ids"] = list(self.draft_config.target_layer_ids or [])
+        self.draft = DraftModel(self.draft_config)
+        self.objective = DraftObjective(token_loss=token_loss, position_weighting=position_weighting,
+                                        decay_gamma=decay_gamma, dpace_alpha=dpace_alpha,
+                                        selector_loss_alpha=selector_loss_alpha,
+                                        gold_outside_topk=gold_outside_topk, num_anchors=num_anchors)
+        self.val_metrics = DraftMetrics(self.draft_config.block_size, selector=self.draft_config.is_dflash2,
+                                        prefix="val")
+
+    # ------------------------------------------------------------------ the frozen target
+    @property
+    def target(self) -> Target:
+        """The shared frozen target (held outside the module tree: never saved, never trained)."""
+        tgt = self.__dict__.get("_target")
+        if tgt is None:
+            tgt = load_target(self.target_spec)
+            object.__setattr__(self, "_target", tgt)  # plain attribute, not a registered child
+        return tgt
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spawned DDP workers rebuild the target from its spec instead of pickling it.
+        state = dict(super().__getstate__())
+        state.pop("_target", None)
+        return state
+
+    def _target_ready(self, whole: bool) -> Target:
+        """The target on this module's device: all of it (online) or just its embedding and head (offline)."""
+        tgt = self.target
+        device = self.device
+        parts = [tgt.hf] if whole else [tgt.hf.get_input_embeddings(), tgt.hf.get_output_embeddings()]
+        for part in parts:
+            if next(part.parameters()).device != device:
+                # Never under inference mode (a validation hook): inference-tensor weights could not be
+                # used by the training step's autograd afterwards.
+                with torch.inference_mode(False):
+                    part.to(device)
+        return tgt
+
+    def _embed_head(self, tgt: Target) -> tuple[Any, Any]:
+        dtype = self.draft.fc.weight.dtype
+
+        def embed(ids: Tensor) -> Tensor:
+            return tgt.embed(ids).to(dtype)
+
+        def head(hidden: Tensor) -> Tensor:
+            return tgt.head(hidden.to(tgt.dtype) if not torch.is_autocast_enabled(hidden.device.type) else hidden)
+
+        return embed, head
+
+    def on_fit_start(self) -> None:
+        # Outside inference mode, before any validation. Offline, only the embedding and head are needed
+        # on the device: the rest of the target stays where it was loaded.
+        data = getattr(self.trainer, "datamodule", None)
+        offline = getattr(data, "mode", "online") == "offline"
+        if offline and self.objective.token_loss == "kd" and not getattr(data, "teacher_top_k", 1):
+            raise ConfigError("token_loss='kd' with offline data needs the target's logits in the cache: set "
+                              "data teacher_top_k > 0 (e.g. 32), or use token_loss='ce'")
+        self._target_ready(whole=not offline)
+
+    # ------------------------------------------------------------------ one forward
+    def _check_batch(self, batch: dict[str, Tensor]) -> None:
+        missing = [k for k in REQUIRED_KEYS if k not in batch]
+        if missing:
+            raise KeyError(f"batch is missing {missing}: a batch needs input_ids [B,S] and loss_mask [B,S] "
+                           f"(got keys {sorted(batch)})")
+        b, s = batch["input_ids"].shape
+        self.draft_config.check_sequence_length(s, "seq_len (batch input_ids.shape[1])")
+        if "features" in batch:
+            width = self.draft_config.num_target_features * self.draft_config.hidden_size
+            if tuple(batch["features"].shape) != (b, s, width):
+                raise ValueError(f"batch features have shape {tuple(batch['features'].shape)}: expected "
+                                 f"[{b}, {s}, {width}] = [batch, seq_len, len(target_layer_ids) * hidden_size]; "
+                                 "was the offline cache built for other target_layer_ids?")
+
+    def forward_batch(self, batch: dict[str, Tensor], generator: Any, walk: bool = False) -> ObjectiveOutput:
+        """Features (from the batch, or the target online), then the objective on one draft forward."""
+        self._check_batch(batch)
+        attention_mask = batch.get("attention_mask")
+        offline = "features" in batch
+        tgt = self._target_ready(whole=not offline)
+        if offline:
+            features = batch["features"]
+            teacher = Teacher(topk_values=batch.get("teacher_topk_values"),
+                              topk_indices=batch.get("teacher_topk_indices"), greedy=batch.get("target_next"))
+        else:
+            with torch.no_grad():
+                out = tgt.features(batch["input_ids"], attention_mask, self.draft_config.target_layer_ids)
+            features = out.features
+            teacher = Teacher(logits=out.logits if self.objective.token_loss == "kd" else None,
+                              greedy=out.logits.argmax(-1))
+        features = features.to(self.draft.fc.weight.dtype)
+        embed, head = self._embed_head(tgt)
+        return self.objective(self.draft, embed, head, batch["input_ids"], batch["loss_mask"], features,
+                              teacher, attention_mask, generator=generator, walk=walk)
+
+    # ------------------------------------------------------------------ anchor seeds
+    def _train_generator(self, batch_idx: int) -> torch.Generator:
+        key = f"{self.hparams.anchor_seed}:{self.global_step}:{batch_idx}:{self.global_rank}"
+        return torch.Generator().manual_seed(_seed_of(key.encode()))
+
+    def _sample_generators(self, input_ids: Tensor) -> list[torch.Generator]:
+        rows = input_ids.detach().to("cpu", torch.int64).numpy()
+        seed = str(self.hparams.anchor_seed).encode()
+        return [torch.Generator().manual_seed(_seed_of(seed + b":" + row.tobytes())) for row in rows]
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        out = self.forward_batch(batch, self._train_generator(batch_idx))
+        finite = bool(torch.isfinite(out.loss.detach()))
+        if not self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+            raise NonFiniteLossError(
+                f"non-finite loss at global step {self.global_step}, batch index {batch_idx} "
+                f"(this rank's loss: {out.loss.item()}, token loss: {out.token_loss.item()}"
+                + (f", selector loss: {out.selector_loss.item()}" if out.selector_loss is not None else "")
+                + "); lower the learning rate, check the data, or use a wider precision")
+        b = batch["input_ids"].shape[0]
+        logs = {"train/loss": out.loss, "train/token_loss": out.token_loss,
+                "train/acc": _rate(out.draft_tokens == out.reference, out.blocks.valid)}
+        if out.selector_loss is not None:
+            logs["train/selector_loss"] = out.selector_loss
+            logs["train/selector_accuracy"] = _rate(out.selector_correct, out.blocks.valid)
+            logs["train/selector_coverage"] = _rate(out.covered, out.blocks.valid)
+        self.log_dict({k: v.detach() for k, v in logs.items()}, batch_size=b)
+        self.log("train/supervised_positions", out.blocks.valid.sum().float(), batch_size=b, reduce_fx="sum")
+        return out.loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        out = self.forward_batch(batch, self._sample_generators(batch["input_ids"]), walk=True)
+        self.val_metrics.update(out)
+        self.log("val/loss", out.loss, batch_size=batch["input_ids"].shape[0], sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        values = self.val_metrics.compute()  # synchronised across ranks (sum-reduced counts)
+        self.val_metrics.reset()
+        if self.trainer.sanity_checking:
+            return
+        # Identical on every rank already; sync_dist only averages equal values (and keeps Lightning quiet).
+        self.log_dict(values, sync_dist=True)
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank asks
+        if self.trainer.is_global_zero and log_dir is not None:
+            self._plot(values, Path(log_dir) / PLOT_NAME)
+
+    def _plot(self, values: dict[str, float], path: Path) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        step = self.global_step
+        title = f"{self.draft_config.architecture}, step {step}: tau {values['val/tau']:.3f}"
+        fig = plot_acceptance(values, path, title=title, close=False)
+        board = [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
+        if board:
+            board[0].experiment.add_figure("val/acceptance", fig, global_step=step, close=True)
+        else:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, p in self.draft.named_parameters():
+            if not p.requires_grad:
+                continue
+            # Norm gains and the conv base kernels are scales around 1 / the identity: do not pull them to 0.
+            (no_decay if p.dim() < 2 or name.endswith("base_kernel") else decay).append(p)
+        groups = [{"params": decay, "weight_decay": hp.weight_decay, "name": "decay"},
+                  {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = hp.warmup_steps if hp.warmup_steps is not None else int(round(hp.warmup_ratio * total))
+        schedule = WarmupCosine(warmup, total, hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # ------------------------------------------------------------------ checkpoints and export
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Recorded for humans and tools reading a .ckpt; the weights are the module's state_dict.
+        checkpoint["draft_config"] = self.draft_config.to_hf_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Resuming a fit: rows a logger wrote after this checkpoint are logged again, so drop the old copies
+        # (not when a checkpoint is only validated).
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == "fit":
+            for logger in trainer.loggers:
+                if hasattr(logger, "drop_rows_from"):
+                    logger.drop_rows_from(int(checkpoint.get("global_step", 0)))
+
+    def on_fit_end(self) -> None:
+        """Write the HF checkpoint of the trained draft (rank 0) into ``export_dir``."""
+        state = self.trainer.strategy.lightning_module_state_dict()  # full weights also under FSDP
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank asks
+        if not self.trainer.is_global_zero:
+            return
+        directory = Path(self.hparams.export_dir or Path(log_dir or self.trainer.default_root_dir) / "hf")
+        draft = DraftModel(self.draft_config)
+        draft.load_state_dict({k[len("draft."):]: v.detach().cpu() for k, v in state.items()
+                               if k.startswith("draft.")})
+        save_draft(draft, directory, dtype=self.hparams.export_dtype)
+        rank_zero_info(f"draft checkpoint written to {directory}")
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine from 1 to ``min_ratio`` at ``total``."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _rate(hit: Tensor | None, valid: Tensor) -> Tensor:
+    if hit is None:
+        return torch.zeros((), device=valid.device)
+    return (hit & valid).sum().float() / valid.sum().clamp(min=1).float()
+
+
+def _seed_of(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _check(ok: bool, name: str, value: Any, bound: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: must be {bound}")

@@ -1,0 +1,176 @@
+"""The command line: configs run end to end, --print_config round-trips, bad input fails clearly."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash2_lightning import cli
+from dflash2_lightning.data import DataError
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+SCRIPTS = Path(sys.executable).parent
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core runner, oversubscribed threads slow these tests ~10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_config(tmp_path: Path, name: str = "tiny.yaml", **data_args) -> Path:
+    """configs/tiny.yaml shortened for tests: 4 steps, validation and a checkpoint every 2, under tmp_path."""
+    config = yaml.safe_load(TINY.read_text())
+    trainer = config["trainer"]
+    trainer.update(max_steps=4, val_check_interval=2, limit_val_batches=1, log_every_n_steps=1,
+                   enable_progress_bar=False)
+    for logger in trainer["logger"]:
+        logger["init_args"]["save_dir"] = str(tmp_path / "runs")
+    trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
+    config["data"]["init_args"].update({"max_samples": 64, **data_args})
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture
+def argv(monkeypatch):
+    """Quiet the 'args and sys.argv' warning of in-process LightningCLI calls."""
+    monkeypatch.setattr(sys, "argv", ["dflash2"])
+
+
+def test_fit_end_to_end_in_process(tmp_path, argv, capsys):
+    config = small_config(tmp_path)
+    cli.main(["fit", "--config", str(config)])
+    run = tmp_path / "runs" / "tiny" / "default"
+    rows = read_metrics(run)
+    val = [r for r in rows if r.get("val/tau")]
+    assert len(val) == 2  # a validation every 2 steps
+    for key in ("val/backbone/accept_7", "val/selector/acc_1", "val/selector/coverage", "val/num_positions"):
+        assert val[-1][key] != ""
+    assert 1.0 <= float(val[-1]["val/tau"]) <= 8.0
+    assert any(r.get("train/loss") for r in rows) and any(r.get("lr-AdamW/decay") for r in rows)
+    assert (run / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
+    hf = json.loads((run / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["DFlash2DraftModel"] and hf["block_size"] == 8
+    assert (run / "hf" / "model.safetensors").is_file()
+
+    # A second fresh run into the same run directory is refused: resume it or pick another version.
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["fit", "--config", str(config)])
+    assert exc.value.code == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_print_config_round_trips(tmp_path, argv, capsys):
+    printed = []
+    for source in (TINY, tmp_path / "printed.yaml"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["fit", "--config", str(source), "--model.init_args.lr", "0.001", "--print_config"])
+        assert exc.value.code == 0
+        text = capsys.readouterr().out
+        (tmp_path / "printed.yaml").write_text(text)
+        printed.append(text)
+    assert printed[0] == printed[1]
+    full = yaml.safe_load(printed[0])
+    assert full["model"]["init_args"]["lr"] == 0.001
+    assert full["model"]["init_args"]["target"]["tiny"] == {}
+    assert "target" not in full["data"]["init_args"]  # linked from the model, given once
+
+
+GPU = REPO / "configs" / "qwen3_8b_online.yaml"
+GPU_OFFLINE = REPO / "configs" / "qwen3_8b_offline.yaml"
+
+
+@pytest.mark.parametrize("config, override, message", [
+    (TINY, ["--model.init_args.target", "null"], "model.init_args.target is missing"),
+    (GPU, [], "model.init_args.target is missing"),  # the GPU recipes leave the target path to the user
+    (GPU_OFFLINE, [], "model.init_args.target is missing"),
+    (GPU, ["--model.init_args.target.path", "/nonexistent/Qwen3-8B"], "is not a Hugging Face model directory"),
+    (TINY, ["--model.init_args.conv_kernel_size", "9"], "conv_kernel_size=9 is invalid: must satisfy 1 <= "
+                                                         "conv_kernel_size <= block_size=8"),
+    (TINY, ["--model.init_args.block_size", "1"], "block_size=1 is invalid"),
+    (TINY, ["--data.init_args.seq_len", "60"], "seq_len=60 is invalid: must be a positive multiple of block_size=8"),
+])
+def test_bad_configs_fail_with_clear_messages(config, override, message, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.build_cli(["--config", str(config), *override], run=False)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_data_names_the_file_and_line(tmp_path, argv, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": broken\n')
+    config = small_config(tmp_path, train_files=[str(data)])
+    assert cli.main(["fit", "--config", str(config)]) == 2  # the exit status of the console script
+    assert f"error: DataError: {data}:2: invalid JSON" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"train.jsonl:2: invalid JSON"):  # build_cli callers get the exception
+        cli.build_cli(["fit", "--config", str(config)])
+
+
+def test_kd_offline_without_teacher_logits_is_refused(tmp_path, argv, capsys):
+    config = small_config(tmp_path, mode="offline", cache_dir=str(tmp_path / "cache"))
+    assert cli.main(["fit", "--config", str(config)]) == 2
+    assert "teacher_top_k > 0" in capsys.readouterr().err
+
+
+def _hello(args: list[str]) -> int:
+    return len(args)
+
+
+def test_extra_subcommands_are_routed_before_lightning(monkeypatch):
+    monkeypatch.setitem(cli.EXTRA_COMMANDS, "hello", f"{__name__}:_hello")
+    assert cli.main(["hello", "a", "b"]) == 2
+    for name, spec in cli.EXTRA_COMMANDS.items():  # every registered command resolves to a function
+        assert callable(cli._resolve(spec)), name
+
+
+def _script(name: str) -> Path:
+    path = SCRIPTS / name
+    if not path.exists():
+        pytest.skip(f"{path} not found: install the package first (pip install -e .)")
+    return path
+
+
+@pytest.mark.slow
+def test_dflash2_script_runs_the_tiny_config_as_shipped(tmp_path):
+    """`dflash2 fit --config configs/tiny.yaml`: the README quick start, unmodified, from a clean directory."""
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1"}  # one thread unless the caller says
+    done = subprocess.run([str(_script("dflash2")), "fit", "--config", str(TINY), "--trainer.enable_progress_bar",
+                           "false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny" / "default"
+    assert (run / "hf" / "config.json").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    assert [r for r in read_metrics(run) if r.get("val/tau")][-1]["step"] == "39"
+
+
+@pytest.mark.slow
+def test_lightning_script_runs_fit(tmp_path):
+    """`lightning fit --config ...` is the same CLI (lightning 2.6 ships no script of that name)."""
+    config = small_config(tmp_path)
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1"}  # one thread unless the caller says
+    done = subprocess.run([str(_script("lightning")), "fit", "--config", str(config)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "runs" / "tiny" / "default" / "hf" / "model.safetensors").is_file()

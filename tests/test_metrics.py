@@ -1,0 +1,120 @@
+"""Acceptance metrics: exact values on hand-built patterns, the plot, and DDP totals."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash2_lightning.metrics import BlockAcceptance, DraftMetrics, acceptance_curves, plot_acceptance
+
+T, F = True, False
+# Six blocks of block_size 4 (offsets 1..3): whether the draft is right, and whether the slot counts.
+RIGHT = [[T, T, F], [T, F, T], [F, T, T], [T, T, T], [T, T, T], [T, T, T]]
+VALID = [[T, T, T], [T, T, T], [T, T, T], [T, T, F], [F, F, F], [T, F, T]]
+#          full       full       full     truncated  padded    hole at k=2
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core runner, oversubscribed threads slow these tests ~10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_block_acceptance_on_a_hand_built_pattern():
+    metric = BlockAcceptance(block_size=4)
+    metric.update(torch.tensor(RIGHT), torch.tensor(VALID))
+    result = metric.compute()
+    # acc_k over counted slots: k=1 -> 4/5, k=2 -> 3/4, k=3 -> 3/4.
+    assert result["acc"].tolist() == [0.8, 0.75, 0.75]
+    # accept_k over blocks whose offsets 1..k all count: k=1 -> 4/5, k=2 -> 2/4, k=3 -> 0/3.
+    assert result["accept"].tolist() == [0.8, 0.5, 0.0]
+    assert result["tau"].item() == pytest.approx(2.3, abs=1e-12)
+    assert result["num_positions"].item() == 13 and result["num_blocks"].item() == 5
+
+
+def test_updates_accumulate_and_reset():
+    metric = BlockAcceptance(block_size=4)
+    for right, valid in zip(RIGHT, VALID):  # one block per update, batched shape [1, 1, L]
+        metric.update(torch.tensor([[right]]), torch.tensor([[valid]]))
+    assert metric.compute()["accept"].tolist() == [0.8, 0.5, 0.0]
+    metric.reset()
+    metric.update(torch.ones(2, 3, dtype=torch.bool), torch.ones(2, 3, dtype=torch.bool))
+    result = metric.compute()
+    assert result["accept"].tolist() == [1.0, 1.0, 1.0] and result["tau"].item() == 4.0
+
+
+def _fake_output(reference, draft, walk, covered, picked, valid):
+    return SimpleNamespace(reference=reference, draft_tokens=draft, selector_tokens=walk, covered=covered,
+                           selector_correct=picked, blocks=SimpleNamespace(valid=valid))
+
+
+def test_draft_metrics_names_both_paths_and_the_selector(tmp_path):
+    reference = torch.tensor([[[5, 6, 7], [1, 2, 3]]])
+    valid = torch.ones(1, 2, 3, dtype=torch.bool)
+    out = _fake_output(reference,
+                       draft=torch.tensor([[[5, 0, 7], [1, 2, 0]]]),   # backbone: accept 1, 2 -> 2/2, 1/2, 0/2
+                       walk=torch.tensor([[[5, 6, 7], [1, 2, 0]]]),    # selector: 2/2, 2/2, 1/2
+                       covered=torch.tensor([[[T, T, T], [T, T, F]]]),
+                       picked=torch.tensor([[[T, T, T], [T, T, F]]]), valid=valid)
+    metrics = DraftMetrics(block_size=4, selector=True)
+    metrics.update(out)
+    values = metrics.compute()
+    assert values["val/backbone/accept_1"] == 1.0 and values["val/backbone/accept_2"] == 0.5
+    assert values["val/backbone/accept_3"] == 0.0 and values["val/backbone/tau"] == 2.5
+    assert values["val/selector/accept_3"] == 0.5 and values["val/selector/tau"] == 3.5
+    assert values["val/tau"] == values["val/selector/tau"]  # DFlash2 drafts with the selector's walk
+    assert values["val/selector/coverage"] == pytest.approx(5 / 6)
+    assert values["val/selector/accuracy"] == pytest.approx(5 / 6)
+    assert values["val/backbone/acc_1"] == 1.0 and values["val/backbone/acc_2"] == 0.5
+    assert values["val/num_positions"] == 6 and values["val/num_blocks"] == 2
+    curves = acceptance_curves(values)
+    assert curves["selector"]["accept"] == [1.0, 1.0, 0.5] and len(curves["backbone"]["acc"]) == 3
+    path = tmp_path / "acceptance.png"
+    plot_acceptance(values, path, title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob(".*tmp"))  # written atomically, no temporary left behind
+    metrics.reset()
+    assert metrics.compute()["val/num_positions"] == 0
+
+
+def test_dflash_baseline_has_no_selector_metrics():
+    metrics = DraftMetrics(block_size=3, selector=False)
+    valid = torch.ones(1, 1, 2, dtype=torch.bool)
+    metrics.update(_fake_output(torch.tensor([[[1, 2]]]), torch.tensor([[[1, 2]]]), None, None, None, valid))
+    values = metrics.compute()
+    assert values["val/tau"] == values["val/backbone/tau"] == 3.0
+    assert not any("selector" in key for key in values)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_count_the_same_totals_as_one(tmp_path):
+    """Validation with Lightning's ddp_spawn on 2 CPU processes (gloo) == one process, over the same data."""
+    from lightning.pytorch import Trainer
+
+    from dflash2_lightning.data import DraftDataModule
+    from dflash2_lightning.module import DFlash2Module
+    from dflash2_lightning.target import TargetSpec
+
+    spec = TargetSpec(tiny={})
+    # selector_top_k = half the vocabulary, so coverage is far from 0 and 1 and tells totals apart.
+    model = DFlash2Module(target=spec, block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=256,
+                          num_anchors=6)
+
+    def run(**trainer_kwargs):
+        data = DraftDataModule(target=spec, max_samples=40, val_fraction=0.1, seq_len=32, block_size=4,
+                               batch_size=2, target_layer_ids=model.draft_config.target_layer_ids)
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=tmp_path, **trainer_kwargs)
+        return trainer.validate(model, datamodule=data, verbose=False)[0]
+
+    single = run(devices=1)
+    double = run(devices=2, strategy="ddp_spawn")
+    assert single["val/num_positions"] > 0
+    keys = [k for k in single if k != "val/loss"]  # val/loss is a mean of per-rank means, not a count ratio
+    assert {k: single[k] for k in keys} == {k: double[k] for k in keys}
+    assert 0 < single["val/selector/coverage"] < 1

@@ -1,0 +1,159 @@
+"""`DFlash2Module`: geometry from the target, the frozen target, online/offline, errors, export."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader
+
+from dflash2_lightning.checkpoint import load_draft
+from dflash2_lightning.config import ConfigError
+from dflash2_lightning.module import DFlash2Module, NonFiniteLossError, WarmupCosine
+from dflash2_lightning.target import TargetSpec, load_target
+
+SPEC = TargetSpec(tiny={})
+SMALL = dict(block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=8, num_anchors=4)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core runner, oversubscribed threads slow these tests ~10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def module() -> DFlash2Module:
+    return DFlash2Module(target=SPEC, **SMALL)
+
+
+def _batch(seq: int = 16, batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 500, (batch, seq), generator=gen)
+    return {"input_ids": ids, "loss_mask": torch.ones(batch, seq, dtype=torch.bool),
+            "attention_mask": torch.ones(batch, seq, dtype=torch.bool)}
+
+
+def test_draft_geometry_comes_from_the_target(module):
+    target = load_target(SPEC)
+    cfg = module.draft_config
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.rope_theta) == (target.hidden_size, target.vocab_size,
+                                                                  target.rope_theta)
+    assert cfg.num_target_layers == target.num_layers and cfg.block_size == 4
+    assert cfg.target_layer_ids == target.default_layer_ids(1)
+    assert cfg.mask_token_id == target.mask_token_id
+    assert module.hparams["target_layer_ids"] == cfg.target_layer_ids  # resolved ids are recorded
+    other = DFlash2Module(target=SPEC, target_layer_ids=[0, 3], mask_token_id=7, projector_type="dflash", **{
+        k: v for k, v in SMALL.items() if k == "block_size"})
+    assert other.draft_config.target_layer_ids == [0, 3] and other.draft_config.mask_token_id == 7
+    assert other.draft.candidate_selector is None
+
+
+def test_target_is_frozen_and_not_part_of_the_checkpoint(module):
+    assert module.target is load_target(SPEC)  # shared with the DataModule through the memo
+    assert all(not name.startswith("target") for name in module.state_dict())
+    assert {name.split(".")[0] for name in module.state_dict()} == {"draft"}
+    assert all(not p.requires_grad for p in module.target.parameters())
+    assert all(m is not module.target for m in module.modules())  # identity: Metric overloads ==
+    out = module.forward_batch(_batch(), torch.Generator().manual_seed(0))
+    out.loss.backward()
+    assert all(p.grad is None for p in module.target.parameters())
+    assert module.draft.fc.weight.grad is not None
+    module.zero_grad()
+
+
+def test_offline_batch_gives_the_online_loss(module):
+    """Features and the target's greedy tokens taken from the batch == the target run in the step."""
+    batch = _batch()
+    target = load_target(SPEC)
+    with torch.no_grad():
+        out = target.features(batch["input_ids"], batch["attention_mask"], module.draft_config.target_layer_ids)
+    offline = {**batch, "features": out.features, "target_next": out.logits.argmax(-1)}
+    with torch.no_grad():
+        a = module.forward_batch(batch, torch.Generator().manual_seed(3), walk=True)
+        b = module.forward_batch(offline, torch.Generator().manual_seed(3), walk=True)
+    assert torch.equal(a.loss, b.loss)
+    assert torch.equal(a.reference, b.reference) and torch.equal(a.selector_tokens, b.selector_tokens)
+
+
+def test_bad_batches_fail_with_clear_messages(module):
+    with pytest.raises(KeyError, match="loss_mask"):
+        module.forward_batch({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, None)
+    with pytest.raises(ConfigError, match="seq_len.*multiple of block_size=4"):
+        module.forward_batch(_batch(seq=10), None)
+    bad = {**_batch(), "features": torch.zeros(2, 16, 3)}
+    with pytest.raises(ValueError, match=r"expected \[2, 16, 64\]"):
+        module.forward_batch(bad, None)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"conv_kernel_size": 5}, "conv_kernel_size"), ({"conv_group_size": 5}, "conv_group_size"),
+    ({"selector_top_k": 0}, "selector_top_k"), ({"target_layer_ids": [9]}, "target_layer_ids"),
+    ({"lr": 0.0}, "lr"), ({"warmup_ratio": 1.5}, "warmup_ratio"), ({"dpace_alpha": 2.0}, "dpace_alpha"),
+])
+def test_bad_geometry_and_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        DFlash2Module(target=SPEC, **{**SMALL, **kwargs})
+
+
+def test_missing_target_is_a_clear_error():
+    with pytest.raises(ConfigError, match="target is missing"):
+        DFlash2Module(target=None)
+
+
+def test_warmup_cosine_schedule():
+    schedule = WarmupCosine(warmup=4, total=14, min_ratio=0.1)
+    assert [schedule(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert schedule(4) == 1.0 and math.isclose(schedule(9), 0.55) and math.isclose(schedule(14), 0.1)
+    assert math.isclose(schedule(100), 0.1)
+
+
+class _Batches(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def _trainer(tmp_path, **kwargs) -> Trainer:
+    return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
+
+
+def test_non_finite_loss_names_the_step_and_batch(tmp_path):
+    model = DFlash2Module(target=SPEC, **SMALL)
+    target = load_target(SPEC)
+    rows = []
+    for i in range(3):
+        sample = {k: v[0] for k, v in _batch(seed=i).items()}
+        with torch.no_grad():
+            feats = target.features(sample["input_ids"][None], None, model.draft_config.target_layer_ids).features[0]
+        if i == 2:
+            feats = feats.clone()
+            feats[3] = float("nan")  # a corrupt offline cache row
+        rows.append({**sample, "features": feats})
+    loader = DataLoader(_Batches(rows), batch_size=1)
+    with pytest.raises(NonFiniteLossError, match="global step 2, batch index 2"):
+        _trainer(tmp_path, max_steps=5).fit(model, train_dataloaders=loader)
+
+
+def test_training_steps_then_export(tmp_path):
+    """A few real steps: the loss moves, the HF checkpoint equals the trained draft."""
+    model = DFlash2Module(target=SPEC, export_dir=str(tmp_path / "hf"), lr=1e-2, warmup_ratio=0.0, **SMALL)
+    before = {k: v.clone() for k, v in model.draft.state_dict().items()}
+    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    _trainer(tmp_path, max_steps=3, gradient_clip_val=1.0).fit(model, train_dataloaders=loader)
+    exported = load_draft(tmp_path / "hf")
+    state = model.draft.state_dict()
+    assert exported.config == model.draft_config
+    assert all(torch.equal(exported.state_dict()[k], state[k]) for k in state)
+    assert any(not torch.equal(before[k], state[k]) for k in state)

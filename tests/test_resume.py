@@ -1,0 +1,198 @@
+"""Resume: an interrupted run continues exactly; a run killed mid-write keeps its last complete checkpoint."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import Callback
+from torch.utils.data import DataLoader, Sampler
+
+from dflash2_lightning import cli
+from dflash2_lightning.data import DraftDataModule
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+STEPS = 8          # 46 training samples / batch 8 = 6 batches per epoch: crosses an epoch boundary
+INTERRUPT = 4      # mid-epoch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core runner, oversubscribed threads slow these tests ~10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class EpochOrder(Sampler[int]):
+    """A seeded permutation per epoch that can skip the samples a resumed run already consumed."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch, self.skip = size, seed, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:  # called by Lightning at every epoch start
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        skip, self.skip = self.skip, 0
+        return iter(order[skip:])
+
+
+class ResumableDataModule(DraftDataModule):
+    """``DraftDataModule`` whose training order is a function of (seed, epoch) and survives a resume.
+
+    The DataModule's ``state_dict`` (saved in every Lightning checkpoint) records the epoch and the
+    batches of it already trained on; a resumed run starts its first epoch after those.
+    """
+
+    def __init__(self, *args, order_seed: int = 1234, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.order_seed = order_seed
+        self._resume: tuple[int, int] | None = None
+
+    def train_dataloader(self) -> DataLoader:
+        order = EpochOrder(len(self.train_dataset), self.order_seed)
+        if self._resume is not None:
+            epoch, batches = self._resume
+            per_epoch = -(-len(self.train_dataset) // self.batch_size)
+            order.epoch, order.skip = (epoch + 1, 0) if batches >= per_epoch else (epoch, batches * self.batch_size)
+            self._resume = None
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=order)
+
+    def state_dict(self) -> dict[str, int]:
+        loop = self.trainer.fit_loop
+        return {"epoch": loop.epoch_progress.current.processed,
+                "batches": loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = (state["epoch"], state["batches"])
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+class Interrupt(Callback):
+    """Simulate a crash right after the checkpoint of step ``at`` was written."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            raise SimulatedCrash(f"crash at step {self.at}")
+
+
+def config(tmp_path: Path, every: int) -> Path:
+    cfg = yaml.safe_load(TINY.read_text())
+    trainer = cfg["trainer"]
+    trainer.update(max_steps=STEPS, limit_val_batches=0, log_every_n_steps=1, enable_progress_bar=False)
+    trainer.pop("val_check_interval")
+    for logger in trainer["logger"]:
+        logger["init_args"]["save_dir"] = str(tmp_path / "runs")
+    trainer["logger"][0]["init_args"]["flush_logs_every_n_steps"] = 1  # metrics.csv survives the crash
+    trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = every
+    cfg["data"]["class_path"] = f"{__name__}.ResumableDataModule"
+    cfg["data"]["init_args"].update(max_samples=48)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def losses(run: Path) -> dict[int, str]:
+    with open(run / "metrics.csv", newline="") as f:
+        return {int(r["step"]): r["train/loss"] for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+
+
+@pytest.fixture
+def argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["dflash2"])
+
+
+@pytest.mark.slow
+def test_resume_is_exact(tmp_path, argv):
+    """N steps straight == N/2, crash, ``--ckpt_path last``, N/2: identical losses and weights (tolerance 0).
+
+    Exact because nothing random is left to chance: anchors come from generators seeded by the step,
+    the data order from (seed, epoch) plus the consumed-batch count, and the optimizer, scheduler and
+    step counters are restored bit for bit. The tiny config sets ``deterministic: true``: without it,
+    multi-threaded CPU backward kernels make even two uninterrupted runs differ (~1e-7).
+    """
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    straight_dir.mkdir(), resumed_dir.mkdir()
+    cli.main(["fit", "--config", str(config(straight_dir, every=INTERRUPT))])
+
+    interrupted = cli.build_cli(["--config", str(config(resumed_dir, every=INTERRUPT))], run=False)
+    interrupted.trainer.callbacks.append(Interrupt(INTERRUPT))
+    with pytest.raises(SimulatedCrash):
+        interrupted.trainer.fit(interrupted.model, datamodule=interrupted.datamodule)
+    assert interrupted.trainer.global_step == INTERRUPT
+    cli.main(["fit", "--config", str(config(resumed_dir, every=INTERRUPT)), "--ckpt_path", "last"])
+
+    run = Path("runs") / "tiny" / "default"
+    straight, resumed = losses(straight_dir / run), losses(resumed_dir / run)
+    assert sorted(straight) == list(range(STEPS)) and sorted(resumed) == list(range(STEPS))
+    assert straight == resumed
+    a, b = final_weights(straight_dir / run), final_weights(resumed_dir / run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+KILLER = """
+import io, os, sys, torch
+real_save, calls = torch.save, [0]
+
+def dying_save(obj, f, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:  # the second checkpoint: write half of it, then die like a SIGKILL would
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        f.flush()
+        os._exit(137)
+    return real_save(obj, f, *args, **kwargs)
+
+torch.save = dying_save
+sys.path.insert(0, sys.argv[1])
+from dflash2_lightning.cli import main
+sys.argv = ["dflash2", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.slow
+def test_kill_while_writing_keeps_the_previous_checkpoint(tmp_path, argv):
+    cfg = config(tmp_path, every=2)
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1"}  # one thread unless the caller says
+    done = subprocess.run([sys.executable, "-c", KILLER, str(Path(__file__).parent), "fit", "--config", str(cfg)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 137, done.stderr[-3000:]
+    checkpoints = tmp_path / "runs" / "tiny" / "default" / "checkpoints"
+    leftovers = [p.name for p in checkpoints.iterdir() if p.name != "last.ckpt"]
+    assert leftovers and all(name.startswith(".last.ckpt.") and name.endswith(".tmp") for name in leftovers)
+    complete = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=False)
+    assert complete["global_step"] == 2  # the step-4 write died; `last` is still the step-2 checkpoint
+
+    cli.main(["fit", "--config", str(cfg), "--ckpt_path", "last"])  # resumes from step 2, ignoring the debris
+    final = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=False)
+    assert final["global_step"] == STEPS
+    # metrics.csv reads as one run: the killed run's rows up to its checkpoint, then the resumed rows,
+    # each step once (the rows logged between the checkpoint and the kill were dropped and re-logged).
+    with open(checkpoints.parent / "metrics.csv", newline="") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert steps == list(range(STEPS))

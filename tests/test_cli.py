@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from dflash2_lightning import cli
@@ -19,15 +18,6 @@ from dflash2_lightning.data import DataError
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 SCRIPTS = Path(sys.executable).parent
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core runner, oversubscribed threads slow these tests ~10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def small_config(tmp_path: Path, name: str = "tiny.yaml", **data_args) -> Path:

@@ -16,15 +16,6 @@ VALID = [[T, T, T], [T, T, T], [T, T, T], [T, T, F], [F, F, F], [T, F, T]]
 #          full       full       full     truncated  padded    hole at k=2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core runner, oversubscribed threads slow these tests ~10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_block_acceptance_on_a_hand_built_pattern():
     metric = BlockAcceptance(block_size=4)
     metric.update(torch.tensor(RIGHT), torch.tensor(VALID))

@@ -18,15 +18,6 @@ SPEC = TargetSpec(tiny={})
 SMALL = dict(block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=8, num_anchors=4)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core runner, oversubscribed threads slow these tests ~10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def module() -> DFlash2Module:
     return DFlash2Module(target=SPEC, **SMALL)

@@ -16,15 +16,6 @@ from dflash2_lightning.objective import (DraftObjective, ObjectiveError, Teacher
 from conftest import randomize_draft_
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core runner, oversubscribed threads slow these tests ~10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class FrozenTarget(nn.Module):
     """A stand-in for the target's frozen embedding and head (random, no gradients)."""
 

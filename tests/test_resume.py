@@ -22,15 +22,6 @@ STEPS = 8          # 46 training samples / batch 8 = 6 batches per epoch: crosse
 INTERRUPT = 4      # mid-epoch
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core runner, oversubscribed threads slow these tests ~10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class SimulatedCrash(RuntimeError):
     pass
 

@@ -59,10 +59,10 @@ def randomized_draft() -> Callable[..., DraftModel]:
     return make
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def one_thread():
-    """One intra-op thread per test: the tests are tiny, and on a 2-core runner oversubscribed threads
-    (several processes, or other jobs) slow them ~10x."""
+    """One intra-op thread for the whole session (module-scoped fixtures included): the tests are tiny,
+    and on a 2-core runner oversubscribed threads (several processes, or other jobs) slow them ~10x."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

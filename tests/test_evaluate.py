@@ -21,14 +21,6 @@ from dflash2_lightning.speculative import AcceptanceStats, speculative_generate
 TAU_TOLERANCE = 0.25
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("path", ["selector", "backbone"])
 def test_estimate_replay_and_measurement_agree(path: str) -> None:
     target, draft = tiny_target(), trained_draft("dflash2")

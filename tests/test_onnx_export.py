@@ -30,15 +30,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 CFG = DraftConfig(**TINY_DRAFT)  # 2 layers, block 4, hidden 32, 4 conv groups, top-5 of 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes gain nothing from a thread pool, and on a busy machine its spinning costs seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _load(directory: Path, name: str) -> onnx.ModelProto:
     return onnx.load(str(directory / name))
 

@@ -20,15 +20,6 @@ from dflash2_lightning.target import TargetSpec, load_target
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes gain nothing from a thread pool, and on a busy machine its spinning costs seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> SimpleNamespace:
     """A tiny random target, a randomized 1-layer DFlash2 draft of its geometry, exported in float32."""

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from speculative_helpers import TARGET_SPEC, tiny_target
 
 import dflash2_lightning.regen as regen_mod
@@ -18,14 +17,6 @@ from dflash2_lightning.speculative import target_greedy
 
 N_PROMPTS, BATCH, NEW = 7, 2, 6
 REAL_GENERATE = regen_mod.generate_batch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

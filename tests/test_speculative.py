@@ -14,15 +14,6 @@ from dflash2_lightning.speculative import (AcceptanceStats, SpecResult, TorchDra
 CASES = [("dflash2", "selector"), ("dflash2", "backbone"), ("dflash", "backbone")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is ~4x cheaper in CPU time than two on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def greedy_reference(cont: tuple[int, ...], stop: tuple[int, ...], budget: int) -> list[int]:
     """Greedy decoding with a stop set and a budget = the unstopped greedy continuation, cut after the
     first stop token and at the budget (checked against :func:`target_greedy` below)."""

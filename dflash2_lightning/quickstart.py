@@ -71,20 +71,22 @@ class QuickstartOptions:
         overrides: ``key.path=value`` settings applied to the config (value parsed as YAML).
         overwrite: redo every step (the target conversion and the feature cache are content-keyed).
         progress: show progress bars.
+        threads: torch CPU threads; ``None`` chooses before every step with :func:`auto_threads`.
     """
 
     target: str | None = None
     out: str = DEFAULT_OUT
     config: str | None = None
-    num_prompts: int = 256
-    max_new_tokens: int = 128
+    num_prompts: int = 192
+    max_new_tokens: int = 96
     regen_batch_size: int = 32
-    eval_prompts: int = 12
-    eval_max_new_tokens: int = 96
+    eval_prompts: int = 8
+    eval_max_new_tokens: int = 64
     max_steps: int | None = None
     overrides: list[str] = field(default_factory=list)
     overwrite: bool = False
     progress: bool = True
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "regen_batch_size", "eval_prompts", "eval_max_new_tokens"):
@@ -93,6 +95,8 @@ class QuickstartOptions:
                 raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise QuickstartError(f"max_steps={self.max_steps} is invalid: must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise QuickstartError(f"threads={self.threads} is invalid: must be >= 1 (or None for automatic)")
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -229,25 +233,42 @@ def write_yaml(path: Path, config: dict[str, Any], header: str) -> None:
 
 # ----------------------------------------------------------------------------- reporting
 class Reporter:
-    """Numbered one-line status messages and the wall time of every step."""
+    """Numbered one-line status messages and the wall time of every step.
 
-    def __init__(self, total: int, stream: Any = None) -> None:
-        self.total, self.stream = total, stream
+    ``threads`` (a fixed count, or None for :func:`auto_threads`) is applied as each step starts, so an
+    automatic choice follows the machine's load through a long run.
+    """
+
+    def __init__(self, total: int, stream: Any = None, threads: int | None = None) -> None:
+        self.total, self.stream, self.threads = total, stream, threads
         self.timings: dict[str, dict[str, Any]] = {}
         self._n = 0
+        self._cores: int | None = None
 
     def say(self, text: str) -> None:
         print(text, file=self.stream or sys.stdout, flush=True)
 
+    def set_threads(self, running: bool) -> int:
+        """Apply the thread count for the next step; ``running``: this process has been busy until now."""
+        import torch
+
+        if self._cores is None:
+            self._cores = torch.get_num_threads()  # torch's own default: the physical cores
+        own = torch.get_num_threads() if running else 0
+        n = self.threads if self.threads is not None else auto_threads(self._cores, own)
+        torch.set_num_threads(n)
+        return n
+
     def step(self, name: str, text: str) -> "_Step":
         self._n += 1
-        self.say(f"[{self._n}/{self.total}] {name}: {text}")
-        return _Step(self, name)
+        threads = self.set_threads(running=self._n > 1)
+        self.say(f"[{self._n}/{self.total}] {name} ({threads} thread{'s' if threads > 1 else ''}): {text}")
+        return _Step(self, name, threads)
 
 
 class _Step:
-    def __init__(self, reporter: Reporter, name: str) -> None:
-        self.reporter, self.name = reporter, name
+    def __init__(self, reporter: Reporter, name: str, threads: int) -> None:
+        self.reporter, self.name, self.threads = reporter, name, threads
         self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def done(self, text: str, reused: bool = False) -> float:
@@ -255,7 +276,7 @@ class _Step:
         # CPU seconds of all this process's threads: on a shared machine, wall time alone overstates the cost.
         cpu = time.process_time() - self.cpu_start
         self.reporter.timings[self.name] = {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
-                                            "reused": reused}
+                                            "threads": self.threads, "reused": reused}
         self.reporter.say(f"      {self.name}: {text} ({format_seconds(seconds)}{', reused' if reused else ''})")
         return seconds
 
@@ -283,16 +304,17 @@ def last_validation(metrics_csv: Path) -> dict[str, float]:
     return values
 
 
-def auto_threads(available: int) -> int:
-    """Threads for this run: ``available`` minus the cores the 1-minute load average says are busy (>= 1).
+def auto_threads(available: int, own: int = 0) -> int:
+    """Torch threads for the next step: ``available`` cores minus those other processes keep busy (>= 1).
 
-    Torch's CPU threads wait on each other at every operation, so a thread sharing its core with
-    another busy process stalls all of them: on a 2-core machine with one other busy process, one
-    thread is several times faster than two.
+    Other processes' load is the 1-minute load average less ``own`` (the threads this process has
+    been running). Why not simply all cores: torch's CPU threads wait on each other at every
+    operation, so one thread sharing its core with a busy process stalls them all; on a 2-core
+    machine with one other busy process, two threads run several times slower than one.
     """
     load = _load_average()
-    busy = int(load[0]) if load else 0
-    return max(1, available - busy)
+    others = max(0.0, load[0] - own) if load else 0.0
+    return max(1, available - int(others + 0.25))
 
 
 def _load_average() -> list[float] | None:
@@ -516,11 +538,8 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
         raise QuickstartError(f"{config_path}: model.init_args.target must be a mapping such as {{gguf: smollm2}}")
     spec = TargetSpec(**spec_fields)
     stamps = Stamps(out)
-    rep = Reporter(STEPS, stream)
-    import torch
-
-    rep.say(f"dflash2 quickstart -> {out}  (config {config_path}; {torch.get_num_threads()} torch threads, "
-            f"load average {load_before})")
+    rep = Reporter(STEPS, stream, opts.threads)
+    rep.say(f"dflash2 quickstart -> {out}  (config {config_path}; load average {load_before})")
 
     target = step_target(rep, spec)
     responses = step_responses(rep, opts, out, target, stamps)
@@ -601,30 +620,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config entry, e.g. --set data.init_args.batch_size=4 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="redo every step instead of reusing finished ones")
     p.add_argument("--threads", default="auto",
-                   help="torch CPU threads: a number, or 'auto' (default): torch's default minus the cores the "
-                        "1-minute load average says are busy, at least 1 (torch threads on busy cores run "
-                        "several times slower than fewer threads)")
+                   help="torch CPU threads: a number, or 'auto' (default: chosen before each step, the cores that "
+                        "other processes leave free by the 1-minute load average, at least 1; torch threads "
+                        "sharing cores with busy processes run several times slower than fewer threads)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
 def quickstart_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 quickstart``: exit status 0, or 1 if a speculative output differed from the target's."""
-    import torch
-
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.threads == "auto":
-        torch.set_num_threads(auto_threads(torch.get_num_threads()))
-    elif args.threads.isdigit() and int(args.threads) >= 1:
-        torch.set_num_threads(int(args.threads))
-    else:
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
         parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
     opts = QuickstartOptions(
         target=args.target, out=args.out, config=args.config, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens, max_steps=args.max_steps, overrides=args.overrides,
-        overwrite=args.overwrite, progress=not args.no_progress)
+        overwrite=args.overwrite, progress=not args.no_progress,
+        threads=None if args.threads == "auto" else int(args.threads))
     summary = run_quickstart(opts)
     return 0 if all(p["lossless"] for p in summary["eval"]["paths"].values()) else 1
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from dflash2_lightning import cli as cli_module
 from dflash2_lightning import regen as regen_module
@@ -55,7 +56,10 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     hf = artifacts["draft checkpoint (HF)"]
     draft = load_draft(hf)
     assert draft.config.architecture == "DFlash2DraftModel"
-    assert draft.config.block_size == 8 and draft.config.num_hidden_layers == 1
+    shipped = yaml.safe_load((Path(__file__).parents[1] / "configs" / "quickstart.yaml").read_text())
+    shipped_model = shipped["model"]["init_args"]
+    assert draft.config.block_size == shipped_model["block_size"]
+    assert draft.config.num_hidden_layers == shipped_model["num_hidden_layers"]
     assert draft.candidate_selector is not None
 
     # the training data: one regenerated response per prompt, as chat jsonl with an assistant turn
@@ -137,3 +141,17 @@ def test_shipped_quickstart_config_is_a_valid_fit_config(capsys, monkeypatch):
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "DFlash2Module" in printed and "mode: offline" in printed and "gguf: smollm2" in printed
+
+
+@pytest.mark.parametrize("load, own, expected", [
+    (None, 0, 2),  # no load average (not Linux): all cores
+    (0.1, 0, 2),   # an idle machine
+    (1.0, 0, 1),   # one other busy process takes one of the two cores
+    (2.1, 2, 2),   # the load is this process's own two threads: keep them
+    (3.0, 1, 1),   # two other busy processes: still at least one thread
+])
+def test_auto_threads_leaves_cores_that_other_processes_use(monkeypatch, load, own, expected):
+    from dflash2_lightning import quickstart
+
+    monkeypatch.setattr(quickstart, "_load_average", lambda: None if load is None else [load, load, load])
+    assert quickstart.auto_threads(2, own) == expected

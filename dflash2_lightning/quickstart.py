@@ -79,7 +79,7 @@ class QuickstartOptions:
     config: str | None = None
     num_prompts: int = 192
     max_new_tokens: int = 96
-    regen_batch_size: int = 32
+    regen_batch_size: int = 64  # on 2 CPU cores: 84 tok/s vs 75 at 32 and 52 at 16
     eval_prompts: int = 8
     eval_max_new_tokens: int = 64
     max_steps: int | None = None
@@ -191,7 +191,8 @@ def fit_config(base: dict[str, Any], out: Path, target: dict[str, Any] | None, m
                overrides: Sequence[str]) -> dict[str, Any]:
     """The LightningCLI config the quickstart trains with: ``base`` pointed at ``out``.
 
-    The target (when given) replaces ``model.init_args.target``; the training data is
+    The target (when given) replaces ``model.init_args.target`` and drops the config's explicit
+    ``target_layer_ids`` (they number that target's layers); the training data is
     ``out/data/responses.jsonl``; every logger writes to ``out/train`` (``save_dir = out.parent``,
     ``name = out.name``, ``version = train``); ``max_steps`` also caps the validation interval so the
     run validates (and plots) at least once. ``overrides`` come last and win.
@@ -200,8 +201,10 @@ def fit_config(base: dict[str, Any], out: Path, target: dict[str, Any] | None, m
     model_args = cfg.setdefault("model", {}).setdefault("init_args", {})
     data_args = cfg.setdefault("data", {}).setdefault("init_args", {})
     trainer = cfg.setdefault("trainer", {})
-    if target is not None:
+    if target is not None and target != model_args.get("target"):
         model_args["target"] = target
+        # Layer ids count the config's own target's layers; another target gets the default rule.
+        model_args.pop("target_layer_ids", None)
     data_args["train_files"] = [str(out / "data" / "responses.jsonl")]
     loggers = trainer.get("logger")
     for logger in loggers if isinstance(loggers, list) else [loggers] if isinstance(loggers, dict) else []:

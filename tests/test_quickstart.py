@@ -110,12 +110,15 @@ def test_fit_config_points_the_run_at_out(tmp_path):
     base = {"trainer": {"max_steps": 300, "val_check_interval": 100,
                         "logger": [{"class_path": "CSVLogger", "init_args": {"save_dir": "runs", "name": "x"}}],
                         "callbacks": [{"class_path": "ModelCheckpoint", "init_args": {"every_n_train_steps": 100}}]},
-            "model": {"init_args": {"target": {"gguf": "smollm2"}, "lr": 1e-3}},
+            "model": {"init_args": {"target": {"gguf": "smollm2"}, "target_layer_ids": [1, 27], "lr": 1e-3}},
             "data": {"init_args": {"seq_len": 192}}}
     out = tmp_path / "runs" / "mine"
     cfg = fit_config(base, out, {"tiny": {}}, max_steps=7, overrides=["model.init_args.lr=0.01",
                                                                        "trainer.logger.0.init_args.flush_logs_every_n_steps=5"])
     assert cfg["model"]["init_args"]["target"] == {"tiny": {}}
+    assert "target_layer_ids" not in cfg["model"]["init_args"]  # they numbered the config's own target
+    same = fit_config(base, out, {"gguf": "smollm2"}, max_steps=None, overrides=[])
+    assert same["model"]["init_args"]["target_layer_ids"] == [1, 27]
     assert cfg["model"]["init_args"]["lr"] == 0.01
     assert cfg["data"]["init_args"]["train_files"] == [str(out / "data" / "responses.jsonl")]
     assert cfg["trainer"]["logger"][0]["init_args"] == {"save_dir": str(out.parent), "name": "mine",

@@ -108,7 +108,20 @@ def test_embed_and_head_are_the_target_modules(tiny):
     ids = torch.arange(6).view(1, 6)
     assert torch.equal(tiny.embed(ids), tiny.hf.model.embed_tokens.weight[ids])
     hidden = torch.randn(1, 6, tiny.hidden_size)
-    assert torch.equal(tiny.head(hidden), hidden @ tiny.hf.lm_head.weight.T)
+    assert torch.equal(tiny.head(hidden[:, :1]), hidden[:, :1] @ tiny.hf.lm_head.weight.T)
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (2, 4), (4, 16), (3, 40)])  # the few-row CPU path and the stock one
+def test_head_equals_the_lm_head_for_any_row_count(tiny, shape):
+    weight = tiny.hf.lm_head.weight
+    full = torch.randn(*shape[:-1], shape[-1] + 2, tiny.hidden_size, dtype=torch.float64).float()
+    hidden = full[..., 1:-1, :]  # a sliced (non-contiguous) view, as a block's drafted slots are
+    hidden.requires_grad_(True)
+    logits = tiny.head(hidden)
+    assert logits.shape == (*shape, weight.shape[0])
+    torch.testing.assert_close(logits, hidden @ weight.T, rtol=1e-5, atol=1e-5)
+    logits.sum().backward()  # the draft trains through the head
+    torch.testing.assert_close(hidden.grad, weight.sum(0).expand_as(hidden), rtol=1e-5, atol=1e-5)
 
 
 def test_draft_config_takes_the_target_geometry():

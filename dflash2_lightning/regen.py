@@ -27,6 +27,7 @@ starts again).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -87,30 +88,19 @@ def prompt_hash(messages: list[dict[str, str]]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-@torch.no_grad()
-def generate_batch(target: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy responses (token ids, up to and including the first eos) to a batch of tokenised prompts.
+def generate_batch(target: Any, prompts: list[list[int]], max_new_tokens: int, sampling: Any = None,
+                   seeds: list[int] | None = None) -> list[list[int]]:
+    """Responses (token ids, up to and including the first eos) to a batch of tokenised prompts.
 
-    Left padding with an attention mask, so every prompt ends where generation starts.
+    Greedy unless ``sampling`` (a :class:`~dflash2_lightning.generate.Sampling`) samples; then ``seeds``
+    gives each prompt its own generator. See :mod:`dflash2_lightning.generate`.
     """
-    from transformers import GenerationConfig
+    from dflash2_lightning.generate import Sampling, generate
 
-    hf, eos = target.hf, list(target.eos_token_ids)
+    eos = list(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
-    pad = eos[0] if pad is None else pad
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-    out = hf.generate(input_ids=ids.to(hf.device), attention_mask=mask.to(hf.device), generation_config=config)
-    responses = []
-    for row in out[:, width:].tolist():
-        stop = next((i for i, t in enumerate(row) if t in eos), None)
-        responses.append(row if stop is None else row[:stop + 1])
-    return responses
+    return generate(target.hf, prompts, max_new_tokens, eos, eos[0] if pad is None else pad,
+                    sampling or Sampling(), seeds)
 
 
 def response_text(tokenizer: Any, tokens: list[int]) -> str:
@@ -151,16 +141,29 @@ def _append(path: Path, lines: list[str]) -> None:
         os.fsync(f.fileno())
 
 
-def _settings(target: Any, max_new_tokens: int) -> dict[str, Any]:
+def _settings(target: Any, max_new_tokens: int, sampled: int, sampling: Any, seed: int) -> dict[str, Any]:
     spec = getattr(target, "spec", None)
-    return {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
-            "max_new_tokens": max_new_tokens}
+    settings: dict[str, Any] = {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
+                                "max_new_tokens": max_new_tokens}
+    if sampled:  # greedy-only logs keep their original header
+        settings.update(sampled=sampled, seed=seed, sampling=dataclasses.asdict(sampling))
+    return settings
+
+
+def sample_seed(seed: int, prompt_digest: str, sample: int) -> int:
+    """The generator seed of one sampled response: from the run seed and the prompt's content, not its batch."""
+    digest = hashlib.sha256(f"{seed}:{prompt_digest}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: str | os.PathLike,
           max_new_tokens: int = 256, batch_size: int = 8, max_prompts: int | None = None,
-          overwrite: bool = False, progress: bool = True) -> Path:
-    """Generate the target's greedy response to every prompt and write them as chat jsonl to ``out_file``.
+          overwrite: bool = False, progress: bool = True, sampled: int = 0, sampling: Any = None,
+          seed: int = 0) -> Path:
+    """Generate the target's responses to every prompt and write them as chat jsonl to ``out_file``.
+
+    Every prompt gets its greedy response, then ``sampled`` sampled ones (several answers per prompt:
+    more, and more varied, training text from the same prompts).
 
     Args:
         target_spec: a :class:`~dflash2_lightning.target.TargetSpec`, its dict, or a loaded ``Target``.
@@ -170,12 +173,19 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
         batch_size: prompts generated together (left-padded). Prompts are sorted by length into batches.
         max_prompts: only the first ``max_prompts`` prompts of the file.
         overwrite: regenerate even if ``out_file`` exists (and forget any partial log).
+        sampled: sampled responses per prompt besides the greedy one.
+        sampling: how they are sampled (:class:`~dflash2_lightning.generate.Sampling`; default temperature
+            0.8, top-p 0.95).
+        seed: seeds the sampled responses; each draws from its own generator seeded by (seed, prompt
+            content, sample number), so the output does not depend on batching or interruptions.
 
-    Returns ``out_file``. Interrupted runs resume where they stopped (see the module docstring).
+    Returns ``out_file``: one record per response, prompt by prompt (greedy first). Interrupted runs
+    resume where they stopped (see the module docstring).
     """
     from tqdm.auto import tqdm
 
     from dflash2_lightning.checkpoint import atomic_write_text
+    from dflash2_lightning.generate import Sampling
     from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target import load_target
 
@@ -183,6 +193,12 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
         raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} is invalid: must be >= 1")
+    if sampled < 0:
+        raise ValueError(f"sampled={sampled} is invalid: must be >= 0 (sampled responses per prompt)")
+    sampling = sampling or Sampling(temperature=0.8, top_p=0.95)
+    if sampled and sampling.greedy:
+        raise ValueError("sampled responses need a temperature > 0 (temperature=0 would repeat the greedy one)")
+    per_prompt = 1 + sampled
     out = Path(out_file)
     log = out.with_name(out.name + LOG_SUFFIX)
     if overwrite:
@@ -195,7 +211,8 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
     chats = read_prompts(prompts_file or SEED_PROMPTS, max_prompts)
     hashes = [prompt_hash(m) for m in chats]
-    settings = _settings(target, max_new_tokens)
+    jobs = len(chats) * per_prompt  # job j: prompt j // per_prompt, response j % per_prompt (0 = greedy)
+    settings = _settings(target, max_new_tokens, sampled, sampling, seed)
     done: dict[int, dict[str, Any]] = {}
     header = None
     if log.exists():
@@ -204,34 +221,45 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
         if header != settings:
             raise RegenError(f"{log} was started with other settings ({header}), not {settings}: finish it with "
                              "the same settings, or pass --overwrite to start over")
-        for i, rec in done.items():
-            if i >= len(chats) or rec["hash"] != hashes[i]:
-                raise RegenError(f"{log}: prompt {i} differs from the one already generated, or is not among the "
-                                 f"{len(chats)} prompts of this run (the prompts file or --max-prompts changed "
-                                 "since the interrupted run); pass --overwrite to start over")
+        for j, rec in done.items():
+            if j >= jobs or rec["hash"] != hashes[j // per_prompt]:
+                raise RegenError(f"{log}: prompt {j // per_prompt} differs from the one already generated, or is not "
+                                 f"among the {len(chats)} prompts of this run (the prompts file or --max-prompts "
+                                 "changed since the interrupted run); pass --overwrite to start over")
     else:  # a fresh run (or a kill before the header was complete)
         out.parent.mkdir(parents=True, exist_ok=True)
         log.unlink(missing_ok=True)
         _append(log, [json.dumps({"regen": settings})])
 
-    tokenised = {i: encode_prompt(target.tokenizer, chats[i]) for i in range(len(chats)) if i not in done}
-    todo = sorted(tokenised, key=lambda i: (len(tokenised[i]), i))  # similar lengths batch with little padding
-    bar = tqdm(total=len(chats), initial=len(done), desc="regen", unit="prompt", disable=not progress)
-    for lo in range(0, len(todo), batch_size):
-        batch = todo[lo:lo + batch_size]
-        responses = generate_batch(target, [tokenised[i] for i in batch], max_new_tokens)
+    tokenised = {i: encode_prompt(target.tokenizer, chats[i]) for i in range(len(chats))
+                 if any(i * per_prompt + s not in done for s in range(per_prompt))}
+    todo = [j for j in range(jobs) if j not in done and j // per_prompt in tokenised]
+    # Greedy and sampled responses batch apart; similar prompt lengths batch with little padding.
+    todo.sort(key=lambda j: (j % per_prompt > 0, len(tokenised[j // per_prompt]), j))
+    bar = tqdm(total=jobs, initial=len(done), desc="regen", unit="response", disable=not progress)
+    lo = 0
+    while lo < len(todo):
+        kind = todo[lo] % per_prompt > 0
+        batch = [j for j in todo[lo:lo + batch_size] if (j % per_prompt > 0) == kind]
+        lo += len(batch)
+        prompts = [tokenised[j // per_prompt] for j in batch]
+        if kind:
+            seeds = [sample_seed(seed, hashes[j // per_prompt], j % per_prompt) for j in batch]
+            responses = generate_batch(target, prompts, max_new_tokens, sampling, seeds)
+        else:
+            responses = generate_batch(target, prompts, max_new_tokens)
         lines = []
-        for i, tokens in zip(batch, responses):
+        for j, tokens in zip(batch, responses):
+            i = j // per_prompt
             messages = chats[i] + [{"role": "assistant", "content": response_text(target.tokenizer, tokens)}]
-            record = {"index": i, "hash": hashes[i], "messages": messages}
-            done[i] = record
+            record = {"index": j, "hash": hashes[i], "messages": messages}
+            done[j] = record
             lines.append(json.dumps(record, ensure_ascii=False))
         _append(log, lines)
         bar.update(len(batch))
     bar.close()
 
-    text = "".join(json.dumps({"messages": done[i]["messages"]}, ensure_ascii=False) + "\n"
-                   for i in range(len(chats)))
+    text = "".join(json.dumps({"messages": done[j]["messages"]}, ensure_ascii=False) + "\n" for j in range(jobs))
     atomic_write_text(out, text)
     log.unlink(missing_ok=True)
     return out
@@ -242,8 +270,8 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 regen``: generate the target's own responses for a prompts file (resumable)."""
     parser = argparse.ArgumentParser(
         prog="dflash2 regen",
-        description="Generate the target's own greedy responses to a prompts file (chat jsonl), batched with "
-                    "left padding and the chat template. Resumable: rerun the same command after an interruption "
+        description="Generate the target's own responses to a prompts file (chat jsonl): the greedy one and "
+                    "optionally --sampled more per prompt, batched with left padding and the chat template. Resumable: rerun the same command after an interruption "
                     "and it continues from OUT.partial. OUT is written atomically at the end.")
     add_target_arguments(parser)
     parser.add_argument("--prompts", default=None,
@@ -253,13 +281,23 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
     parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--overwrite", action="store_true", help="start over even if OUT or OUT.partial exists")
+    parser.add_argument("--sampled", type=int, default=0,
+                        help="sampled responses per prompt besides the greedy one (default 0)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="temperature of sampled responses (default 0.8)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="top-p of sampled responses (default 0.95)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k of sampled responses (default 0: off)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled responses (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from dflash2_lightning.generate import Sampling
+
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     path = regen(target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens, args.batch_size,
-                 args.max_prompts, args.overwrite, not args.no_progress)
+                 args.max_prompts, args.overwrite, not args.no_progress, sampled=args.sampled, sampling=sampling,
+                 seed=args.seed)
     with open(path, encoding="utf-8") as f:
         count = sum(1 for line in f if line.strip())
     print(f"{count} responses in {path}")

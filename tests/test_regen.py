@@ -31,11 +31,11 @@ def crash_after(monkeypatch, batches: int) -> list[int]:
     """Make the ``batches + 1``-th call of ``generate_batch`` raise; returns the list of batch sizes seen."""
     calls: list[int] = []
 
-    def flaky(target, prompts, max_new_tokens):
+    def flaky(target, prompts, max_new_tokens, *args):
         if len(calls) == batches:
             raise KeyboardInterrupt("simulated kill")
         calls.append(len(prompts))
-        return REAL_GENERATE(target, prompts, max_new_tokens)
+        return REAL_GENERATE(target, prompts, max_new_tokens, *args)
 
     monkeypatch.setattr(regen_mod, "generate_batch", flaky)
     return calls

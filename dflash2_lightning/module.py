@@ -84,6 +84,8 @@ class DFlash2Module(pl.LightningModule):
         min_lr_ratio: the cosine schedule ends at ``min_lr_ratio * lr``.
         export_dir: where the HF checkpoint goes at the end of fit (default ``<trainer.log_dir>/hf``).
         export_dtype: dtype of the exported weights (default: the training parameters' dtype).
+        init_from_target: start the draft layers as copies of the target layers that follow the last
+            feature layer (see :mod:`dflash2_lightning.warm_start`) instead of random weights.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class DFlash2Module(pl.LightningModule):
         min_lr_ratio: float = 0.0,
         export_dir: str | None = None,
         export_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+        init_from_target: bool = False,
     ) -> None:
         super().__init__()
         if target is None:
@@ -147,6 +150,11 @@ class DFlash2Module(pl.LightningModule):
         self.hparams["target"] = dataclasses.asdict(self.target_spec)
         self.hparams["target_layer_ids"] = list(self.draft_config.target_layer_ids or [])
         self.draft = DraftModel(self.draft_config)
+        if init_from_target:  # a resumed run then loads its own weights over these
+            from dflash2_lightning.warm_start import init_from_target as warm_start
+
+            layers = warm_start(self.draft, self.target.hf)
+            rank_zero_info(f"draft layers initialised from target layers {layers}")
         self.objective = DraftObjective(token_loss=token_loss, position_weighting=position_weighting,
                                         decay_gamma=decay_gamma, dpace_alpha=dpace_alpha,
                                         selector_loss_alpha=selector_loss_alpha,

@@ -1,0 +1,67 @@
+"""Warm start: begin the draft as a copy of the target layers that follow its last feature layer.
+
+The draft has the target's geometry, so its layers can start as the target's own instead of random
+ones. With features from target layer ``l`` (HF ``hidden_states[l + 1]``, the input of layer ``l + 1``)::
+
+    draft layer i        <- target layer l + 1 + i   (norms, q/k/v/o, MLP; q_norm/k_norm stay 1 when
+                                                      the target has none, e.g. Llama)
+    hidden_norm          <- target layer l + 1's input_layernorm
+    fc                   <- identity on the last feature layer's columns, 0 elsewhere
+    norm                 <- the target's final norm
+
+so at step 0 the draft's context keys/values are exactly what target layer ``l + 1`` computes from
+its input (up to the per-head k_norm a Llama target lacks), and its output is read by the head the
+way the target's last hidden state is. The block convolution and the selector keep their no-op init.
+What the draft still has to learn is to run those layers on the block's tokens (the anchor and mask
+embeddings) instead of the target's deep residual stream, which is far less than learning them from
+random weights on a few thousand sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash2_lightning.config import ConfigError
+from dflash2_lightning.model import DraftModel
+
+
+def _target_layers(hf: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    base = getattr(hf, "model", None)
+    layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
+    if layers is None or norm is None:
+        raise ConfigError(f"init_from_target: the target ({type(hf).__name__}) has no model.layers / model.norm "
+                          "(a Llama / Qwen-style decoder is needed)")
+    return layers, norm
+
+
+@torch.no_grad()
+def init_from_target(draft: DraftModel, hf: nn.Module) -> list[int]:
+    """Copy the target layers after the draft's last feature layer into ``draft`` (in place).
+
+    Returns the target layer indices copied (one per draft layer). Raises :class:`ConfigError`
+    when the target has too few layers after the feature layer, or a layer's shapes differ.
+    """
+    cfg = draft.config
+    layers, final_norm = _target_layers(hf)
+    first = max(cfg.target_layer_ids or [0]) + 1
+    source = list(range(first, first + cfg.num_hidden_layers))
+    if source[-1] >= len(layers):
+        raise ConfigError(f"init_from_target=true with target_layer_ids={cfg.target_layer_ids} and "
+                          f"num_hidden_layers={cfg.num_hidden_layers}: needs target layers {source}, but the target "
+                          f"has {len(layers)} (0..{len(layers) - 1}); use an earlier feature layer or fewer draft layers")
+    for layer, index in zip(draft.layers, source):
+        theirs = dict(layers[index].named_parameters())
+        for name, p in layer.named_parameters():
+            if name in theirs:
+                if theirs[name].shape != p.shape:
+                    raise ConfigError(f"init_from_target: draft {name} has shape {tuple(p.shape)} but target layer "
+                                      f"{index}'s has {tuple(theirs[name].shape)}: keep the target's geometry")
+                p.copy_(theirs[name].to(p.dtype))
+    draft.hidden_norm.weight.copy_(layers[first].input_layernorm.weight.to(draft.hidden_norm.weight.dtype))
+    draft.norm.weight.copy_(final_norm.weight.to(draft.norm.weight.dtype))
+    h = cfg.hidden_size
+    fc = torch.zeros_like(draft.fc.weight)
+    fc[:, -h:] = torch.eye(h, dtype=fc.dtype)  # features are concatenated in target_layer_ids order
+    draft.fc.weight.copy_(fc)
+    return source

@@ -13,8 +13,10 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash2_lightning.config import DraftConfig
@@ -79,23 +81,57 @@ def check_tensors(cfg: DraftConfig, shapes: dict[str, tuple[int, ...]]) -> None:
         raise CheckpointError(f"checkpoint does not match {cfg.architecture} contract — " + " | ".join(parts))
 
 
+def _umask() -> int:
+    umask = os.umask(0)  # the only portable way to read it: set and restore at once
+    os.umask(umask)
+    return umask
+
+
+def file_mode() -> int:
+    """The mode ``open()`` gives a new file under the current umask (``0o644`` under umask 022)."""
+    return 0o666 & ~_umask()
+
+
+def dir_mode() -> int:
+    """The mode ``mkdir`` gives a new directory under the current umask (``0o755`` under umask 022)."""
+    return 0o777 & ~_umask()
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)`` then atomically rename ``tmp_path`` to ``path`` (same directory, fsynced)."""
+    """Call ``write(tmp_path)`` then atomically rename ``tmp_path`` to ``path`` (same directory, fsynced).
+
+    The file ends up with the ordinary mode the umask gives (``0o644`` under umask 022), whatever
+    ``write`` did: ``mkstemp`` creates ``0o600`` and some writers (``safetensors``) replace the temporary
+    file with a fresh one, so the mode is set *after* writing. Engines often run as another user.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the final file gets ordinary permissions
     try:
         write(tmp)
+        os.chmod(tmp, file_mode())
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: some filesystems refuse directory fsync)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -119,28 +155,120 @@ def save_draft(model: DraftModel, directory: str | os.PathLike, dtype: torch.dty
     cfg = model.config.replace(torch_dtype=name)
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     check_tensors(cfg, {k: tuple(v.shape) for k, v in state.items()})
+    check_finite(state, f"the draft being saved to {directory}")
     atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     atomic_write_text(directory / CONFIG_NAME, json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     return directory
 
 
 def load_config(directory: str | os.PathLike) -> DraftConfig:
-    """The :class:`DraftConfig` of a checkpoint directory."""
+    """The validated :class:`DraftConfig` of a checkpoint directory (raises :class:`ConfigError` if it is wrong)."""
+    return DraftConfig.from_hf_dict(read_config_json(directory))
+
+
+def read_config_json(directory: str | os.PathLike) -> dict[str, Any]:
+    """The raw ``config.json`` of a checkpoint directory, with a clear error when it is absent or not JSON."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a draft checkpoint needs {CONFIG_NAME} and {WEIGHTS_NAME}")
-    return DraftConfig.from_hf_dict(json.loads(path.read_text()))
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}): truncated or not a config.json") from None
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` from a safetensors header, without reading the tensors.
+
+    Refuses a truncated or foreign file with a message saying so: the header's 8-byte length prefix,
+    its JSON and the data size it announces must all fit the file's real size.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path} is truncated: {size} bytes, not even a safetensors header")
+        length = int.from_bytes(prefix, "little")
+        if length > size - 8:
+            raise CheckpointError(f"{path} is truncated or not a safetensors file: its header announces "
+                                  f"{length} header bytes but the file has {size} bytes in all")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{path} is not a safetensors file (its header is not JSON)") from None
+    header.pop("__metadata__", None)
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if 8 + length + end != size:
+        state = "truncated" if 8 + length + end > size else "longer than its header says"
+        raise CheckpointError(f"{path} is {state}: the header describes {8 + length + end} bytes, the file "
+                              f"has {size} (an interrupted copy or download?); copy it again")
+    return {name: (str(v["dtype"]), tuple(int(d) for d in v["shape"])) for name, v in header.items()}
+
+
+def check_architecture_vs_tensors(cfg: DraftConfig, names: Any) -> None:
+    """Refuse a DFlash config over DFlash2 weights (engines would drop the conv and selector silently)."""
+    if not cfg.is_dflash2:
+        extra = sorted(n for n in names if "candidate_selector." in n or "_conv." in n)
+        if extra:
+            raise CheckpointError(
+                f"architectures=['DFlashDraftModel'] but {WEIGHTS_NAME} holds {len(extra)} DFlash2 tensors "
+                f"({extra[0]}, ...): served as DFlash the convolution and selector would be dropped silently. "
+                "This is a DFlash2 checkpoint whose config.json lost its DFlash2 fields: restore "
+                "architectures=[\"DFlash2DraftModel\"] and dflash_config's projector_type, conv_kernel_size, "
+                "conv_group_size, selector_rank, selector_top_k")
+
+
+def check_finite(state: dict[str, torch.Tensor], where: str | os.PathLike = WEIGHTS_NAME) -> None:
+    """Raise :class:`CheckpointError` naming every tensor that holds NaN or infinite values."""
+    bad = []
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            t = tensor.float()
+            bad.append(f"{name} ({int(torch.isnan(t).sum())} NaN, {int(torch.isinf(t).sum())} inf)")
+    if bad:
+        raise CheckpointError(f"{where} holds non-finite weights in {len(bad)} tensors: {', '.join(bad[:5])}"
+                              f"{' ...' if len(bad) > 5 else ''}; the run that wrote it diverged: use an earlier "
+                              "checkpoint, or retrain with a lower lr")
+
+
+def verify_checkpoint(directory: str | os.PathLike) -> DraftConfig:
+    """Check a checkpoint directory exactly as :func:`load_draft` does, tensor by tensor; return its config.
+
+    Config (architecture, fields, bounds), file integrity (truncation), the tensor contract (names and
+    shapes) and finite values. Reads one tensor at a time, so it works on drafts larger than memory.
+    """
+    directory = Path(directory)
+    cfg = load_config(directory)
+    path = directory / WEIGHTS_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    header = read_safetensors_header(path)
+    check_architecture_vs_tensors(cfg, header)
+    check_tensors(cfg, {k: shape for k, (_, shape) in header.items()})
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            check_finite({name: f.get_tensor(name)}, path)
+    return cfg
 
 
 def load_draft(directory: str | os.PathLike, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> DraftModel:
-    """Load a checkpoint written by :func:`save_draft` (or any DFlash/DFlash2 HF checkpoint)."""
+    """Load a checkpoint written by :func:`save_draft` (or any DFlash/DFlash2 HF checkpoint).
+
+    Neither vLLM nor SGLang checks that every draft parameter was loaded, so this loader is strict: a
+    config that is not exactly a DFlash/DFlash2 draft, a truncated file, a tensor missing, extra or
+    misshapen, and NaN/inf weights each raise a :class:`CheckpointError` / ``ConfigError`` naming it.
+    """
     cfg = load_config(directory)
     path = Path(directory) / WEIGHTS_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
+    header = read_safetensors_header(path)
+    check_architecture_vs_tensors(cfg, header)
+    check_tensors(cfg, {k: shape for k, (_, shape) in header.items()})
     state = load_file(str(path), device=str(device))
-    check_tensors(cfg, {k: tuple(v.shape) for k, v in state.items()})
+    check_finite(state, path)
     dtype = dtype or DTYPES[cfg.torch_dtype]
     model = DraftModel(cfg).to(device=device, dtype=dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)

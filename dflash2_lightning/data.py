@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from dflash2_lightning.checkpoint import dir_mode
 from dflash2_lightning.config import ConfigError
 from dflash2_lightning.corpus import builtin_corpus, builtin_fingerprint
 from dflash2_lightning.sampler import ResumableOrder
@@ -458,7 +459,7 @@ class DraftDataModule(pl.LightningDataModule):
             want["info"]["stats"] = {**stats, "skipped_samples": self.skipped_samples,
                                      "total_records": self.total_records}
             (tmp / MANIFEST).write_text(json.dumps(want, indent=2) + "\n")  # last: marks the cache complete
-            os.chmod(tmp, 0o755)
+            os.chmod(tmp, dir_mode())  # mkdtemp makes 0700: other users (a server) must read the cache
             try:
                 os.rename(tmp, path)
             except OSError:

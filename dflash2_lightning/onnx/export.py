@@ -125,13 +125,6 @@ def _to_onnx(module: nn.Module, args: tuple[Any, ...], dynamic_shapes: Any, inpu
     return program.model_proto
 
 
-def _readable(path: Path) -> None:
-    """Give an artefact the usual umask permissions (atomic writes start from a private temp file)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def _save(model: onnx.ModelProto, path: Path) -> bool:
     """Write ``model`` atomically; weights go to ``<file>.data`` when the graph is too big for one protobuf."""
     external = model.ByteSize() > EXTERNAL_DATA_BYTES
@@ -139,8 +132,7 @@ def _save(model: onnx.ModelProto, path: Path) -> bool:
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data")
     else:
-        atomic_write(path, lambda tmp: onnx.save_model(model, tmp))
-        _readable(path)
+        atomic_write(path, lambda tmp: onnx.save_model(model, tmp))  # ordinary file mode (umask)
     return external
 
 
@@ -235,7 +227,6 @@ def export_drafter(draft: DraftModel, embed: nn.Module, head: nn.Module, out: st
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": _version("onnxscript")},
     }
     atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    _readable(directory / MANIFEST)
     return result
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any, Literal
 
 ProjectorType = Literal["dflash2", "dflash"]
@@ -27,11 +28,53 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
     One draft layer reads the middle target layer; otherwise ``num_draft_layers`` ids are spread
     evenly from layer 1 to layer ``num_target_layers - 3`` (36 target / 5 draft -> [1, 9, 17, 25, 33]).
+    Shallow targets get fewer, distinct ids, never the last layer (see :func:`check_target_layer_ids`).
     """
     if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+        ids = [num_target_layers // 2]
+    else:
+        span = num_target_layers - 4
+        ids = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return sorted({min(max(i, 0), max(num_target_layers - 2, 0)) for i in ids})
+
+
+def check_target_layer_ids(ids: Any, num_target_layers: int) -> list[int]:
+    """Raise :class:`ConfigError` unless ``ids`` are strictly increasing ints in ``0 .. num_target_layers - 2``.
+
+    Why each rule (the serving engines, read from vLLM 0.33 and SGLang 0.5.23): both capture the target
+    layers in ascending layer order and concatenate them in that order, so unsorted ids silently permute
+    ``fc``'s input columns; duplicate ids fail at load; SGLang never captures the last layer, and vLLM's
+    feature for it is the pre-norm residual while HF ``hidden_states[L]`` (what training saw) is post-norm.
+    """
+    field_name = "target_layer_ids"
+    top = num_target_layers - 2
+    bound = f"strictly increasing unique ints in 0 .. num_target_layers - 2 = {top}"
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ConfigError(f"{field_name}={ids!r} is invalid: must be a non-empty list of {bound}")
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{field_name}={list(ids)!r} is invalid: every id must be an int ({bound})")
+    ids = list(ids)
+    if top < 0:
+        raise ConfigError(f"num_target_layers={num_target_layers} is invalid: a draft needs a target with at "
+                          "least 2 layers (the last layer cannot feed the draft)")
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ConfigError(f"{field_name}={ids} is invalid: duplicate ids {dupes} (vLLM and SGLang fail to load "
+                          f"them); must be {bound}, e.g. {sorted(set(ids))}")
+    bad = [i for i in ids if not 0 <= i <= top]
+    if bad:
+        last = [i for i in bad if i == num_target_layers - 1]
+        why = (f" layer {num_target_layers - 1} is the target's last layer: SGLang never captures it and vLLM "
+               "hands over its pre-norm residual where training used the post-norm hidden state;"
+               if last else "")
+        raise ConfigError(f"{field_name}={ids} is invalid: ids {bad} are out of range for a target with "
+                          f"num_target_layers={num_target_layers};{why} must be {bound}")
+    if ids != sorted(ids):
+        raise ConfigError(f"{field_name}={ids} is invalid: not in increasing order; vLLM and SGLang concatenate "
+                          f"target layers in ascending order, so this order would permute fc's input columns "
+                          f"silently. Must be {bound}: use {sorted(ids)} (a checkpoint trained in this order "
+                          "needs fc.weight's column blocks permuted the same way)")
+    return ids
 
 
 def rope_theta_of(hf_config: Any) -> float:
@@ -93,8 +136,9 @@ class DraftConfig:
             self.intermediate_size = 3 * self.hidden_size
         if self.target_layer_ids is None and self.num_target_layers > 0 and self.num_hidden_layers > 0:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
-        if self.target_layer_ids is not None:
-            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if isinstance(self.target_layer_ids, (list, tuple)):  # numpy / torch ints become ints; 1.5 stays and fails
+            self.target_layer_ids = [int(i) if isinstance(i, Integral) and not isinstance(i, bool) else i
+                                     for i in self.target_layer_ids]
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -115,11 +159,7 @@ class DraftConfig:
         _require(self.hidden_act == "silu", "hidden_act", self.hidden_act, "== 'silu' (Qwen3 MLP)")
         _require(0 <= self.mask_token_id < self.vocab_size, "mask_token_id", self.mask_token_id,
                  f"0 <= mask_token_id < vocab_size={self.vocab_size}")
-        ids = self.target_layer_ids or []
-        _require(len(ids) >= 1, "target_layer_ids", self.target_layer_ids, "a non-empty list")
-        for i in ids:
-            _require(0 <= i < self.num_target_layers, "target_layer_ids", self.target_layer_ids,
-                     f"every id in [0, num_target_layers={self.num_target_layers})")
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
         if self.sliding_window is not None:
             _require(self.sliding_window >= self.block_size, "sliding_window", self.sliding_window,
                      f"sliding_window >= block_size={self.block_size}")
@@ -215,34 +255,71 @@ class DraftConfig:
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> "DraftConfig":
-        """Read a ``config.json`` written by this project, ModelOpt, SpecForge or z-lab."""
-        dflash = dict(data.get("dflash_config") or {})
-        archs = data.get("architectures") or []
-        if "DFlash2DraftModel" in archs or dflash.get("projector_type") == "dflash2":
-            projector: ProjectorType = "dflash2"
-        elif "DFlashDraftModel" in archs:
-            projector = "dflash"
+        """Read a ``config.json`` written by this project, ModelOpt, SpecForge or z-lab.
+
+        Strict where the serving engines are lenient, because what they accept silently is served wrong:
+        ``architectures`` must be exactly one DFlash architecture and agree with ``dflash_config``
+        (``DFlashDraftModel`` over DFlash2 fields would drop the conv and selector), a top-level
+        ``block_size`` must equal ``dflash_config.block_size``, and ids / sizes must be real ints.
+        Raises :class:`ConfigError` naming the field, the value and what it must be.
+        """
+        if not isinstance(data, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(data).__name__}")
+        dflash = data.get("dflash_config")
+        if not isinstance(dflash, dict):
+            raise ConfigError(f"dflash_config={dflash!r} is invalid: a DFlash / DFlash2 config.json needs a "
+                              "dflash_config object (mask_token_id, target_layer_ids, block_size ...)")
+        archs = data.get("architectures")
+        known = sorted(ARCHITECTURES.values())
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in known:
+            raise ConfigError(f"architectures={archs!r} is invalid: must be exactly one of {known} "
+                              "(vLLM and SGLang pick the draft model class from it)")
+        projector = dflash.get("projector_type")
+        has_dflash2_fields = [k for k in DFLASH2_FIELDS if dflash.get(k)]
+        if archs[0] == "DFlash2DraftModel":
+            if projector not in (None, "dflash2"):
+                raise ConfigError(f"dflash_config.projector_type={projector!r} is invalid with architectures="
+                                  f"{archs!r}: must be 'dflash2' (or absent)")
+            projector = "dflash2"
         else:
-            raise ConfigError(f"architectures={archs!r} is invalid: must contain one of "
-                              f"{sorted(ARCHITECTURES.values())}")
+            if projector == "dflash2" or has_dflash2_fields:
+                what = "projector_type='dflash2'" if projector == "dflash2" else ", ".join(has_dflash2_fields)
+                raise ConfigError(f"architectures={archs!r} is invalid for this checkpoint: dflash_config has "
+                                  f"DFlash2 settings ({what}); served as DFlashDraftModel the convolution and "
+                                  "the selector are dropped silently. Set architectures to "
+                                  "[\"DFlash2DraftModel\"] (or remove the DFlash2 settings for a DFlash draft)")
+            projector = "dflash"
         for key in ("mask_token_id", "target_layer_ids"):
             if key not in dflash:
                 raise ConfigError(f"dflash_config.{key} is missing from config.json")
+        for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "intermediate_size"):
+            if key not in data:
+                raise ConfigError(f"{key} is missing from config.json (the draft's Qwen3 geometry)")
+        inner, top = dflash.get("block_size"), data.get("block_size")
+        if inner is not None and top is not None and inner != top:
+            raise ConfigError(f"block_size={top!r} (top level) disagrees with dflash_config.block_size={inner!r}: "
+                              "SGLang reads dflash_config.block_size, other readers the top-level one, so the "
+                              "draft would be served with a block it was not trained for. Make both equal to "
+                              "the training block size")
+        block_size = inner if inner is not None else top if top is not None else 16
+        layer_ids = dflash["target_layer_ids"]
         num_target_layers = data.get("num_target_layers")
-        if num_target_layers is None:
-            num_target_layers = max(dflash["target_layer_ids"]) + 1
+        if num_target_layers is None and isinstance(layer_ids, list) and layer_ids:
+            # Not recorded (z-lab, older exports): the smallest depth the ids allow (the last layer is never used).
+            num_target_layers = max(int(i) for i in layer_ids if isinstance(i, Integral)) + 2
         dtype = data.get("dtype") or data.get("torch_dtype") or "float32"
         kwargs: dict[str, Any] = dict(
             hidden_size=data["hidden_size"], vocab_size=data["vocab_size"],
-            num_target_layers=int(num_target_layers), num_hidden_layers=data["num_hidden_layers"],
+            num_target_layers=num_target_layers, num_hidden_layers=data["num_hidden_layers"],
             num_attention_heads=data["num_attention_heads"], num_key_value_heads=data["num_key_value_heads"],
             head_dim=data.get("head_dim"), intermediate_size=data["intermediate_size"],
             rms_norm_eps=data.get("rms_norm_eps", 1e-6), rope_theta=rope_theta_of(_Attrs(data)),
             max_position_embeddings=data.get("max_position_embeddings", 32768),
             initializer_range=data.get("initializer_range", 0.02), hidden_act=data.get("hidden_act", "silu"),
-            mask_token_id=int(dflash["mask_token_id"]),
-            block_size=int(dflash.get("block_size", data.get("block_size", 16))),
-            target_layer_ids=list(dflash["target_layer_ids"]),
+            mask_token_id=_json_int(dflash["mask_token_id"], "dflash_config.mask_token_id"),
+            block_size=_json_int(block_size, "dflash_config.block_size"),
+            target_layer_ids=layer_ids,
             sliding_window=data.get("sliding_window") if data.get("use_sliding_window") or dflash.get("use_swa") else None,
             projector_type=projector, torch_dtype=str(dtype).replace("torch.", ""),
         )
@@ -251,8 +328,15 @@ class DraftConfig:
                 if name not in dflash:
                     raise ConfigError(f"dflash_config.{name} is missing from config.json "
                                       f"(required by DFlash2DraftModel)")
-                kwargs[name] = int(dflash[name])
+                kwargs[name] = _json_int(dflash[name], f"dflash_config.{name}")
         return cls(**kwargs)
+
+
+def _json_int(value: Any, name: str) -> int:
+    """``value`` as an int, refusing what only looks like one (``"8"``, ``8.5``, ``true``): engines call ``int()``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise ConfigError(f"{name}={value!r} is invalid: must be an integer")
+    return int(value)
 
 
 class _Attrs:

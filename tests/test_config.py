@@ -12,6 +12,7 @@ from dflash2_lightning.config import ConfigError, DraftConfig, default_target_la
 
 # The tiny fixture geometry: hidden 32, vocab 96, 6 target layers, 4 heads / 2 KV heads, block 4.
 # (overrides, field, value as written in the message, the bound the message must state)
+LAYER_BOUND = "strictly increasing unique ints in 0 .. num_target_layers - 2 = 4"
 INVALID = [
     (dict(conv_kernel_size=0), "conv_kernel_size", "0", "1 <= conv_kernel_size <= block_size=4"),
     (dict(conv_kernel_size=5), "conv_kernel_size", "5", "1 <= conv_kernel_size <= block_size=4"),
@@ -20,9 +21,15 @@ INVALID = [
     (dict(selector_top_k=0), "selector_top_k", "0", "1 <= selector_top_k <= vocab_size=96"),
     (dict(selector_top_k=97), "selector_top_k", "97", "1 <= selector_top_k <= vocab_size=96"),
     (dict(selector_rank=0), "selector_rank", "0", "selector_rank >= 1"),
-    (dict(target_layer_ids=[1, 6]), "target_layer_ids", "[1, 6]", "[0, num_target_layers=6)"),
-    (dict(target_layer_ids=[-1]), "target_layer_ids", "[-1]", "[0, num_target_layers=6)"),
+    (dict(target_layer_ids=[1, 6]), "target_layer_ids", "[1, 6]", LAYER_BOUND),
+    (dict(target_layer_ids=[-1]), "target_layer_ids", "[-1]", LAYER_BOUND),
     (dict(target_layer_ids=[]), "target_layer_ids", "[]", "non-empty"),
+    # the last target layer: SGLang never captures it, vLLM hands over its pre-norm residual
+    (dict(target_layer_ids=[1, 5]), "target_layer_ids", "[1, 5]", "last layer"),
+    # engines concatenate in ascending order: unsorted ids would permute fc's input columns
+    (dict(target_layer_ids=[4, 1, 2]), "target_layer_ids", "[4, 1, 2]", "use [1, 2, 4]"),
+    (dict(target_layer_ids=[1, 2, 2]), "target_layer_ids", "[1, 2, 2]", "duplicate ids [2]"),
+    (dict(target_layer_ids=[1, 2.5]), "target_layer_ids", "[1, 2.5]", "must be an int"),
     (dict(mask_token_id=96), "mask_token_id", "96", "0 <= mask_token_id < vocab_size=96"),
     (dict(mask_token_id=-1), "mask_token_id", "-1", "0 <= mask_token_id < vocab_size=96"),
     (dict(sliding_window=3), "sliding_window", "3", "sliding_window >= block_size=4"),
@@ -82,7 +89,14 @@ def test_default_target_layer_ids(num_target, num_draft, expected):
 def test_target_layer_ids_default_and_override(tiny_draft_config):
     assert tiny_draft_config(target_layer_ids=None, num_target_layers=36,
                              num_hidden_layers=5).target_layer_ids == [1, 9, 17, 25, 33]
-    assert tiny_draft_config(target_layer_ids=[5, 0]).target_layer_ids == [5, 0]
+    assert tiny_draft_config(target_layer_ids=[0, 4]).target_layer_ids == [0, 4]
+
+
+@pytest.mark.parametrize("num_target, num_draft", [(2, 1), (3, 1), (4, 3), (5, 5), (6, 2), (36, 5)])
+def test_default_target_layer_ids_are_always_valid(num_target, num_draft):
+    # Shallow targets: the DFlash rule would pick the last layer (2 layers, 1 draft) or repeat ids (4 / 3).
+    ids = default_target_layer_ids(num_target, num_draft)
+    assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] <= num_target - 2, ids
 
 
 def test_rope_theta_of_reads_rope_parameters_first():

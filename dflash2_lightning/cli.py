@@ -50,6 +50,8 @@ EXTRA_COMMANDS: dict[str, str] = {
     "quickstart": "dflash2_lightning.quickstart:quickstart_main",
     "eval": "dflash2_lightning.evaluate:eval_main",
     "regen": "dflash2_lightning.regen:regen_main",
+    "check": "dflash2_lightning.serving:check_main",
+    "serve-help": "dflash2_lightning.serving:serve_help_main",
 }
 
 

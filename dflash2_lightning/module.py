@@ -22,7 +22,8 @@ Validation anchors are seeded by each sample's content, so validation metrics do
 step, the batch composition or the number of DDP ranks.
 
 At the end of ``fit`` the draft is written as an HF checkpoint (``config.json`` + ``model.safetensors``,
-served as-is by vLLM / SGLang) to ``export_dir`` (default ``<run dir>/hf``).
+served as-is by vLLM / SGLang) to ``export_dir`` (default ``<run dir>/hf``), in the target's dtype, with a
+``SERVING.md`` beside it: the engines' exact command lines and what the engine checks found.
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from dflash2_lightning.checkpoint import save_draft
+from dflash2_lightning.checkpoint import load_config, save_draft
 from dflash2_lightning.config import ConfigError, DraftConfig
+from dflash2_lightning.engines import TargetInfo, choose_export_dtype
 from dflash2_lightning.metrics import DraftMetrics, plot_acceptance
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.objective import (DraftObjective, GoldOutsideTopK, ObjectiveOutput, PositionWeighting,
                                          Teacher, TokenLoss)
+from dflash2_lightning.serving import write_serving
 from dflash2_lightning.target import Target, TargetSpec, load_target
 
 REQUIRED_KEYS = ("input_ids", "loss_mask")
@@ -83,7 +86,8 @@ class DFlash2Module(pl.LightningModule):
         warmup_ratio: linear warmup as a share of all optimizer steps (``warmup_steps`` wins if set).
         min_lr_ratio: the cosine schedule ends at ``min_lr_ratio * lr``.
         export_dir: where the HF checkpoint goes at the end of fit (default ``<trainer.log_dir>/hf``).
-        export_dtype: dtype of the exported weights (default: the training parameters' dtype).
+        export_dtype: dtype of the exported weights (default: the target's dtype, as its checkpoint
+            declares it, because the engines run the draft beside the target; not the training dtype).
         init_from_target: start the draft layers as copies of the target layers that follow the last
             feature layer (see :mod:`dflash2_lightning.warm_start`) instead of random weights.
     """
@@ -351,8 +355,15 @@ class DFlash2Module(pl.LightningModule):
         draft = DraftModel(self.draft_config)
         draft.load_state_dict({k[len("draft."):]: v.detach().cpu() for k, v in state.items()
                                if k.startswith("draft.")})
-        save_draft(draft, directory, dtype=self.hparams.export_dtype)
-        rank_zero_info(f"draft checkpoint written to {directory}")
+        target = TargetInfo.from_target(self.target)
+        dtype, why = choose_export_dtype(self.hparams.export_dtype, target)
+        save_draft(draft, directory, dtype=dtype)
+        serving, findings = write_serving(directory, load_config(directory), target, why)
+        rank_zero_info(f"draft checkpoint written to {directory} in {dtype}: {why}")
+        for finding in findings:
+            if finding.level != "note":  # notes are in SERVING.md; warnings must be seen now
+                rank_zero_warn(str(finding))
+        rank_zero_info(f"how to serve it: {serving}")
 
 
 class WarmupCosine:

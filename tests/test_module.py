@@ -39,9 +39,9 @@ def test_draft_geometry_comes_from_the_target(module):
     assert cfg.target_layer_ids == target.default_layer_ids(1)
     assert cfg.mask_token_id == target.mask_token_id
     assert module.hparams["target_layer_ids"] == cfg.target_layer_ids  # resolved ids are recorded
-    other = DFlash2Module(target=SPEC, target_layer_ids=[0, 3], mask_token_id=7, projector_type="dflash", **{
+    other = DFlash2Module(target=SPEC, target_layer_ids=[0, 2], mask_token_id=7, projector_type="dflash", **{
         k: v for k, v in SMALL.items() if k == "block_size"})
-    assert other.draft_config.target_layer_ids == [0, 3] and other.draft_config.mask_token_id == 7
+    assert other.draft_config.target_layer_ids == [0, 2] and other.draft_config.mask_token_id == 7
     assert other.draft.candidate_selector is None
 
 

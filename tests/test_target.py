@@ -137,7 +137,7 @@ def test_draft_config_takes_the_target_geometry():
     assert cfg.rope_theta == tgt.rope_theta == 12345.0
     assert cfg.target_layer_ids == tgt.default_layer_ids(2)
     assert cfg.mask_token_id == tgt.tokenizer.mask_token_id and cfg.mask_token_id not in tgt.eos_token_ids
-    assert tgt.draft_config(mask_token_id=7, target_layer_ids=[5]).target_layer_ids == [5]
+    assert tgt.draft_config(mask_token_id=7, target_layer_ids=[4]).target_layer_ids == [4]
 
 
 def test_hf_directory_round_trip(tiny, tmp_path):

@@ -1,0 +1,223 @@
+"""Engine-ready checkpoints: the loader refuses what engines would serve wrong, SERVING.md, `dflash2 check`.
+
+The tiny geometry (conftest): hidden 32, vocab 96, 6 target layers, ids [1, 2, 4], block 4, top-k 5.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash2_lightning import cli
+from dflash2_lightning.checkpoint import CheckpointError, load_draft, save_draft, verify_checkpoint
+from dflash2_lightning.config import ConfigError
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.serving import SERVING_NAME
+
+
+def edit_config(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        data = json.loads((directory / "config.json").read_text())
+        change(data)
+        (directory / "config.json").write_text(json.dumps(data))
+    return apply
+
+
+def edit_weights(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        state = load_file(str(directory / "model.safetensors"))
+        change(state)
+        save_file(state, str(directory / "model.safetensors"))
+    return apply
+
+
+def truncate(name: str, keep: int) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        path = directory / name
+        path.write_bytes(path.read_bytes()[:keep])
+    return apply
+
+
+def _strip_dflash2(data: dict) -> None:
+    data["architectures"] = ["DFlashDraftModel"]
+    for key in ("projector_type", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        data["dflash_config"].pop(key)
+
+
+def _nan(state: dict) -> None:
+    state["fc.weight"][0, 0] = float("nan")
+
+
+# (id, how to break a good DFlash2 checkpoint, what the refusal must say)
+BROKEN = [
+    ("llama-architecture", edit_config(lambda d: d.update(architectures=["LlamaForCausalLM"])),
+     r"architectures=\['LlamaForCausalLM'\] is invalid: must be exactly one of \['DFlash2DraftModel', "
+     r"'DFlashDraftModel'\]"),
+    ("dflash-architecture-over-dflash2-config", edit_config(lambda d: d.update(architectures=["DFlashDraftModel"])),
+     r"architectures=\['DFlashDraftModel'\] is invalid for this checkpoint: dflash_config has DFlash2 settings"),
+    ("dflash-config-over-dflash2-weights", edit_config(_strip_dflash2),
+     r"architectures=\['DFlashDraftModel'\] but model.safetensors holds 11 DFlash2 tensors"),
+    ("two-block-sizes", edit_config(lambda d: d.update(block_size=8)),
+     r"block_size=8 \(top level\) disagrees with dflash_config.block_size=4"),
+    ("nan-weights", edit_weights(_nan), r"non-finite weights in 1 tensors: fc.weight \(1 NaN, 0 inf\)"),
+    ("truncated-weights", truncate("model.safetensors", 3000), r"model.safetensors is truncated"),
+    ("truncated-header", truncate("model.safetensors", 5), r"is truncated: 5 bytes"),
+    ("truncated-config", truncate("config.json", 40), r"config.json is not valid JSON"),
+    ("unsorted-layer-ids", edit_config(lambda d: d["dflash_config"].update(target_layer_ids=[4, 1, 2])),
+     r"target_layer_ids=\[4, 1, 2\] is invalid: not in increasing order"),
+    ("last-layer-id", edit_config(lambda d: d["dflash_config"].update(target_layer_ids=[1, 2, 5])),
+     r"target_layer_ids=\[1, 2, 5\] is invalid: .*last layer"),
+    ("string-mask-id", edit_config(lambda d: d["dflash_config"].update(mask_token_id="95")),
+     r"dflash_config.mask_token_id='95' is invalid: must be an integer"),
+    ("missing-tensor", edit_weights(lambda s: s.pop("layers.1.mlp_conv.base_kernel")),
+     r"missing 1: layers\.1\.mlp_conv\.base_kernel"),
+]
+
+
+@pytest.fixture
+def good(tiny_draft_config, randomized_draft, tmp_path) -> Path:
+    return save_draft(randomized_draft(tiny_draft_config(), seed=3), tmp_path / "draft")
+
+
+@pytest.mark.parametrize("break_it, message", [b[1:] for b in BROKEN], ids=[b[0] for b in BROKEN])
+def test_loader_refuses_each_broken_checkpoint(good, break_it, message):
+    break_it(good)
+    with pytest.raises((ConfigError, CheckpointError), match=message):
+        load_draft(good)
+    with pytest.raises((ConfigError, CheckpointError), match=message):
+        verify_checkpoint(good)
+
+
+@pytest.mark.parametrize("break_it, message", [b[1:] for b in BROKEN], ids=[b[0] for b in BROKEN])
+def test_check_refuses_each_broken_checkpoint_in_one_line(good, break_it, message, capsys):
+    break_it(good)
+    assert cli.main(["check", "--draft", str(good)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash2: error: "), captured.err
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_check_passes_a_good_checkpoint_and_states_the_engine_facts(good, capsys):
+    assert cli.main(["check", "--draft", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "DFlash2DraftModel, block_size 4, dtype float32, target_layer_ids [1, 2, 4]: loads" in out
+    assert "note: [vLLM 0.33] vLLM never reads block_size=4" in out and '"num_speculative_tokens": 3' in out
+    # tiny top-k 5 is not a power of two; float32 is served as float16 by SGLang's --dtype auto
+    assert "warning: [SGLang 0.5.23] selector_top_k=5 is not a power of two" in out
+    assert "selector_top_k=8 or 4" in out
+    assert "warning: [SGLang 0.5.23] the draft is float32" in out
+    assert not list(good.glob(SERVING_NAME))  # check writes nothing
+
+
+def write_target(directory: Path, **overrides) -> Path:
+    """A target directory as the checks read it: config.json (+ tokenizer.json), no weights."""
+    config = dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=6, hidden_size=32, vocab_size=96,
+                  torch_dtype="bfloat16", rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    mask = overrides.pop("mask_id", None)
+    config.update(overrides)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if mask is not None:
+        (directory / "tokenizer.json").write_text(json.dumps(
+            {"added_tokens": [{"id": mask, "content": "<|MASK|>"}], "model": {"vocab": {}}}))
+    return directory
+
+
+def test_check_against_a_target_finds_every_mismatch(good, tmp_path, capsys):
+    fits = write_target(tmp_path / "fits", torch_dtype="float32")
+    assert cli.main(["check", "--draft", str(good), "--target", str(fits)]) == 0
+    assert "error" not in capsys.readouterr().out
+
+    other = write_target(tmp_path / "other", num_hidden_layers=4, hidden_size=64, vocab_size=128, mask_id=7,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    assert cli.main(["check", "--draft", str(good), "--target", str(other)]) == 1
+    out = capsys.readouterr().out
+    for expected in ("error: [all engines] hidden_size=32 but the target has 64",
+                     "error: [all engines] vocab_size=96 but the target has 128",
+                     "error: [all engines] num_target_layers=6 but the target has 4",
+                     "error: [all engines] target_layer_ids=[1, 2, 4] reach past layer 2",
+                     "warning: [all engines] rope_theta=10000 but the target's RoPE base is 1e+06",
+                     "error: [SGLang 0.5.23] mask_token_id=95 but the target tokenizer's <|MASK|> is id 7",
+                     "warning: [all engines] the draft is float32 but the target is bfloat16"):
+        assert expected in out, out
+
+
+def test_check_of_a_foreign_checkpoint_without_num_target_layers(good, capsys):
+    # z-lab style: no num_target_layers, sliding layers without is_causal -> vLLM would serve them causal.
+    edit_config(lambda d: (d.pop("num_target_layers"), d.pop("is_causal"),
+                           d.update(layer_types=["sliding_attention"] * 2)))(good)
+    assert cli.main(["check", "--draft", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "does not record num_target_layers" in out
+    assert "vLLM serves those layers causal" in out and 'add "is_causal": false' in out
+
+
+def test_check_names_a_missing_directory(tmp_path, capsys):
+    assert cli.main(["check", "--draft", str(tmp_path / "nowhere")]) == 2
+    assert "no config.json there" in capsys.readouterr().err
+
+
+def commands(text: str) -> list[list[str]]:
+    """The shell commands of SERVING.md's code blocks (continuation lines joined), as argv lists."""
+    out, block, inside = [], "", False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            inside = not inside
+            continue
+        if inside:
+            block += line.rstrip("\\") + " " if line.endswith("\\") else line + "\n"
+    return [shlex.split(c) for c in block.splitlines() if c.strip()]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("projector", ["dflash2", "dflash"])
+def test_serve_help_writes_commands_with_this_checkpoints_numbers(tiny_draft_config, tmp_path, projector, capsys):
+    cfg = tiny_draft_config(projector_type=projector, block_size=8, selector_top_k=8)
+    draft = save_draft(DraftModel(cfg), tmp_path / "draft", dtype="bfloat16")
+    target = write_target(tmp_path / "target")
+    assert cli.main(["serve-help", "--draft", str(draft), "--target", str(target)]) == 0
+    assert f"serving instructions written to {draft / SERVING_NAME}" in capsys.readouterr().out
+    text = (draft / SERVING_NAME).read_text()
+    arch = "DFlash2DraftModel" if projector == "dflash2" else "DFlashDraftModel"
+    assert f"`{arch}`" in text
+    vllm, sglang, export, server, simple = commands(text)
+
+    assert vllm[:3] == ["vllm", "serve", str(target.resolve())] and flag(vllm, "--dtype") == "bfloat16"
+    spec = json.loads(flag(vllm, "--speculative-config"))
+    assert spec == {"method": "dflash", "model": str(draft.resolve()), "num_speculative_tokens": 7}
+
+    assert sglang[:3] == ["python", "-m", "sglang.launch_server"]
+    assert flag(sglang, "--model-path") == str(target.resolve()) and flag(sglang, "--dtype") == "bfloat16"
+    assert flag(sglang, "--speculative-algorithm") == "DFLASH"
+    assert flag(sglang, "--speculative-draft-model-path") == str(draft.resolve())
+    assert flag(sglang, "--speculative-num-draft-tokens") == "8"  # SGLang counts the anchor
+
+    assert export[:2] == ["dflash2", "export-gguf"] and flag(export, "--draft") == str(draft.resolve())
+    assert flag(export, "--target") == str(target.resolve()) and flag(export, "--out") == "draft.gguf"
+    for argv, tool in ((server, "llama-server"), (simple, "llama-speculative-simple")):
+        assert argv[0] == tool and flag(argv, "-md") == "draft.gguf"
+        assert flag(argv, "--spec-type") == "draft-dflash" and flag(argv, "--spec-draft-n-max") == "7"
+    assert "no engine problem found" in text
+    assert ("walks the candidate selector" in text) == (projector == "dflash2")
+
+
+def test_serve_help_out_and_unknown_target(good, tmp_path, capsys):
+    out = tmp_path / "elsewhere" / "HOWTO.md"
+    assert cli.main(["serve-help", "--draft", str(good), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "replace TARGET below" in text and "vllm serve TARGET" in text
+    assert "**warning** [SGLang 0.5.23] selector_top_k=5 is not a power of two" in text
+    printed = capsys.readouterr().out
+    assert "selector_top_k=5" in printed and f"written to {out}" in printed

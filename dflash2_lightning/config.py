@@ -17,6 +17,9 @@ ProjectorType = Literal["dflash2", "dflash"]
 ARCHITECTURES: dict[str, str] = {"dflash2": "DFlash2DraftModel", "dflash": "DFlashDraftModel"}
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 DEFAULT_ROPE_THETA = 1_000_000.0
+#: dflash_config keys the engines honour (output logit scale, softcap, embedding scale) with their no-op value.
+UNSUPPORTED_SCALES: dict[str, Any] = {"output_multiplier": 1.0, "final_logit_softcapping": 0.0,
+                                      "input_embedding_scale": 1.0}
 
 
 class ConfigError(ValueError):
@@ -292,6 +295,12 @@ class DraftConfig:
         for key in ("mask_token_id", "target_layer_ids"):
             if key not in dflash:
                 raise ConfigError(f"dflash_config.{key} is missing from config.json")
+        for key, neutral in UNSUPPORTED_SCALES.items():  # engines apply these; this project's model does not
+            value = dflash.get(key)
+            if value is not None and value != neutral:
+                raise ConfigError(f"dflash_config.{key}={value!r} is not supported: vLLM and SGLang apply it, "
+                                  "this project's draft model does not, so its evaluation and exports would "
+                                  f"differ from what the engines serve (supported: absent or {neutral!r})")
         for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "intermediate_size"):
             if key not in data:

@@ -375,13 +375,15 @@ def convert_gguf(path: Path, cache_dir: Path | None = None) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash2_lightning.checkpoint import dir_mode
+
     root = (cache_dir or default_cache_dir()) / "hf"
     final = root / f"{path.stem}-{_gguf_key(path)}"
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+    os.chmod(tmp, dir_mode())  # mkdtemp makes it private; the cache is an ordinary directory (umask)
     try:
         loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

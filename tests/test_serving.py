@@ -76,6 +76,8 @@ BROKEN = [
      r"target_layer_ids=\[1, 2, 5\] is invalid: .*last layer"),
     ("string-mask-id", edit_config(lambda d: d["dflash_config"].update(mask_token_id="95")),
      r"dflash_config.mask_token_id='95' is invalid: must be an integer"),
+    ("output-multiplier", edit_config(lambda d: d["dflash_config"].update(output_multiplier=2.0)),
+     r"dflash_config.output_multiplier=2.0 is not supported: vLLM and SGLang apply it"),
     ("missing-tensor", edit_weights(lambda s: s.pop("layers.1.mlp_conv.base_kernel")),
      r"missing 1: layers\.1\.mlp_conv\.base_kernel"),
 ]
@@ -151,14 +153,23 @@ def test_check_against_a_target_finds_every_mismatch(good, tmp_path, capsys):
         assert expected in out, out
 
 
-def test_check_of_a_foreign_checkpoint_without_num_target_layers(good, capsys):
-    # z-lab style: no num_target_layers, sliding layers without is_causal -> vLLM would serve them causal.
-    edit_config(lambda d: (d.pop("num_target_layers"), d.pop("is_causal"),
-                           d.update(layer_types=["sliding_attention"] * 2)))(good)
+def _zlab_form(d: dict) -> None:
+    """The published z-lab fixture's form: rope_parameters only, `dtype`, neutral multipliers, SWA layers,
+    no num_target_layers; here also without is_causal, which makes vLLM serve the sliding layers causal."""
+    for key in ("rope_theta", "torch_dtype", "num_target_layers", "is_causal"):
+        d.pop(key)
+    d.update(layer_types=["sliding_attention"] * 2, sliding_window=8, use_sliding_window=True)
+    d["dflash_config"].update(output_multiplier=1.0, final_logit_softcapping=None)
+
+
+def test_check_of_a_foreign_checkpoint(good, capsys):
+    edit_config(_zlab_form)(good)
     assert cli.main(["check", "--draft", str(good)]) == 0
     out = capsys.readouterr().out
+    assert "loads (config, tensors, values checked)" in out
     assert "does not record num_target_layers" in out
     assert "vLLM serves those layers causal" in out and 'add "is_causal": false' in out
+    load_draft(good)  # the project's own loader reads it too
 
 
 def test_check_names_a_missing_directory(tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,3 +120,24 @@ def test_fit_with_bad_layer_ids_stops_before_training(tmp_path, monkeypatch, cap
     assert exc.value.code == 2
     assert "target_layer_ids=[2, 1] is invalid: not in increasing order" in capsys.readouterr().err
     assert not list(tmp_path.glob("runs/**/*.ckpt"))
+
+
+# ----------------------------------------------------------------------------- what fit knows about its target
+def _stub_target(spec: TargetSpec, dtype=torch.float32):
+    tokenizer = SimpleNamespace(get_vocab=lambda: {"<|MASK|>": 9})
+    return SimpleNamespace(spec=spec, dtype=dtype, tokenizer=tokenizer, num_layers=6, hidden_size=32,
+                           vocab_size=96, rope_theta=1e4)
+
+
+def test_target_info_of_an_hf_directory_target_reads_its_declared_dtype(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    info = TargetInfo.from_target(_stub_target(TargetSpec(path=str(tmp_path))))
+    assert info.path == str(tmp_path.resolve()) and info.dtype == "bfloat16" and info.loaded_dtype == "float32"
+    assert info.serving_dtype == "bfloat16" and info.mask_token_vocab_id == 9 and info.num_layers == 6
+
+
+def test_target_info_of_a_gguf_target_points_llama_cpp_at_the_file(tmp_path):
+    gguf = tmp_path / "target.gguf"
+    gguf.write_bytes(b"GGUF")
+    info = TargetInfo.from_target(_stub_target(TargetSpec(gguf=str(gguf)), dtype=torch.float16))
+    assert info.gguf == str(gguf.resolve()) and info.path is None and info.serving_dtype == "float16"

@@ -54,7 +54,7 @@ DRAFTS = {
 DATA = {"tiny": dict(seq_len=64, batch_size=8), "smollm2": dict(seq_len=192, batch_size=8)}
 
 
-def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str) -> dict:
+def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str, precision: str = "32") -> dict:
     """One configuration in this process: train ``warmup + steps`` steps, time the last ``steps``."""
     import torch
     from lightning.pytorch import Callback, Trainer
@@ -66,13 +66,15 @@ def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str) -> d
     class Timer(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.cpu: list[float] = []
             self.tokens: list[float] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.times.append(time.perf_counter() - self.start)
+            self.cpu.append(time.process_time() - self.cpu_start)
             self.tokens.append(float(trainer.callback_metrics["train/supervised_positions"]))
 
     spec = TargetSpec(tiny=TARGETS[name])
@@ -91,11 +93,11 @@ def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str) -> d
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False, enable_checkpointing=False,
                       default_root_dir=os.path.join(cache_root, f"run-{name}-{mode}"),  # the HF export lands here
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                      gradient_clip_val=1.0, limit_val_batches=0, callbacks=[timer])
+                      gradient_clip_val=1.0, limit_val_batches=0, callbacks=[timer], precision=precision)
     trainer.fit(model, datamodule=data)
-    timed, tokens = timer.times[warmup:], timer.tokens[warmup:]
+    timed, tokens, cpu = timer.times[warmup:], timer.tokens[warmup:], timer.cpu[warmup:]
     return {
-        "target": name, "mode": mode, "steps_timed": len(timed), "batch": DATA[name]["batch_size"],
+        "target": name, "mode": mode, "precision": precision, "step_cpu_s": sum(cpu) / len(cpu), "steps_timed": len(timed), "batch": DATA[name]["batch_size"],
         "seq_len": DATA[name]["seq_len"], "draft_params": model.draft.num_parameters(),
         "target_params": sum(p.numel() for p in model.target.parameters()),
         "supervised_tokens_per_step": sum(tokens) / len(tokens),
@@ -112,7 +114,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--only", choices=sorted(TARGETS), default=None)
-    parser.add_argument("--one", nargs=2, metavar=("TARGET", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default="online,offline", help="comma-separated data modes (default both)")
+    parser.add_argument("--precisions", default="32",
+                        help="comma-separated Lightning precisions, e.g. 32,bf16-mixed (default 32)")
+    parser.add_argument("--one", nargs=3, metavar=("TARGET", "MODE", "PRECISION"), help=argparse.SUPPRESS)
     parser.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
@@ -120,14 +125,15 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     if args.one:  # child process: one configuration, one JSON line
-        print("RESULT " + json.dumps(run_one(*args.one, args.steps, args.warmup, args.cache)), flush=True)
+        name, mode, precision = args.one
+        print("RESULT " + json.dumps(run_one(name, mode, args.steps, args.warmup, args.cache, precision)), flush=True)
         return
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-training-") as cache:
         for name in [args.only] if args.only else list(TARGETS):
-            for mode in ("online", "offline"):
-                command = [sys.executable, __file__, "--one", name, mode, "--steps", str(args.steps),
+            for mode, precision in [(m, p) for m in args.modes.split(",") for p in args.precisions.split(",")]:
+                command = [sys.executable, __file__, "--one", name, mode, precision, "--steps", str(args.steps),
                            "--warmup", str(args.warmup), "--cache", cache]
                 if args.threads:
                     command += ["--threads", str(args.threads)]
@@ -138,16 +144,19 @@ def main() -> None:
                     raise SystemExit(f"{name}/{mode} failed:\n{done.stderr[-4000:]}")
                 rows.append(json.loads(lines[-1][len("RESULT "):]))
 
-    print("| target | mode | batch x seq | supervised tokens/step | step (s) | supervised tokens/s | peak RSS (MiB) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| target | mode | precision | batch x seq | supervised tokens/step | step (s) | step CPU (s) | "
+          "supervised tokens/s | peak RSS (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['target']} | {r['mode']} | {r['batch']} x {r['seq_len']} | {r['supervised_tokens_per_step']:.0f} "
-              f"| {r['step_s']:.3f} | {r['supervised_tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} |")
+        print(f"| {r['target']} | {r['mode']} | {r['precision']} | {r['batch']} x {r['seq_len']} | "
+              f"{r['supervised_tokens_per_step']:.0f} | {r['step_s']:.3f} | {r['step_cpu_s']:.3f} | "
+              f"{r['supervised_tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} |")
     RESULTS.mkdir(exist_ok=True)
     out = {"command": "python benchmarks/bench_training.py " + " ".join(sys.argv[1:]),
            "machine": {"platform": platform.platform(), "processor": platform.processor(),
                        "cpu_count": os.cpu_count(), "python": platform.python_version()},
-           "note": "CPU, float32; a shared machine: treat step times as indicative",
+           "load_average_end": [round(x, 2) for x in os.getloadavg()],
+           "note": "CPU; step CPU (s) is the process's CPU time per step, less sensitive to other load",
            "results": rows}
     path = RESULTS / "bench_training.json"
     path.write_text(json.dumps(out, indent=2) + "\n")

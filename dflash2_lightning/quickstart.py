@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -64,6 +65,11 @@ class QuickstartOptions:
         config: the LightningCLI config (default: ``configs/quickstart.yaml``).
         num_prompts: seed prompts whose responses are generated (the training set).
         max_new_tokens: response budget of the regeneration.
+        sampled: sampled responses per prompt besides the greedy one (temperature ``sample_temperature``,
+            top-p 0.95): several answers per prompt, more and more varied training text.
+        sample_temperature: temperature of the sampled responses.
+        regen_dtype: dtype of the target while it generates the responses (``None``: the target's own).
+            The features and labels the draft trains on always come from the target itself.
         regen_batch_size: prompts generated together.
         eval_prompts: held-out prompts measured by speculative decoding.
         eval_max_new_tokens: generation budget per evaluation prompt.
@@ -79,6 +85,9 @@ class QuickstartOptions:
     config: str | None = None
     num_prompts: int = 192
     max_new_tokens: int = 96
+    sampled: int = 0
+    sample_temperature: float = 0.8
+    regen_dtype: str | None = None
     regen_batch_size: int = 64  # on 2 CPU cores: 84 tok/s vs 75 at 32 and 52 at 16
     eval_prompts: int = 8
     eval_max_new_tokens: int = 64
@@ -93,6 +102,10 @@ class QuickstartOptions:
             value = getattr(self, name)
             if value < 1:
                 raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
+        if self.sampled < 0:
+            raise QuickstartError(f"sampled={self.sampled} is invalid: must be >= 0")
+        if self.sampled and not self.sample_temperature > 0:
+            raise QuickstartError(f"sample_temperature={self.sample_temperature} is invalid: must be > 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise QuickstartError(f"max_steps={self.max_steps} is invalid: must be >= 1")
         if self.threads is not None and self.threads < 1:
@@ -347,17 +360,28 @@ def step_responses(rep: Reporter, opts: QuickstartOptions, out: Path, target: An
     from dflash2_lightning.prompts import SEED_PROMPTS
     from dflash2_lightning.regen import regen
 
+    from dflash2_lightning.generate import Sampling
+    from dflash2_lightning.target import load_target
+
     path = out / "data" / "responses.jsonl"
     settings = {"target": json.loads(target.spec.key()), "num_prompts": opts.num_prompts,
                 "max_new_tokens": opts.max_new_tokens, "prompts": file_digest(SEED_PROMPTS)}
+    if opts.sampled:
+        settings.update(sampled=opts.sampled, sample_temperature=opts.sample_temperature)
+    generator = target
+    if opts.regen_dtype and opts.regen_dtype != target.spec.dtype:
+        generator = load_target(dataclasses.replace(target.spec, dtype=opts.regen_dtype))
+        settings["regen_dtype"] = opts.regen_dtype
     same = stamps.matches("regen", settings) and not opts.overwrite
     reused = same and path.is_file()
-    step = rep.step("responses", f"target's greedy responses to {opts.num_prompts} seed prompts, up to "
+    kinds = "greedy" + (f" + {opts.sampled} sampled (T={opts.sample_temperature})" if opts.sampled else "")
+    step = rep.step("responses", f"target's {kinds} responses to {opts.num_prompts} seed prompts, up to "
                                  f"{opts.max_new_tokens} tokens each -> {path}")
     if not same:
         stamps.write("regen", settings)
-    regen(target, SEED_PROMPTS, path, max_new_tokens=opts.max_new_tokens, batch_size=opts.regen_batch_size,
-          max_prompts=opts.num_prompts, overwrite=not same, progress=opts.progress)
+    regen(generator, SEED_PROMPTS, path, max_new_tokens=opts.max_new_tokens, batch_size=opts.regen_batch_size,
+          max_prompts=opts.num_prompts, overwrite=not same, progress=opts.progress, sampled=opts.sampled,
+          sampling=Sampling(temperature=opts.sample_temperature, top_p=0.95))
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     tokens = sum(len(target.tokenizer(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
                  for r in rows)
@@ -612,6 +636,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seed prompts to generate training responses for (default {d.num_prompts})")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                    help=f"response budget of the regeneration (default {d.max_new_tokens})")
+    p.add_argument("--sampled", type=int, default=d.sampled,
+                   help=f"sampled responses per prompt besides the greedy one (default {d.sampled})")
+    p.add_argument("--sample-temperature", type=float, default=d.sample_temperature,
+                   help=f"temperature of the sampled responses (default {d.sample_temperature})")
+    p.add_argument("--regen-dtype", default=d.regen_dtype, choices=["float32", "bfloat16"],
+                   help="dtype of the target while it generates the responses (default: the target's own)")
     p.add_argument("--regen-batch-size", type=int, default=d.regen_batch_size,
                    help=f"prompts generated together (default {d.regen_batch_size})")
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts,
@@ -638,7 +668,8 @@ def quickstart_main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
     opts = QuickstartOptions(
         target=args.target, out=args.out, config=args.config, num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens, regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
+        max_new_tokens=args.max_new_tokens, sampled=args.sampled, sample_temperature=args.sample_temperature,
+        regen_dtype=args.regen_dtype, regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens, max_steps=args.max_steps, overrides=args.overrides,
         overwrite=args.overwrite, progress=not args.no_progress,
         threads=None if args.threads == "auto" else int(args.threads))

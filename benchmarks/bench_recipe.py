@@ -1,0 +1,145 @@
+"""The recipe ablation: which settings give the highest *measured* τ for the quickstart's budget.
+
+Every variant is one ``dflash2 quickstart`` run (the command recorded beside its result reproduces it
+alone), all on the same regenerated responses: the responses of the first variant are copied into the
+others' output directories with their settings stamp, so only the training and the evaluation differ
+(the offline feature cache is content-keyed and shared between variants with the same features).
+
+    python benchmarks/bench_recipe.py --out runs/recipe [--variants base,kd,...] [--eval-prompts 16]
+
+Each row: measured τ (selector walk and backbone argmax, real speculative decoding on the held-out
+prompts, with the report's interval where it has one), the trainer's validation τ, speed-up vs the
+target alone, and the wall/CPU time of training. Results go to ``benchmarks/results/bench_recipe.json``
+(merged by variant name, so a partial re-run keeps the other rows) and a markdown table is printed.
+Not a test: a full run takes an hour or more on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_recipe.json"
+
+# name -> (extra quickstart flags, what it tests). Every variant starts from configs/quickstart.yaml.
+VARIANTS: dict[str, tuple[list[str], str]] = {
+    "base": ([], "configs/quickstart.yaml as shipped"),
+    "dflash": (["--set", "model.init_args.projector_type=dflash"], "the DFlash baseline (no conv, no selector)"),
+    "kd32": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32"],
+             "soft distillation from the target's cached top-32 logits"),
+    "dpace": (["--set", "model.init_args.position_weighting=dpace"], "D-PACE position weights (alpha 0.5)"),
+    "init29": (["--set", "model.init_args.init_from_target=true", "--set", "model.init_args.target_layer_ids=[28]"],
+               "draft layer starts as target layer 29, features from layer 28"),
+    "init16": (["--set", "model.init_args.init_from_target=true", "--set", "model.init_args.target_layer_ids=[15]"],
+               "draft layer starts as target layer 16, features from layer 15 (the default feature layer)"),
+    "bf16": (["--set", "trainer.precision=bf16-mixed"], "bf16 autocast training (CPU AVX512-BF16)"),
+    "lr1e-3_wd": (["--set", "model.init_args.lr=1.0e-3", "--set", "model.init_args.weight_decay=0.1"],
+                  "lower learning rate and weight decay 0.1"),
+}
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def share_responses(source: Path, dest: Path) -> None:
+    """Give ``dest`` the responses of ``source`` and its regen stamp, so its quickstart reuses them."""
+    for rel in ("data/responses.jsonl", ".quickstart/regen.json"):
+        if (source / rel).is_file() and not (dest / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / rel, dest / rel)
+
+
+def run_variant(name: str, flags: list[str], common: list[str], out: Path, first: Path | None) -> dict[str, Any]:
+    """Run one variant's quickstart (reusing the shared responses); return its result row."""
+    target = out / name
+    if first is not None and first != target:
+        share_responses(first, target)
+    cmd = ["dflash2", "quickstart", "--out", str(target), "--no-progress", *common, *flags]
+    started, cpu0 = time.perf_counter(), os.times()
+    load = os.getloadavg()
+    log = target.parent / f"{name}.log"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        done = subprocess.run([str(Path(sys.executable).parent / "dflash2"), *cmd[1:]], stdout=f,
+                              stderr=subprocess.STDOUT)
+    cpu1 = os.times()
+    row: dict[str, Any] = {"command": shlex.join(cmd), "returncode": done.returncode, "log": str(log),
+                           "wall_seconds": round(time.perf_counter() - started, 1),
+                           "cpu_seconds": round(cpu1.children_user + cpu1.children_system
+                                                - cpu0.children_user - cpu0.children_system, 1),
+                           "load_average_start": [round(x, 2) for x in load],
+                           "load_average_end": [round(x, 2) for x in os.getloadavg()]}
+    summary = _load(target / "summary.json")
+    if summary:
+        row["tau"] = summary["tau"]
+        row["validation_tau"] = summary.get("validation_tau")
+        row["estimated_tau"] = summary.get("estimated_tau")
+        row["timings"] = summary["timings"]
+        row["eval"] = {k: summary["eval"][k] for k in ("prompts", "generated_tokens")}
+        row["paths"] = {p: {"measured": {k: v for k, v in r["measured"].items() if k != "per_prompt"},
+                            "speedup": r.get("speedup")} for p, r in summary["eval"]["paths"].items()}
+        row["draft"] = summary["draft"]
+    return row
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| variant | what | τ selector | τ backbone | val τ sel / bb | speed-up sel | train s | command |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, row in results.items():
+        tau = row.get("tau") or {}
+        val = row.get("validation_tau") or {}
+        sp = ((row.get("paths") or {}).get("selector") or {}).get("speedup")
+        train = ((row.get("timings") or {}).get("train") or {}).get("seconds")
+        fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
+        lines.append(f"| {name} | {row.get('what', '')} | {fmt(tau.get('selector'))} | {fmt(tau.get('backbone'))} | "
+                     f"{fmt(val.get('selector'))} / {fmt(val.get('backbone'))} | {fmt(sp)} | {fmt(train)} | "
+                     f"`{row.get('command', '')}` |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/recipe", help="root of the variants' quickstart directories")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names (default: all)")
+    p.add_argument("--results", default=str(RESULTS), help="JSON results file (merged by variant name)")
+    p.add_argument("--responses-from", default=None,
+                   help="a quickstart output directory whose responses every variant reuses (default: the first "
+                        "variant's own)")
+    p.add_argument("common", nargs=argparse.REMAINDER,
+                   help="flags passed to every quickstart after '--' (e.g. -- --num-prompts 338 --max-steps 600)")
+    args = p.parse_args(argv)
+    common = [a for a in args.common if a != "--"]
+    out = Path(args.out)
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
+    results_path = Path(args.results)
+    results = _load(results_path)
+    first: Path | None = Path(args.responses_from) if args.responses_from else None
+    for name in names:
+        flags, what = VARIANTS[name]
+        print(f"== {name}: {what}", flush=True)
+        row = run_variant(name, flags, common, out, first)
+        row["what"] = what
+        results[name] = row
+        first = first or out / name
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+        results_path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"   tau {row.get('tau')} val {row.get('validation_tau')} ({row['wall_seconds']} s, rc {row['returncode']})",
+              flush=True)
+    print(table({n: results[n] for n in names}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,8 +44,8 @@ from dflash2_lightning.config import ConfigError, DraftConfig
 from dflash2_lightning.engines import TargetInfo, choose_export_dtype
 from dflash2_lightning.metrics import DraftMetrics, plot_acceptance
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.objective import (DraftObjective, GoldOutsideTopK, ObjectiveOutput, PositionWeighting,
-                                         Teacher, TokenLoss)
+from dflash2_lightning.objective import (DraftObjective, GoldOutsideTopK, LabelSource, ObjectiveOutput,
+                                         PositionWeighting, Teacher, TokenLoss)
 from dflash2_lightning.serving import write_serving
 from dflash2_lightning.target import Target, TargetSpec, load_target
 
@@ -81,6 +81,8 @@ class DFlash2Module(pl.LightningModule):
         selector_loss_alpha: weight of the selector loss (0 disables it).
         gold_outside_topk: ``"insert_last"`` or ``"drop"`` (see :mod:`dflash2_lightning.objective`).
         num_anchors: blocks per sample per step (at most).
+        labels: hard-CE / selector gold tokens: ``"data"`` (next data token) or ``"target"`` (the target's
+            greedy token after the data prefix; see :class:`~dflash2_lightning.objective.DraftObjective`).
         anchor_seed: seed of the anchor sampling.
         lr, weight_decay, betas: AdamW. Norm weights and the conv base kernels are not decayed.
         warmup_ratio: linear warmup as a share of all optimizer steps (``warmup_steps`` wins if set).
@@ -116,6 +118,7 @@ class DFlash2Module(pl.LightningModule):
         selector_loss_alpha: float = 1.0,
         gold_outside_topk: GoldOutsideTopK = "insert_last",
         num_anchors: int = 256,
+        labels: LabelSource = "data",
         anchor_seed: int = 0,
         lr: float = 6e-4,
         weight_decay: float = 0.0,
@@ -162,7 +165,8 @@ class DFlash2Module(pl.LightningModule):
         self.objective = DraftObjective(token_loss=token_loss, position_weighting=position_weighting,
                                         decay_gamma=decay_gamma, dpace_alpha=dpace_alpha,
                                         selector_loss_alpha=selector_loss_alpha,
-                                        gold_outside_topk=gold_outside_topk, num_anchors=num_anchors)
+                                        gold_outside_topk=gold_outside_topk, num_anchors=num_anchors,
+                                        labels=labels)
         self.val_metrics = DraftMetrics(self.draft_config.block_size, selector=self.draft_config.is_dflash2,
                                         prefix="val")
 

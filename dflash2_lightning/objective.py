@@ -32,6 +32,8 @@ Gold token outside the selector's top-k (``gold_outside_topk``)
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.model.selector import CandidateSelector
 
 TokenLoss = Literal["ce", "kd"]
+LabelSource = Literal["data", "target"]
 PositionWeighting = Literal["none", "decay", "dpace"]
 GoldOutsideTopK = Literal["insert_last", "drop"]
 Fn = Callable[[Tensor], Tensor]
@@ -274,11 +277,16 @@ class DraftObjective:
         selector_loss_alpha: weight of the DFlash2 selector loss (0 disables it).
         gold_outside_topk: ``"insert_last"`` or ``"drop"`` (see the module docstring).
         num_anchors: blocks per sample (at most).
+        labels: what the hard CE and the selector's gold token are: ``"data"`` (the next data token,
+            ModelOpt's convention) or ``"target"`` (the target's greedy token after the same data prefix,
+            when the batch carries it). They agree on the target's own greedy responses; on sampled
+            responses or other text ``"target"`` trains what greedy verification accepts.
     """
 
     def __init__(self, token_loss: TokenLoss = "ce", position_weighting: PositionWeighting = "none",
                  decay_gamma: float = 7.0, dpace_alpha: float = 0.5, selector_loss_alpha: float = 1.0,
-                 gold_outside_topk: GoldOutsideTopK = "insert_last", num_anchors: int = 256) -> None:
+                 gold_outside_topk: GoldOutsideTopK = "insert_last", num_anchors: int = 256,
+                 labels: LabelSource = "data") -> None:
         _check(token_loss in ("ce", "kd"), "token_loss", token_loss, "one of 'ce', 'kd'")
         _check(position_weighting in ("none", "decay", "dpace"), "position_weighting", position_weighting,
                "one of 'none', 'decay', 'dpace'")
@@ -288,6 +296,8 @@ class DraftObjective:
         _check(gold_outside_topk in ("insert_last", "drop"), "gold_outside_topk", gold_outside_topk,
                "one of 'insert_last', 'drop'")
         _check(isinstance(num_anchors, int) and num_anchors >= 1, "num_anchors", num_anchors, "an integer >= 1")
+        _check(labels in ("data", "target"), "labels", labels, "one of 'data', 'target'")
+        self.labels = labels
         self.token_loss, self.position_weighting = token_loss, position_weighting
         self.decay_gamma, self.dpace_alpha = decay_gamma, dpace_alpha
         self.selector_loss_alpha, self.gold_outside_topk = selector_loss_alpha, gold_outside_topk
@@ -312,6 +322,11 @@ class DraftObjective:
             anchors = sample_anchors(loss_mask, cfg.block_size, self.num_anchors, generator)
         blocks = layout_blocks(input_ids, loss_mask, *anchors, cfg.block_size, cfg.mask_token_id)
         n, bs = blocks.num_blocks, cfg.block_size
+        if self.labels == "target":
+            if teacher.greedy is None:
+                raise ObjectiveError("labels='target' needs the target's greedy tokens (online, or an offline "
+                                     "cache, which always stores them); the batch has none")
+            blocks = dataclasses.replace(blocks, labels=gather_positions(teacher.greedy, blocks.sources))
 
         # One draft pass over every block: context K/V of all S positions, then the N blocks.
         context = draft.context_kv(features, torch.arange(s, device=input_ids.device).expand(b, s))

@@ -258,10 +258,30 @@ def test_selector_loss_alpha_zero_disables_it(tiny_draft_config):
     ({"dpace_alpha": 0.0}, "dpace_alpha"), ({"dpace_alpha": 1.5}, "dpace_alpha"),
     ({"decay_gamma": 0.0}, "decay_gamma"), ({"selector_loss_alpha": -1.0}, "selector_loss_alpha"),
     ({"gold_outside_topk": "ignore"}, "gold_outside_topk"), ({"num_anchors": 0}, "num_anchors"),
+    ({"labels": "teacher"}, "labels"),
 ])
 def test_bad_objective_settings_name_the_field(kwargs, field):
     with pytest.raises(ObjectiveError, match=field):
         DraftObjective(**kwargs)
+
+
+def test_target_labels_train_on_the_targets_greedy_tokens(tiny_draft_config):
+    cfg = tiny_draft_config()
+    draft, target, ids, features = _setup(cfg)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    anchors = (torch.tensor([[0, 8], [4, 12]]), torch.ones(2, 2, dtype=torch.bool))
+    greedy = torch.roll(ids, -1, dims=1)  # "the target predicts the data": labels="target" == labels="data"
+    same = [DraftObjective(labels=src)(draft, target.embed, target.head, ids, mask, features,
+                                       Teacher(greedy=greedy), anchors=anchors).loss for src in ("data", "target")]
+    assert torch.equal(same[0], same[1])
+    other = (ids * 7 + 3) % (cfg.vocab_size - 1)  # a target that disagrees with the data everywhere
+    out = DraftObjective(labels="target")(draft, target.embed, target.head, ids, mask, features,
+                                          Teacher(greedy=other), anchors=anchors)
+    want = other.gather(1, out.blocks.sources.flatten(1)).view_as(out.blocks.labels)
+    assert torch.equal(out.blocks.labels, want) and not torch.isclose(out.loss, same[0])
+    with pytest.raises(ObjectiveError, match="greedy"):
+        DraftObjective(labels="target")(draft, target.embed, target.head, ids, mask, features, Teacher(),
+                                        anchors=anchors)
 
 
 def test_kd_without_teacher_is_a_clear_error(tiny_draft_config):

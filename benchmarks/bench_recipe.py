@@ -36,10 +36,17 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "kd32": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32"],
              "soft distillation from the target's cached top-32 logits"),
     "dpace": (["--set", "model.init_args.position_weighting=dpace"], "D-PACE position weights (alpha 0.5)"),
-    "init29": (["--set", "model.init_args.init_from_target=true", "--set", "model.init_args.target_layer_ids=[28]"],
-               "draft layer starts as target layer 29, features from layer 28"),
-    "init16": (["--set", "model.init_args.init_from_target=true", "--set", "model.init_args.target_layer_ids=[15]"],
-               "draft layer starts as target layer 16, features from layer 15 (the default feature layer)"),
+    "init29": (["--set", "model.init_args.init_from_target=true", "--set", "model.init_args.target_layer_ids=[28]",
+                "--set", "model.init_args.lr=1.0e-3"],
+               "draft layer starts as target layer 29, features from layer 28, lr 1e-3"),
+    "init16": (["--set", "model.init_args.init_from_target=true", "--set", "model.init_args.target_layer_ids=[15]",
+                "--set", "model.init_args.lr=1.0e-3"],
+               "draft layer starts as target layer 16, features from layer 15 (the default feature layer), lr 1e-3"),
+    "norm": (["--set", "model.init_args.normalize_features=true"],
+             "fc trained on unit-RMS features (scale folded into fc at export)"),
+    "norm_init29": (["--set", "model.init_args.normalize_features=true", "--set", "model.init_args.init_from_target=true",
+                     "--set", "model.init_args.target_layer_ids=[28]", "--set", "model.init_args.lr=1.0e-3"],
+                    "normalized features + draft layer from target layer 29 (features of layer 28), lr 1e-3"),
     "bf16": (["--set", "trainer.precision=bf16-mixed"], "bf16 autocast training (CPU AVX512-BF16)"),
     "lr1e-3_wd": (["--set", "model.init_args.lr=1.0e-3", "--set", "model.init_args.weight_decay=0.1"],
                   "lower learning rate and weight decay 0.1"),
@@ -88,7 +95,35 @@ def run_variant(name: str, flags: list[str], common: list[str], out: Path, first
         row["paths"] = {p: {"measured": {k: v for k, v in r["measured"].items() if k != "per_prompt"},
                             "speedup": r.get("speedup")} for p, r in summary["eval"]["paths"].items()}
         row["draft"] = summary["draft"]
+    from dflash2_lightning.quickstart import last_validation
+
+    row["validation"] = last_validation(target / "train" / "metrics.csv")  # incl. selector coverage/accuracy
     return row
+
+
+def plot_acceptance(results: dict[str, Any], names: list[str], path: Path) -> None:
+    """Measured per-position acceptance of ``names`` (every decoding path of each) in one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in names:
+        for dpath, res in (results[name].get("paths") or {}).items():
+            accept = res["measured"].get("accept") or []
+            tau = res["measured"].get("tau")
+            ax.plot(range(1, len(accept) + 1), accept, marker="o",
+                    label=f"{name} {dpath} (tau {tau:.2f})" if tau else f"{name} {dpath}")
+    ax.set_xlabel("block offset k")
+    ax.set_ylabel("P(offsets 1..k accepted), measured")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def table(results: dict[str, Any]) -> str:
@@ -114,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--responses-from", default=None,
                    help="a quickstart output directory whose responses every variant reuses (default: the first "
                         "variant's own)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also plot the measured acceptance curves of the run's variants into PNG")
     p.add_argument("common", nargs=argparse.REMAINDER,
                    help="flags passed to every quickstart after '--' (e.g. -- --num-prompts 338 --max-steps 600)")
     args = p.parse_args(argv)
@@ -138,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   tau {row.get('tau')} val {row.get('validation_tau')} ({row['wall_seconds']} s, rc {row['returncode']})",
               flush=True)
     print(table({n: results[n] for n in names}))
+    if args.plot:
+        plot_acceptance(results, names, Path(args.plot))
+        print(f"plot: {args.plot}")
     return 0
 
 

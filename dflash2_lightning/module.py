@@ -92,6 +92,13 @@ class DFlash2Module(pl.LightningModule):
             declares it, because the engines run the draft beside the target; not the training dtype).
         init_from_target: start the draft layers as copies of the target layers that follow the last
             feature layer (see :mod:`dflash2_lightning.warm_start`) instead of random weights.
+        normalize_features: train ``fc`` on target features scaled to unit RMS per dimension (the scale
+            is measured on the first training batch and folded into ``fc.weight`` at export, so the
+            checkpoint computes exactly ``hidden_norm(fc(features))`` on raw features). LLM hidden
+            states carry a few "massive" dimensions (SmolLM2's middle layer: two at ~25x the median RMS,
+            and the first position at ~300x): raw, they dominate a random ``fc``'s output, so every
+            context vector starts out pointing the same way and Adam's per-weight steps move those
+            columns ~25x more than the rest.
     """
 
     def __init__(
@@ -129,6 +136,7 @@ class DFlash2Module(pl.LightningModule):
         export_dir: str | None = None,
         export_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         init_from_target: bool = False,
+        normalize_features: bool = False,
     ) -> None:
         super().__init__()
         if target is None:
@@ -162,6 +170,10 @@ class DFlash2Module(pl.LightningModule):
 
             layers = warm_start(self.draft, self.target.hf)
             rank_zero_info(f"draft layers initialised from target layers {layers}")
+        if normalize_features:  # buffers, so a resumed run keeps the scale it trained with
+            width = self.draft_config.num_target_features * self.draft_config.hidden_size
+            self.register_buffer("feature_scale", torch.ones(width))
+            self.register_buffer("feature_scale_ready", torch.zeros((), dtype=torch.bool))
         self.objective = DraftObjective(token_loss=token_loss, position_weighting=position_weighting,
                                         decay_gamma=decay_gamma, dpace_alpha=dpace_alpha,
                                         selector_loss_alpha=selector_loss_alpha,
@@ -252,9 +264,37 @@ class DFlash2Module(pl.LightningModule):
             teacher = Teacher(logits=out.logits if self.objective.token_loss == "kd" else None,
                               greedy=out.logits.argmax(-1))
         features = features.to(self.draft.fc.weight.dtype)
+        if hasattr(self, "feature_scale"):
+            if self.training and not bool(self.feature_scale_ready):
+                self._measure_feature_scale(features, attention_mask)
+            features = features * self.feature_scale.to(features.dtype)
         embed, head = self._embed_head(tgt)
         return self.objective(self.draft, embed, head, batch["input_ids"], batch["loss_mask"], features,
                               teacher, attention_mask, generator=generator, walk=walk)
+
+    @torch.no_grad()
+    def _measure_feature_scale(self, features: Tensor, attention_mask: Tensor | None) -> None:
+        """Set ``feature_scale`` to 1 / RMS per feature dimension over this batch (all ranks' batches).
+
+        The first position of each sequence is left out: it is the attention sink, whose hidden state is
+        hundreds of times larger than the rest. Under warm start ``fc`` is divided by the scale, so the
+        function the draft computes is unchanged; a random ``fc`` is kept (it is random either way).
+        """
+        valid = torch.ones(features.shape[:2], dtype=torch.bool, device=features.device)
+        if attention_mask is not None:
+            valid &= attention_mask.bool()
+        valid[:, 0] = False
+        x = features.float()[valid]
+        sums = torch.stack([x.pow(2).sum(0), torch.full_like(x[0], float(x.shape[0]))])
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1:
+            sums = trainer.strategy.reduce(sums, reduce_op="sum")
+        rms = (sums[0] / sums[1].clamp(min=1)).sqrt()
+        scale = 1.0 / rms.clamp(min=1e-6)
+        self.feature_scale.copy_(scale.to(self.feature_scale.dtype))
+        if self.hparams.get("init_from_target"):
+            self.draft.fc.weight.div_(scale.to(self.draft.fc.weight.dtype))
+        self.feature_scale_ready.fill_(True)
 
     # ------------------------------------------------------------------ anchor seeds
     def _train_generator(self, batch_idx: int) -> torch.Generator:
@@ -359,6 +399,9 @@ class DFlash2Module(pl.LightningModule):
         draft = DraftModel(self.draft_config)
         draft.load_state_dict({k[len("draft."):]: v.detach().cpu() for k, v in state.items()
                                if k.startswith("draft.")})
+        if "feature_scale" in state:  # fc was trained on scaled features: fold the scale into its columns
+            with torch.no_grad():
+                draft.fc.weight.mul_(state["feature_scale"].detach().cpu().to(draft.fc.weight.dtype))
         target = TargetInfo.from_target(self.target)
         dtype, why = choose_export_dtype(self.hparams.export_dtype, target)
         save_draft(draft, directory, dtype=dtype)

@@ -148,3 +148,32 @@ def test_training_steps_then_export(tmp_path):
     assert exported.config == model.draft_config
     assert all(torch.equal(exported.state_dict()[k], state[k]) for k in state)
     assert any(not torch.equal(before[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_normalized_features_are_folded_into_fc_at_export(tmp_path, warm):
+    """Training on unit-RMS features: the exported draft computes the same context on raw features."""
+    model = DFlash2Module(target=SPEC, export_dir=str(tmp_path / "hf"), lr=1e-2, warmup_ratio=0.0,
+                          normalize_features=True, init_from_target=warm, **SMALL)
+    target = load_target(SPEC)
+    batch = _batch(seed=9)
+    with torch.no_grad():
+        raw = target.features(batch["input_ids"], None, model.draft_config.target_layer_ids).features
+        before = model.draft.context_kv(raw, torch.arange(raw.shape[1]).expand(2, -1)).layers[0].keys.clone()
+    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    _trainer(tmp_path, max_steps=2).fit(model, train_dataloaders=loader)
+    scale = model.feature_scale
+    assert bool(model.feature_scale_ready) and not torch.allclose(scale, torch.ones_like(scale))
+    exported = load_draft(tmp_path / "hf")
+    pos = torch.arange(raw.shape[1]).expand(2, -1)
+    with torch.no_grad():
+        ours = model.draft.context_kv(raw * scale, pos).layers[0]
+        theirs = exported.context_kv(raw, pos).layers[0]
+    torch.testing.assert_close(theirs.keys, ours.keys, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(theirs.values, ours.values, rtol=1e-4, atol=1e-5)
+    if warm:  # measuring the scale did not change the warm-started function (only training did)
+        fresh = DFlash2Module(target=SPEC, normalize_features=True, init_from_target=True, **SMALL).train()
+        fresh.forward_batch(batch, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            after = fresh.draft.context_kv(raw * fresh.feature_scale, pos).layers[0].keys
+        torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)

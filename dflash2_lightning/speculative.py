@@ -1,4 +1,4 @@
-"""Greedy speculative decoding: the draft proposes a block, the target verifies it in one forward pass.
+"""Speculative decoding: the draft proposes a block, the target verifies it in one forward pass.
 
 One cycle, for a sequence whose last emitted token (the *anchor*) sits at position ``start``::
 
@@ -20,6 +20,13 @@ drafter running in another runtime (onnxruntime, TensorRT) drops in for :class:`
     cache = draft.context_kv(features [B, C, n_t*H], positions [B, C])
     cache = cache.append(draft.context_kv(new_features, new_positions))
     tokens = draft.draft_block(anchor [B], cache, embed, head, start)   # [B, bs-1]
+
+Sampling (``temperature > 0``, with ``top_p``/``top_k``): the drafter samples the block and returns the
+distributions it drew from (``drafter.sample_block(...) -> Proposal``), the target's processed
+distributions at the block's positions accept or reject each draft by the speculative-sampling rule,
+and the emitted token after the accepted run comes from the residual (or, after a full block, from the
+target). The output is then distributed exactly as the target's own samples; the math lives in
+:mod:`dflash2_lightning.sampling`. ``temperature == 0`` takes the greedy path below, unchanged.
 
 Acceptance accounting (:class:`SpecResult`, :class:`AcceptanceStats`): per cycle the number of accepted
 drafts ``a`` (0..bs-1) and the tokens actually emitted. A cycle is *truncated* when it emitted fewer
@@ -46,6 +53,8 @@ from torch import Tensor, nn
 
 from dflash2_lightning.model.backbone import ContextKV
 from dflash2_lightning.model.draft import DraftModel
+from dflash2_lightning.sampling import (Proposal, Sampling, draw, probabilities, sample_backbone,
+                                       sample_selector_walk, verify)
 
 Head = Callable[[Tensor], Tensor]
 DraftPath = Literal["selector", "backbone"]
@@ -68,6 +77,9 @@ class Drafter(Protocol):
 
     def draft_block(self, anchor: Tensor, context: ContextCache, embed: Head, head: Head,
                     start: int) -> Tensor: ...
+
+    # Optional, for temperature > 0 (a drafter without it is greedy-only):
+    # def sample_block(self, anchor, context, embed, head, start, sampling, generator) -> Proposal: ...
 
 
 class TorchDrafter:
@@ -96,8 +108,9 @@ class TorchDrafter:
     def context_kv(self, features: Tensor, positions: Tensor) -> ContextKV:
         return self.model.context_kv(features.to(self.dtype), positions)
 
-    @torch.no_grad()
-    def draft_block(self, anchor: Tensor, context: ContextKV, embed: Head, head: Head, start: int) -> Tensor:
+    def _block_hidden(self, anchor: Tensor, context: ContextKV, embed: Head, head: Head,
+                      start: int) -> tuple[Tensor, Head]:
+        """The draft hidden of the block's mask slots ``[B, bs-1, H]`` and the head to apply to it."""
         cfg = self.model.config
         tokens = torch.full((anchor.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long,
                             device=anchor.device)
@@ -105,10 +118,24 @@ class TorchDrafter:
         positions = (start + torch.arange(cfg.block_size, device=anchor.device)).expand_as(tokens)
         embeds = embed(tokens)
         hidden = self.model(embeds.to(self.dtype), positions, context)[:, 1:]  # slot 0 is the anchor
-        target_head = lambda h: head(h.to(embeds.dtype))  # noqa: E731
+        return hidden, lambda h: head(h.to(embeds.dtype))
+
+    @torch.no_grad()
+    def draft_block(self, anchor: Tensor, context: ContextKV, embed: Head, head: Head, start: int) -> Tensor:
+        hidden, target_head = self._block_hidden(anchor, context, embed, head, start)
         if self.path == "selector":
             return self.model.propose(hidden, anchor, target_head)
         return target_head(hidden).argmax(-1)
+
+    @torch.no_grad()
+    def sample_block(self, anchor: Tensor, context: ContextKV, embed: Head, head: Head, start: int,
+                     sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+        """A sampled block and the distributions it was drawn from (see :mod:`dflash2_lightning.sampling`)."""
+        hidden, target_head = self._block_hidden(anchor, context, embed, head, start)
+        logits = target_head(hidden.contiguous())
+        if self.path == "selector":
+            return sample_selector_walk(self.model.candidate_selector, logits, hidden, anchor, sampling, generator)
+        return sample_backbone(logits, sampling, generator)
 
 
 def as_drafter(draft: DraftModel | Drafter, path: DraftPath | None = None) -> Drafter:
@@ -304,15 +331,70 @@ def target_greedy(target: Any, input_ids: Tensor | Sequence[int], max_new_tokens
 
 
 @torch.no_grad()
+def target_sample(target: Any, input_ids: Tensor | Sequence[int], max_new_tokens: int,
+                  stop_token_ids: Iterable[int] = (), *, temperature: float = 0.0, top_p: float = 1.0,
+                  top_k: int = 0, seed: int | None = None,
+                  generator: torch.Generator | None = None) -> GreedyResult:
+    """Plain decoding with the target, sampled at ``temperature`` (with ``top_p``/``top_k``).
+
+    What sampled speculative decoding must be distributed as, and its tokens/s baseline.
+    ``temperature == 0`` is :func:`target_greedy`. Randomness as in :func:`speculative_generate`.
+    """
+    sampling = Sampling(temperature, top_p, top_k)
+    if sampling.greedy:
+        return target_greedy(target, input_ids, max_new_tokens, stop_token_ids)
+    _check_budget(max_new_tokens)
+    hf = target_handles(target).hf
+    ids = _prompt_tensor(input_ids, hf.device)
+    gen = _generator(seed, generator, ids.device)
+    stop, tokens, cache = set(stop_token_ids), [], _new_cache(hf)
+    t0 = time.perf_counter()
+    logits = _forward(hf, ids, 0, cache, hidden=False, last_only=True).logits
+    while True:
+        token = _next_token(logits[0, -1], sampling, gen)
+        tokens.append(token)
+        if token in stop or len(tokens) >= max_new_tokens:
+            break
+        step = torch.tensor([[token]], device=ids.device)
+        logits = _forward(hf, step, ids.shape[1] + len(tokens) - 1, cache, hidden=False).logits
+    return GreedyResult(tokens, ids.shape[1], tokens[-1] in stop, time.perf_counter() - t0)
+
+
+def _generator(seed: int | None, generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """``generator`` as given, else a new one on ``device`` seeded with ``seed``, else None (torch's global one)."""
+    if generator is not None and seed is not None:
+        raise ValueError(f"seed={seed} and a generator were both given: pass one of them")
+    if generator is not None or seed is None:
+        return generator
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def _next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The target's next token from its last logits ``[V]``: the argmax, or a processed sample."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return int(draw(probabilities(logits, sampling), generator))
+
+
+@torch.no_grad()
 def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Tensor | Sequence[int],
                          max_new_tokens: int, stop_token_ids: Iterable[int] = (),
-                         path: DraftPath | None = None) -> SpecResult:
-    """Greedy speculative decoding of one prompt; the tokens equal :func:`target_greedy`'s.
+                         path: DraftPath | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
+                         top_k: int = 0, seed: int | None = None,
+                         generator: torch.Generator | None = None) -> SpecResult:
+    """Speculative decoding of one prompt, greedy or sampled, always lossless.
 
     ``target`` is a project ``Target`` or an HF causal LM; ``draft`` a :class:`DraftModel` (decoded with
     ``path``, default: the selector walk for DFlash2, argmax for DFlash) or any :class:`Drafter`.
+
+    ``temperature == 0`` (default) is greedy: the tokens equal :func:`target_greedy`'s. ``temperature > 0``
+    samples (with ``top_p``/``top_k``): the draft samples its proposal and the target accepts it by
+    rejection sampling (:mod:`dflash2_lightning.sampling`), so the output is distributed exactly as
+    :func:`target_sample`'s. Randomness comes from ``generator``, else a fresh one seeded with ``seed``,
+    else torch's global generator. Sampling needs a drafter with ``sample_block`` (the torch draft).
     """
     _check_budget(max_new_tokens)
+    sampling = Sampling(temperature, top_p, top_k)
     drafter = as_drafter(draft, path)
     t = target_handles(target)
     ids = _prompt_tensor(input_ids, t.hf.device)
@@ -320,22 +402,38 @@ def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Te
     prompt_len = ids.shape[1]
     arange = lambda a, n: torch.arange(a, a + n, device=ids.device)[None]  # noqa: E731
 
+    gen = None
+    if not sampling.greedy:
+        if not callable(getattr(drafter, "sample_block", None)):
+            raise ValueError(f"temperature={temperature} is invalid for {type(drafter).__name__}: it drafts "
+                             "greedily only (no sample_block); use temperature=0 or the torch draft")
+        gen = _generator(seed, generator, ids.device)
+
     t0 = time.perf_counter()
     cache = _new_cache(t.hf)
     out = _forward(t.hf, ids, 0, cache, hidden=True, last_only=True)
     context = drafter.context_kv(target_features(out.hidden_states, layer_ids), arange(0, prompt_len))
-    anchor = int(out.logits[0, -1].argmax())
+    anchor = _next_token(out.logits[0, -1], sampling, gen)
     tokens = [anchor]
     accepted, emitted, anchors = [], [], []
     done = anchor in stop or max_new_tokens == 1
     while not done:
         start = prompt_len + len(tokens) - 1  # the anchor's position; everything before it is in both caches
-        drafts = drafter.draft_block(torch.tensor([anchor], device=ids.device), context, t.embed, t.head, start)
+        anchor_t = torch.tensor([anchor], device=ids.device)
+        if sampling.greedy:
+            drafts = drafter.draft_block(anchor_t, context, t.embed, t.head, start)
+        else:
+            proposal = drafter.sample_block(anchor_t, context, t.embed, t.head, start, sampling, gen)
+            drafts = proposal.tokens
         block = torch.cat([torch.tensor([[anchor]], device=ids.device), drafts.to(ids.device)], dim=1)
         out = _forward(t.hf, block, start, cache, hidden=True)
-        greedy = out.logits[0].argmax(-1)
-        a = int((block[0, 1:] == greedy[:-1]).long().cumprod(0).sum())
-        new = block[0, 1:a + 1].tolist() + [int(greedy[a])]
+        if sampling.greedy:
+            greedy = out.logits[0].argmax(-1)
+            a = int((block[0, 1:] == greedy[:-1]).long().cumprod(0).sum())
+            bonus = int(greedy[a])
+        else:  # accept by rejection sampling against the target's processed distributions
+            a, bonus = verify(block[0, 1:], proposal.probs[0], probabilities(out.logits[0], sampling), gen)
+        new = block[0, 1:a + 1].tolist() + [bonus]
         # Cut exactly where greedy decoding would: after the first stop token or at the budget.
         cut = _stop_index(new, stop)
         keep = min(len(new) if cut is None else cut + 1, max_new_tokens - len(tokens))

@@ -1,0 +1,183 @@
+"""Speculative *sampling*: the math that makes a sampled speculative loop lossless.
+
+At ``temperature > 0`` the target's next token is drawn from ``p = process(target logits)`` and the
+draft's proposal from ``q = process(draft scores)``, both processed by the same :class:`Sampling`
+settings (temperature, then top-k, then top-p, the order Hugging Face and vLLM apply them). One cycle
+verifies the proposal ``d_1 .. d_L`` with the standard rule (Leviathan et al. 2023, Chen et al. 2023)::
+
+    for i = 1 .. L:  accept d_i with probability min(1, p_i(d_i) / q_i(d_i))
+                     on the first rejection: emit a token from norm(max(p_i - q_i, 0)) and stop
+    all accepted:    emit a bonus token from p_{L+1}
+
+``p_i`` is the target's distribution after the verified prefix and the accepted drafts ``d_<i``;
+``q_i`` the distribution ``d_i`` was *actually* drawn from, given ``d_<i``. Then every emitted token
+is distributed exactly as the target's own sample at that position, whatever ``q`` is: the loop is
+lossless. What ``q`` must be, per proposal path:
+
+``backbone`` (DFlash)
+    every block position is sampled independently from its own processed distribution over the
+    vocabulary (the draft's positions do not see each other's samples, so ``q_i`` does not depend on
+    ``d_<i``);
+``selector`` (DFlash2)
+    the walk through the lattice of the head's top-k candidates is sampled: step ``i`` draws among
+    the K candidates of position ``i`` from ``process(score(d_{i-1} -> c | h_i))``, seeded with the
+    anchor as ``d_0``, so ``q_i`` is conditional on the sampled predecessor and is zero outside the
+    candidates. (The z-lab reference applies only the temperature to the selector's scores; here
+    top-k and top-p process them too, as "p and q processed by the same settings" asks.)
+
+A proposal is carried as ``q`` over the whole vocabulary (candidate probabilities scattered into
+``[L, V]``), so one rejection rule serves both paths.
+
+Every random choice (the target's samples, the proposals, each accept/reject) is one call of
+:func:`draw` on explicit probabilities, so a test can replace it and enumerate every outcome of the
+loop with its exact probability.
+
+``temperature == 0`` is greedy decoding and never reaches this module: the loop keeps its exact
+argmax path. A rejection whose residual has no mass (``p == q`` up to rounding, where a rejection
+itself has probability ~0) falls back to ``p``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from dflash2_lightning.model.selector import CandidateSelector
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings shared by the target and the draft.
+
+    Args:
+        temperature: ``0`` = greedy (argmax); ``> 0`` divides the logits before the softmax.
+        top_p: nucleus mass in ``(0, 1]``; keeps the smallest set of most likely tokens whose mass
+            reaches ``top_p`` (``1`` keeps all).
+        top_k: keep the ``top_k`` most likely tokens (``0`` keeps all).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature!r} is invalid: must be a finite number >= 0")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r} is invalid: must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} is invalid: must be an integer >= 0 (0 = no top-k)")
+
+    @property
+    def greedy(self) -> bool:
+        """True at temperature 0: argmax decoding, no randomness."""
+        return self.temperature == 0
+
+
+def probabilities(scores: Tensor, sampling: Sampling) -> Tensor:
+    """Processed probabilities over the last dim of ``scores`` (temperature, top-k, top-p).
+
+    Computed in at least float32 (float64 scores stay float64). Tokens cut by top-k/top-p get exactly
+    0. Ties at the top-k boundary keep the lower index (``topk`` on a stable order); top-p keeps a token
+    while the mass of the tokens ranked before it is below ``top_p``, so the most likely token always
+    stays.
+    """
+    if sampling.greedy:
+        raise ValueError("temperature=0 is greedy decoding: there is no sampling distribution to process")
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    x = scores.to(dtype) / sampling.temperature
+    vocab = x.shape[-1]
+    if 0 < sampling.top_k < vocab or sampling.top_p < 1:
+        order = torch.sort(x, dim=-1, descending=True, stable=True)
+        ranked = order.values
+        if 0 < sampling.top_k < vocab:
+            ranked = ranked.clone()
+            ranked[..., sampling.top_k:] = -math.inf
+        probs_ranked = torch.softmax(ranked, dim=-1)
+        if sampling.top_p < 1:
+            before = probs_ranked.cumsum(-1) - probs_ranked
+            probs_ranked = torch.where(before < sampling.top_p, probs_ranked, torch.zeros_like(probs_ranked))
+            probs_ranked = probs_ranked / probs_ranked.sum(-1, keepdim=True)
+        return torch.zeros_like(probs_ranked).scatter(-1, order.indices, probs_ranked)
+    return torch.softmax(x, dim=-1)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One sample per row of ``probs [..., V]`` -> int64 ``[...]``."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+@dataclass
+class Proposal:
+    """A sampled draft block: ``tokens [B, L]`` and the distributions ``probs [B, L, V]`` they came from."""
+
+    tokens: Tensor
+    probs: Tensor
+
+
+def sample_backbone(logits: Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+    """DFlash proposal: each position of ``logits [B, L, V]`` sampled independently from its processed distribution."""
+    q = probabilities(logits, sampling)
+    return Proposal(draw(q, generator), q)
+
+
+def sample_selector_walk(selector: "CandidateSelector", logits: Tensor, hidden: Tensor, anchor: Tensor,
+                         sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+    """DFlash2 proposal: a sampled walk through the top-k lattice of ``logits [B, L, V]``.
+
+    Step ``i`` scores position ``i``'s candidates after the sampled predecessor (the anchor ``[B]`` at
+    step 1) with :meth:`CandidateSelector.score_candidates` and draws one from the processed softmax of
+    those scores. The returned ``probs`` hold each step's candidate probabilities at the candidates' ids.
+    """
+    unary, cand = logits.topk(selector.top_k, dim=-1)  # the same candidates (and order) as the greedy walk
+    b, length, _ = cand.shape
+    predecessor = anchor.reshape(b)
+    q = torch.zeros(logits.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    tokens = []
+    for i in range(length):
+        scores = selector.score_candidates(cand[:, i], unary[:, i], hidden[:, i], predecessor)
+        q_cand = probabilities(scores, sampling)                      # [B, K]
+        pick = draw(q_cand, generator)                               # [B]
+        q[:, i].scatter_(-1, cand[:, i], q_cand.to(q.dtype))
+        predecessor = cand[:, i].gather(-1, pick[:, None])[:, 0]
+        tokens.append(predecessor)
+    return Proposal(torch.stack(tokens, dim=1), q)
+
+
+def verify(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None = None) -> tuple[int, int]:
+    """The rejection rule for one block of one sequence.
+
+    Args:
+        drafts: the proposed tokens ``[L]``.
+        q: the distributions they were drawn from ``[L, V]``.
+        p: the target's processed distributions ``[L + 1, V]`` at the anchor and the drafts
+            (``p[i]`` predicts the token after ``drafts[:i]``).
+
+    Returns ``(accepted, token)``: how many drafts were accepted, and the token emitted after them
+    (from the residual at the first rejection, else the bonus from ``p[L]``).
+    """
+    length = drafts.shape[0]
+    if q.shape[0] != length or p.shape[0] != length + 1:
+        raise ValueError(f"shapes drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, p {tuple(p.shape)} are "
+                         "inconsistent: need q [L, V] and p [L + 1, V] for L drafts")
+    idx = drafts[:, None].to(p.device)
+    p_d = p[:-1].gather(-1, idx)[:, 0].tolist()
+    q_d = q.to(p.dtype).gather(-1, idx)[:, 0].tolist()
+    for i in range(length):
+        # Accept with probability min(1, p/q) (q > 0 for a token drawn from q); every draw goes through
+        # draw(), so the loop's randomness is one sequence of categorical choices.
+        ratio = p_d[i] / q_d[i] if q_d[i] > 0 else 0.0
+        if ratio >= 1 or int(draw(torch.tensor([1.0 - ratio, ratio], dtype=p.dtype, device=p.device), generator)) == 1:
+            continue
+        residual = (p[i] - q[i].to(p.dtype)).clamp_min(0)
+        total = residual.sum()
+        residual = residual / total if total > 0 else p[i]
+        return i, int(draw(residual, generator))
+    return length, int(draw(p[length], generator))

@@ -39,16 +39,19 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from dflash2_lightning.intervals import RESAMPLES, bootstrap_intervals
 from dflash2_lightning.model.draft import DraftModel
-from dflash2_lightning.speculative import (AcceptanceStats, DraftPath, SpecResult, speculative_generate,
-                                           target_features, target_greedy, target_handles)
+from dflash2_lightning.sampling import Sampling
+from dflash2_lightning.speculative import (AcceptanceStats, DraftPath, GreedyResult, SpecResult,
+                                           speculative_generate, target_features, target_greedy, target_handles,
+                                           target_sample)
 
 PATHS: tuple[DraftPath, ...] = ("selector", "backbone")
 
@@ -181,22 +184,33 @@ class PathRun:
     results: list[SpecResult]
     estimate: EstimateStats | None
     mismatched: list[int]
+    by_prompt: list[list[SpecResult]] = field(default_factory=list)  # the bootstrap's unit
 
 
 def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    paths: Sequence[DraftPath] = PATHS, stop_token_ids: Sequence[int] | None = None,
-                   estimate: bool = True, warmup: bool = True, progress: bool = True) -> dict[str, Any]:
+                   estimate: bool = True, warmup: bool = True, progress: bool = True,
+                   temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                   samples: int = 1, resamples: int = RESAMPLES) -> dict[str, Any]:
     """Measure ``draft`` against ``target`` on tokenised ``prompts``; the report as a dict (see :func:`run_eval`).
 
     ``paths`` not available to the draft (the selector of a DFlash baseline) are skipped and noted.
-    ``stop_token_ids`` default to the target's eos ids.
+    ``stop_token_ids`` default to the target's eos ids. Every temperature in ``temperatures`` is
+    measured (``0`` greedy, checked token for token against the target; ``> 0`` sampled with
+    ``top_p``/``top_k``, ``samples`` generations per prompt, each seeded from ``seed``, the prompt and
+    the sample). The top-level ``paths``/``tau``/``target_only`` are those of the first temperature;
+    ``temperatures`` holds every one. Intervals: bootstrap over prompts (:mod:`~dflash2_lightning.intervals`).
     """
-    from tqdm.auto import tqdm
-
     if not prompts:
         raise ValueError("prompts is empty: need at least one prompt to evaluate")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    if samples < 1:
+        raise ValueError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
+    temps = [float(t) for t in temperatures]
+    if not temps or len(set(temps)) != len(temps):
+        raise ValueError(f"temperatures={temps} is invalid: need at least one, without repeats")
+    settings = [Sampling(t, top_p, top_k) for t in temps]  # validates every setting before any work
     hf = target_handles(target).hf
     draft = draft.to(hf.device).eval()
     stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
@@ -207,56 +221,116 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
         target_greedy(target, prompts[0], min(4, max_new_tokens), stop)
         for x in usable:
             speculative_generate(target, draft, prompts[0], min(4, max_new_tokens), stop, path=x)
+            if any(not st.greedy for st in settings):
+                speculative_generate(target, draft, prompts[0], min(4, max_new_tokens), stop, path=x,
+                                     temperature=1.0, seed=seed)
+    if any(not st.greedy for st in settings):
+        notes.append("temperature > 0: outputs are samples, so losslessness is not checked token for token "
+                     "(lossless: null); the loop's output law is proven equal to the target's in tests/test_sampling.py")
 
-    references = []
-    runs = {x: PathRun([], EstimateStats.empty(draft.config.block_size) if estimate else None, []) for x in usable}
-    for i, prompt in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=not progress)):
-        ref = target_greedy(target, prompt, max_new_tokens, stop)
-        references.append(ref)
-        for x in usable:
-            r = speculative_generate(target, draft, prompt, max_new_tokens, stop, path=x)
-            r.context = None  # drop the cache: the report keeps only numbers
-            runs[x].results.append(r)
-            if r.tokens != ref.tokens:
-                runs[x].mismatched.append(i)
-        if estimate:
-            for x, tf in teacher_forced(draft, target, prompt, ref.tokens, usable).items():
-                runs[x].estimate.add(tf)
-
-    base_tokens = sum(len(r.tokens) for r in references)
-    base_seconds = sum(r.seconds for r in references)
-    base_tps = base_tokens / base_seconds if base_seconds > 0 else None
+    blocks = {}
+    for ti, st in enumerate(settings):
+        blocks[_temperature_key(st.temperature)] = _evaluate_at(
+            draft, target, prompts, max_new_tokens, usable, stop, estimate and st.greedy, progress, st,
+            seed, ti, samples if not st.greedy else 1, resamples)
+    first = next(iter(blocks.values()))
     report: dict[str, Any] = {
         "architecture": draft.config.architecture,
         "block_size": draft.config.block_size,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
-        "generated_tokens": base_tokens,
-        "stopped_at_eos": sum(r.stopped for r in references),
-        "target_only": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_second": base_tps},
+        "generated_tokens": first["target_only"]["tokens"],
+        "stopped_at_eos": first["stopped_at_eos"],
+        "target_only": first["target_only"],
         "machine": {"device": str(hf.device), "torch_threads": torch.get_num_threads(),
                     "target_dtype": str(next(hf.parameters()).dtype).replace("torch.", ""),
                     "draft_dtype": str(next(draft.parameters()).dtype).replace("torch.", "")},
-        "paths": {},
+        "sampling": {"temperatures": temps, "top_p": top_p, "top_k": top_k, "seed": seed,
+                     "samples_per_prompt": samples, "bootstrap_resamples": resamples},
+        "paths": first["paths"],
+        "tau": first["tau"],
+        "temperatures": blocks,
         "notes": notes,
+    }
+    return report
+
+
+def _temperature_key(t: float) -> str:
+    return f"{t:g}"
+
+
+def _run_seed(seed: int, *parts: int) -> int:
+    """A seed for one generation, fixed by the run's seed and (temperature, prompt, sample, stream)."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, *parts]).generate_state(1)[0])
+
+
+def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 usable: Sequence[DraftPath], stop: list[int], estimate: bool, progress: bool, st: Sampling,
+                 seed: int, ti: int, samples: int, resamples: int) -> dict[str, Any]:
+    """One temperature: target-only and speculative runs of every prompt, the per-path figures and intervals."""
+    from tqdm.auto import tqdm
+
+    kw = {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k}
+    references: list[list[GreedyResult]] = []
+    runs = {x: PathRun([], EstimateStats.empty(draft.config.block_size) if estimate else None, []) for x in usable}
+    desc = "eval" if st.greedy else f"eval T={st.temperature:g}"
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
+        refs = []
+        for x in usable:
+            runs[x].by_prompt.append([])
+        for j in range(samples):
+            ref = (target_greedy(target, prompt, max_new_tokens, stop) if st.greedy else
+                   target_sample(target, prompt, max_new_tokens, stop, seed=_run_seed(seed, ti, i, j, 0), **kw))
+            refs.append(ref)
+            for xi, x in enumerate(usable):
+                r = speculative_generate(target, draft, prompt, max_new_tokens, stop, path=x,
+                                         **({} if st.greedy else {"seed": _run_seed(seed, ti, i, j, 1 + xi), **kw}))
+                r.context = None  # drop the cache: the report keeps only numbers
+                runs[x].results.append(r)
+                runs[x].by_prompt[-1].append(r)
+                if st.greedy and r.tokens != ref.tokens:
+                    runs[x].mismatched.append(i)
+        references.append(refs)
+        if estimate:
+            for x, tf in teacher_forced(draft, target, prompt, refs[0].tokens, usable).items():
+                runs[x].estimate.add(tf)
+
+    flat = [r for refs in references for r in refs]
+    base_tokens = sum(len(r.tokens) for r in flat)
+    base_seconds = sum(r.seconds for r in flat)
+    base_tps = base_tokens / base_seconds if base_seconds > 0 else None
+    block: dict[str, Any] = {
+        "temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k, "samples_per_prompt": samples,
+        "stopped_at_eos": sum(r.stopped for r in flat),
+        "target_only": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_second": base_tps},
+        "paths": {},
     }
     for x, run in runs.items():
         measured = AcceptanceStats.from_results(run.results).summary()
         tps = measured["tokens_per_second"]
-        report["paths"][x] = {
+        per_prompt = [AcceptanceStats.from_results(rs) for rs in run.by_prompt]
+        block["paths"][x] = {
             "measured": measured,
             "estimated": run.estimate.summary() if run.estimate is not None else None,
-            "lossless": not run.mismatched,
+            "lossless": not run.mismatched if st.greedy else None,
             "mismatched_prompts": run.mismatched,
             "speedup": tps / base_tps if tps and base_tps else None,
+            "interval": bootstrap_intervals(
+                [s.histogram for s in per_prompt], [s.tokens for s in per_prompt], [s.seconds for s in per_prompt],
+                [sum(len(r.tokens) for r in refs) for refs in references],
+                [sum(r.seconds for r in refs) for refs in references], resamples=resamples, seed=seed),
         }
-    report["tau"] = {x: v["measured"]["tau"] for x, v in report["paths"].items()}
-    return report
+    block["tau"] = {x: v["measured"]["tau"] for x, v in block["paths"].items()}
+    return block
 
 
 def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str | os.PathLike | None,
              out_dir: str | os.PathLike, max_new_tokens: int = 128, paths: Sequence[DraftPath] = PATHS,
-             max_prompts: int | None = None, estimate: bool = True, progress: bool = True) -> dict[str, Any]:
+             max_prompts: int | None = None, estimate: bool = True, progress: bool = True,
+             temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             samples: int = 1, resamples: int = RESAMPLES) -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
     Args:
@@ -267,6 +341,9 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
         max_new_tokens: generation budget per prompt; paths: decoding paths to measure.
         max_prompts: use only the first ``max_prompts`` prompts; estimate: also compute the
             trainer's teacher-forced estimate on the target's continuations.
+        temperatures, top_p, top_k: the sampling settings measured (0 = greedy); seed: seeds every
+            sampled generation and the bootstrap; samples: generations per prompt at temperature > 0;
+            resamples: bootstrap draws for the intervals.
 
     Returns the report dict (also written to ``out_dir/eval.json``).
     """
@@ -279,7 +356,9 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     prompts_file = prompts_file or EVAL_PROMPTS
     chats = read_prompts(prompts_file, max_prompts)
     prompts = [encode_prompt(target.tokenizer, m) for m in chats]
-    report = evaluate_draft(draft, target, prompts, max_new_tokens, paths, estimate=estimate, progress=progress)
+    report = evaluate_draft(draft, target, prompts, max_new_tokens, paths, estimate=estimate, progress=progress,
+                            temperatures=temperatures, top_p=top_p, top_k=top_k, seed=seed, samples=samples,
+                            resamples=resamples)
     report = {"draft": str(draft_dir), "target": _describe(target), "prompts_file": str(prompts_file), **report}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -294,36 +373,69 @@ def _describe(target: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- report rendering
+def _blocks(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The per-temperature blocks (a report from before sampling has only the greedy top level)."""
+    return report.get("temperatures") or {"0": {"temperature": 0.0, "paths": report["paths"],
+                                                 "target_only": report["target_only"]}}
+
+
 def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
-    """PNG: measured (solid) and estimated (dashed) ``accept_k`` per path, and the accepted-length histogram."""
+    """PNG: measured ``accept_k`` per path and temperature with its 95% band (the trainer's greedy
+    estimate dashed), τ per temperature with its interval, and the accepted-length histogram."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from dflash2_lightning.checkpoint import atomic_write
 
     colors = {"selector": "tab:orange", "backbone": "tab:blue"}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
-    items = list(report["paths"].items())
-    width = 0.8 / max(len(items), 1)
-    for j, (name, res) in enumerate(items):
-        m, e = res["measured"], res["estimated"]
-        ks = list(range(1, len(m["accept"]) + 1))
-        left.plot(ks, m["accept"], "-o", ms=3, color=colors.get(name), label=f"{name} measured (τ {m['tau']:.2f})")
-        if e and e.get("accept"):
-            left.plot(ks, e["accept"], "--", color=colors.get(name), alpha=0.7,
-                      label=f"{name} trainer estimate (τ {e['tau']:.2f})")
-        hist = m["histogram"]
+    styles = ["-o", "-s", "-^", "-v", "-D", "-x"]
+    blocks = list(_blocks(report).values())
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
+    for ti, blk in enumerate(blocks):
+        t = blk["temperature"]
+        for name, res in blk["paths"].items():
+            m, e, iv = res["measured"], res["estimated"], res.get("interval")
+            ks = list(range(1, len(m["accept"]) + 1))
+            label = f"{name} T={t:g} (τ {m['tau']:.2f})"
+            left.plot(ks, m["accept"], styles[ti % len(styles)], ms=3, color=colors.get(name), label=label,
+                      alpha=1.0 if ti == 0 else 0.75)
+            if iv and all(b[0] is not None for b in iv["accept"]):
+                left.fill_between(ks, [b[0] for b in iv["accept"]], [b[1] for b in iv["accept"]],
+                                  color=colors.get(name), alpha=0.12)
+            if e and e.get("accept"):
+                left.plot(ks, e["accept"], "--", color=colors.get(name), alpha=0.6,
+                          label=f"{name} trainer estimate (τ {e['tau']:.2f})")
+    names = list(blocks[0]["paths"])
+    width = 0.8 / max(len(names), 1)
+    for j, name in enumerate(names):
+        ts, taus, err = [], [], [[], []]
+        for ti, blk in enumerate(blocks):
+            res = blk["paths"].get(name)
+            if res is None:
+                continue
+            tau, iv = res["measured"]["tau"], (res.get("interval") or {}).get("tau") or [None, None]
+            ts.append(ti + (j - (len(names) - 1) / 2) * width)
+            taus.append(tau)
+            err[0].append(tau - iv[0] if iv[0] is not None else 0.0)
+            err[1].append(iv[1] - tau if iv[1] is not None else 0.0)
+        middle.errorbar(ts, taus, yerr=err, fmt="o", capsize=4, color=colors.get(name), label=name)
+        hist = blocks[0]["paths"][name]["measured"]["histogram"]
         total = max(sum(hist), 1)
-        xs = [a + (j - (len(items) - 1) / 2) * width for a in range(len(hist))]
+        xs = [a + (j - (len(names) - 1) / 2) * width for a in range(len(hist))]
         right.bar(xs, [h / total for h in hist], width=width, color=colors.get(name), label=name)
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    middle.set_xticks(range(len(blocks)), [f"T={b['temperature']:g}" for b in blocks])
     left.set(xlabel="block offset k", ylabel="P(offsets 1..k accepted)", ylim=(0, 1.02),
-             title="acceptance curve")
-    right.set(xlabel="accepted drafts per cycle", ylabel="fraction of cycles", title="accepted lengths")
-    for ax in (left, right):
+             title="acceptance curve (band: 95% bootstrap over prompts)")
+    middle.set(ylabel="τ (tokens per verify step)", title="τ by temperature, 95% interval")
+    right.set(xlabel="accepted drafts per cycle", ylabel="fraction of cycles",
+              title=f"accepted lengths, T={blocks[0]['temperature']:g}")
+    for ax in (left, middle, right):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(f"{report.get('architecture', 'draft')}, block {report.get('block_size')}, "
                  f"{report.get('prompts')} prompts")
     fig.tight_layout()
@@ -331,31 +443,53 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+def _iv(bounds: Sequence[float | None] | None) -> str:
+    return f" [{bounds[0]:.2f}, {bounds[1]:.2f}]" if bounds and bounds[0] is not None else ""
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
-    """A few human-readable lines: τ measured vs estimated per path, speed, losslessness."""
+    """Human-readable lines per temperature and path: τ with its 95% interval, per-position acceptance
+    with intervals, the trainer's estimate, speed, losslessness."""
+    blocks = _blocks(report)
     base = report["target_only"]["tokens_per_second"]
     lines = [f"{report['prompts']} prompts, {report['generated_tokens']} tokens; target alone "
              f"{base:.1f} tok/s" if base else f"{report['prompts']} prompts"]
-    for name, res in report["paths"].items():
-        m, e = res["measured"], res["estimated"] or {}
-        est = f", trainer estimate {e['tau']:.2f} (replayed {e['replayed_tau']:.2f})" if e.get("tau") else ""
-        speed = f", {m['tokens_per_second']:.1f} tok/s ({res['speedup']:.2f}x)" if res["speedup"] else ""
-        lines.append(f"{name:>8}: tau {m['tau']:.2f} measured{est}{speed}"
-                     f"{'' if res['lossless'] else ', NOT LOSSLESS on prompts ' + str(res['mismatched_prompts'])}")
+    for blk in blocks.values():
+        t = blk["temperature"]
+        if len(blocks) > 1 or t != 0:
+            extra = "" if t == 0 else (f", top_p {blk['top_p']:g}, top_k {blk['top_k']}, "
+                                       f"{blk['samples_per_prompt']} samples per prompt")
+            tps = blk["target_only"]["tokens_per_second"]
+            lines.append(f"T={t:g}{' (greedy)' if t == 0 else ''}{extra}"
+                         + (f"; target alone {tps:.1f} tok/s" if tps else ""))
+        for name, res in blk["paths"].items():
+            m, e, iv = res["measured"], res["estimated"] or {}, res.get("interval") or {}
+            est = f", trainer estimate {e['tau']:.2f} (replayed {e['replayed_tau']:.2f})" if e.get("tau") else ""
+            speed = (f", {m['tokens_per_second']:.1f} tok/s ({res['speedup']:.2f}x{_iv(iv.get('speedup'))})"
+                     if res["speedup"] else "")
+            lossy = res["lossless"] is False
+            lines.append(f"{name:>8}: tau {m['tau']:.2f}{_iv(iv.get('tau'))} measured{est}{speed}"
+                         f"{', NOT LOSSLESS on prompts ' + str(res['mismatched_prompts']) if lossy else ''}")
+            if iv.get("accept"):
+                lines.append(" " * 10 + "accept_k " + "  ".join(
+                    f"{a:.2f}{_iv(b)}" for a, b in zip(m["accept"], iv["accept"])))
+    if any("interval" in r for blk in blocks.values() for r in blk["paths"].values()):
+        lines.append("[lo, hi]: 95% bootstrap interval over prompts")
     return lines + list(report.get("notes", []))
 
 
 # ----------------------------------------------------------------------------- command line
 def eval_main(argv: Sequence[str] | None = None) -> int:
-    """``dflash2 eval``: measure τ with real speculative decoding. Exit status 1 if a path was not lossless."""
+    """``dflash2 eval``: measure τ with real speculative decoding. Exit status 1 if a greedy path was not lossless."""
     from dflash2_lightning.regen import add_target_arguments, target_spec_from_args
 
     parser = argparse.ArgumentParser(
         prog="dflash2 eval",
-        description="Measure a draft checkpoint with real greedy speculative decoding against its target: "
-                    "acceptance length (tau) per decoding path, per-position acceptance, histogram of accepted "
-                    "lengths, tokens/s against target-only decoding, and the trainer's estimated tau on the "
-                    "same continuations. Writes OUT/eval.json and OUT/acceptance.png.")
+        description="Measure a draft checkpoint with real speculative decoding against its target, greedy and "
+                    "sampled (--temperature): acceptance length (tau) per decoding path and temperature with a 95% "
+                    "bootstrap interval over prompts, per-position acceptance, histogram of accepted lengths, "
+                    "tokens/s against target-only decoding, and the trainer's estimated tau on the same "
+                    "continuations. Writes OUT/eval.json and OUT/acceptance.png.")
     parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
     add_target_arguments(parser)
     parser.add_argument("--prompts", default=None,
@@ -365,6 +499,15 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
                         help="decoding paths to measure (default: selector backbone)")
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], metavar="T",
+                        help="sampling temperatures to measure, e.g. --temperature 0 0.7 1.0 (default 0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the top k tokens (default 0 = all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs and the bootstrap (default 0)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="generations per prompt at temperature > 0 (default 1; T=0 is deterministic: one)")
+    parser.add_argument("--resamples", type=int, default=RESAMPLES,
+                        help=f"bootstrap resamples over prompts for the 95%% intervals (default {RESAMPLES})")
     parser.add_argument("--no-estimate", action="store_true", help="skip the trainer's teacher-forced estimate")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -372,7 +515,10 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run_eval(args.draft, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
-                      args.paths, args.max_prompts, not args.no_estimate, not args.no_progress)
+                      args.paths, args.max_prompts, not args.no_estimate, not args.no_progress,
+                      temperatures=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      samples=args.samples, resamples=args.resamples)
     print("\n".join(summary_lines(report)))
     print(f"report: {Path(args.out) / 'eval.json'}  plot: {Path(args.out) / 'acceptance.png'}")
-    return 0 if all(r["lossless"] for r in report["paths"].values()) else 1
+    lossy = [r for blk in report["temperatures"].values() for r in blk["paths"].values() if r["lossless"] is False]
+    return 1 if lossy else 0

@@ -73,6 +73,9 @@ class QuickstartOptions:
         regen_batch_size: prompts generated together.
         eval_prompts: held-out prompts measured by speculative decoding.
         eval_max_new_tokens: generation budget per evaluation prompt.
+        eval_temperatures: temperatures the evaluation measures (0 = greedy; default T=0 and T=1).
+        eval_top_p, eval_top_k, eval_samples, eval_seed: the evaluation's sampling settings, generations
+            per prompt at temperature > 0, and seed (``dflash2 eval --top-p/--top-k/--samples/--seed``).
         max_steps: override ``trainer.max_steps`` (validation is moved to fit inside it).
         overrides: ``key.path=value`` settings applied to the config (value parsed as YAML).
         overwrite: redo every step (the target conversion and the feature cache are content-keyed).
@@ -91,6 +94,11 @@ class QuickstartOptions:
     regen_batch_size: int = 64  # on 2 CPU cores: 84 tok/s vs 75 at 32 and 52 at 16
     eval_prompts: int = 8
     eval_max_new_tokens: int = 64
+    eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    eval_top_p: float = 1.0
+    eval_top_k: int = 0
+    eval_samples: int = 1
+    eval_seed: int = 0
     max_steps: int | None = None
     overrides: list[str] = field(default_factory=list)
     overwrite: bool = False
@@ -98,7 +106,8 @@ class QuickstartOptions:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_new_tokens", "regen_batch_size", "eval_prompts", "eval_max_new_tokens"):
+        for name in ("num_prompts", "max_new_tokens", "regen_batch_size", "eval_prompts", "eval_max_new_tokens",
+                     "eval_samples"):
             value = getattr(self, name)
             if value < 1:
                 raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
@@ -477,11 +486,14 @@ def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf
     from dflash2_lightning.prompts import EVAL_PROMPTS
 
     eval_dir = out / "eval"
+    sampling = {"temperatures": list(opts.eval_temperatures), "top_p": opts.eval_top_p, "top_k": opts.eval_top_k,
+                "samples": opts.eval_samples, "seed": opts.eval_seed}
     settings = {"target": json.loads(target.spec.key()), "prompts": opts.eval_prompts,
-                "max_new_tokens": opts.eval_max_new_tokens, "prompts_file": file_digest(EVAL_PROMPTS),
+                "max_new_tokens": opts.eval_max_new_tokens, "prompts_file": file_digest(EVAL_PROMPTS), **sampling,
                 "draft": file_digest(hf_dir / "model.safetensors")}
     step = rep.step("evaluate", f"speculative decoding on {opts.eval_prompts} held-out prompts, up to "
-                                f"{opts.eval_max_new_tokens} tokens, selector walk and backbone argmax")
+                                f"{opts.eval_max_new_tokens} tokens, selector walk and backbone argmax, T="
+                                + " ".join(f"{t:g}" for t in opts.eval_temperatures))
     report_path = eval_dir / "eval.json"
     if stamps.matches("eval", settings) and report_path.is_file() and not opts.overwrite:
         report = json.loads(report_path.read_text())
@@ -489,9 +501,11 @@ def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf
         return report, eval_dir
     stamps.clear("eval")
     report = run_eval(hf_dir, target, EVAL_PROMPTS, eval_dir, max_new_tokens=opts.eval_max_new_tokens,
-                      max_prompts=opts.eval_prompts, progress=opts.progress)
+                      max_prompts=opts.eval_prompts, progress=opts.progress, temperatures=opts.eval_temperatures,
+                      top_p=opts.eval_top_p, top_k=opts.eval_top_k, samples=opts.eval_samples, seed=opts.eval_seed)
     stamps.write("eval", settings)
-    taus = ", ".join(f"{k} {v:.2f}" for k, v in report["tau"].items())
+    taus = "; ".join(f"T={t} " + ", ".join(f"{k} {v:.2f}" for k, v in blk["tau"].items())
+                     for t, blk in report.get("temperatures", {"0": report}).items())
     step.done(f"measured tau {taus}")
     return report, eval_dir
 
@@ -502,19 +516,26 @@ def summary_text(s: dict[str, Any]) -> str:
     r, a = s["eval"], s["artifacts"]
     lines = ["", f"DFlash2 quickstart: {s['draft']['architecture']} draft ({s['draft']['parameters'] / 1e6:.1f}M "
                  f"parameters, block {s['draft']['block_size']}) for {s['target']}"]
-    base = r["target_only"]["tokens_per_second"]
-    for name, res in r["paths"].items():
-        m, e = res["measured"], res.get("estimated") or {}
-        est = f"trainer estimate {e['tau']:.2f}" if e.get("tau") is not None else "no estimate"
-        speed = (f"{m['tokens_per_second']:.1f} tok/s vs target alone {base:.1f} tok/s ({res['speedup']:.2f}x)"
-                 if m.get("tokens_per_second") and base else "")
-        lines.append(f"  tau {name:<8} measured {m['tau']:.2f}   {est:<22} {speed}")
+    for t, blk in (r.get("temperatures") or {"0": r}).items():
+        base = blk["target_only"]["tokens_per_second"]
+        for name, res in blk["paths"].items():
+            m, e = res["measured"], res.get("estimated") or {}
+            iv = (res.get("interval") or {}).get("tau") or [None, None]
+            ci = f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv[0] is not None else ""
+            est = f"trainer estimate {e['tau']:.2f}" if e.get("tau") is not None else "no estimate"
+            speed = (f"{m['tokens_per_second']:.1f} tok/s vs target alone {base:.1f} tok/s ({res['speedup']:.2f}x)"
+                     if m.get("tokens_per_second") and base else "")
+            lines.append(f"  T={t:<4} tau {name:<8} measured {m['tau']:.2f}{ci}   {est:<22} {speed}")
+    if r.get("temperatures"):
+        lines.append("  [lo, hi]: 95% bootstrap interval over the evaluation prompts")
     val = s.get("validation_tau")
     if val:
         lines.append("  training validation tau: " + ", ".join(f"{k} {v:.2f}" for k, v in val.items()))
-    lossless = all(res["lossless"] for res in r["paths"].values())
-    lines.append(f"  lossless: {'yes, every speculative output equals the target greedy output' if lossless else 'NO'}"
-                 f" ({r['prompts']} prompts, {r['generated_tokens']} tokens)")
+    checked = [res["lossless"] for blk in (r.get("temperatures") or {"0": r}).values() for res in blk["paths"].values()
+               if res["lossless"] is not None]  # greedy runs only: sampled outputs are not compared token by token
+    verdict = ("NO" if not all(checked) else "yes, every greedy speculative output equals the target greedy output"
+               if checked else "not checked (no greedy run)")
+    lines.append(f"  lossless: {verdict} ({r['prompts']} prompts, {r['generated_tokens']} tokens)")
     timing = ", ".join(f"{k} {format_seconds(v['seconds'])}{'*' if v['reused'] else ''}"
                        for k, v in s["timings"].items())
     lines.append(f"  time: {timing}; total {format_seconds(s['total_seconds'])}"
@@ -591,7 +612,7 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
         "estimated_tau": {k: (v.get("estimated") or {}).get("tau") for k, v in report["paths"].items()},
         "validation_tau": {k.split("/")[1]: v for k, v in last_validation(run_dir / "metrics.csv").items()
                            if k.endswith("/tau") and k.count("/") == 2},
-        "eval": {k: report[k] for k in ("prompts", "generated_tokens", "target_only", "paths")},
+        "eval": {k: report[k] for k in ("prompts", "generated_tokens", "target_only", "paths", "temperatures")},
         "timings": rep.timings,
         "total_seconds": round(time.perf_counter() - started, 1),
         "machine": {"cpus": os.cpu_count(), "load_average_start": load_before, "load_average_end": _load_average(),
@@ -609,7 +630,8 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
             "summary": str(out / "summary.json"),
         },
     }
-    for entry in summary["eval"]["paths"].values():  # the per-cycle lists are in eval.json already
+    for entry in [*summary["eval"]["paths"].values(),  # the per-cycle lists are in eval.json already
+                  *(e for blk in summary["eval"]["temperatures"].values() for e in blk["paths"].values())]:
         entry.get("measured", {}).pop("per_prompt", None)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     rep.say(summary_text(summary))
@@ -648,6 +670,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"held-out prompts for the speculative-decoding evaluation (default {d.eval_prompts})")
     p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens,
                    help=f"generation budget per evaluation prompt (default {d.eval_max_new_tokens})")
+    p.add_argument("--eval-temperature", type=float, nargs="+", default=d.eval_temperatures, metavar="T",
+                   help="temperatures the evaluation measures (default "
+                        + " ".join(f"{t:g}" for t in d.eval_temperatures) + "; 0 = greedy)")
+    p.add_argument("--eval-top-p", type=float, default=d.eval_top_p, help="evaluation top-p (default 1)")
+    p.add_argument("--eval-top-k", type=int, default=d.eval_top_k, help="evaluation top-k (default 0 = all)")
+    p.add_argument("--eval-samples", type=int, default=d.eval_samples,
+                   help=f"evaluation generations per prompt at temperature > 0 (default {d.eval_samples})")
+    p.add_argument("--eval-seed", type=int, default=d.eval_seed, help="seed of the sampled evaluation (default 0)")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry, e.g. --set data.init_args.batch_size=4 (repeatable)")
@@ -670,9 +700,11 @@ def quickstart_main(argv: Sequence[str] | None = None) -> int:
         target=args.target, out=args.out, config=args.config, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, sampled=args.sampled, sample_temperature=args.sample_temperature,
         regen_dtype=args.regen_dtype, regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
-        eval_max_new_tokens=args.eval_max_new_tokens, max_steps=args.max_steps, overrides=args.overrides,
+        eval_max_new_tokens=args.eval_max_new_tokens, eval_temperatures=args.eval_temperature,
+        eval_top_p=args.eval_top_p, eval_top_k=args.eval_top_k, eval_samples=args.eval_samples,
+        eval_seed=args.eval_seed, max_steps=args.max_steps, overrides=args.overrides,
         overwrite=args.overwrite, progress=not args.no_progress,
         threads=None if args.threads == "auto" else int(args.threads))
     summary = run_quickstart(opts)
-    return 0 if all(p["lossless"] for p in summary["eval"]["paths"].values()) else 1
+    return 0 if all(p["lossless"] is not False for p in summary["eval"]["paths"].values()) else 1
 

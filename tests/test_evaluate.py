@@ -78,3 +78,72 @@ def test_dflash_baseline_skips_the_selector_path() -> None:
     assert list(report["paths"]) == ["backbone"]
     assert any("selector" in note for note in report["notes"])
     assert report["paths"]["backbone"]["lossless"] and report["paths"]["backbone"]["estimated"] is None
+
+
+# ----------------------------------------------------------------------------- sampling and intervals
+def _normalised(messages: list[dict[str, str]]) -> str:
+    """A prompt's user text with case, punctuation and spacing dropped: near-copies compare equal."""
+    text = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
+    return "".join(c for c in text if c.isalnum())
+
+
+def test_held_out_prompts_share_none_with_the_seed_prompts() -> None:
+    from dflash2_lightning.prompts import EVAL_PROMPTS, SEED_PROMPTS, read_prompts
+
+    seed = {_normalised(m) for m in read_prompts(SEED_PROMPTS)}
+    held_out = [_normalised(m) for m in read_prompts(EVAL_PROMPTS)]
+    assert len(set(held_out)) == len(held_out), "the eval prompts repeat themselves"
+    shared = [h for h in held_out if h in seed]
+    assert not shared, f"eval prompts also in the training seed prompts: {shared}"
+
+
+def test_eval_at_temperature_reports_every_setting_with_intervals() -> None:
+    target, draft = tiny_target(), trained_draft("dflash2")
+    kw = dict(estimate=False, progress=False, temperatures=(0.0, 1.0), top_p=0.9, samples=2, seed=7, resamples=300,
+              stop_token_ids=[])  # no stop: every generation runs its whole budget
+    report = evaluate_draft(draft, target, prompts()[:3], 10, **kw)
+    assert list(report["temperatures"]) == ["0", "1"]
+    assert report["sampling"] == {"temperatures": [0.0, 1.0], "top_p": 0.9, "top_k": 0, "seed": 7,
+                                  "samples_per_prompt": 2, "bootstrap_resamples": 300}
+    greedy, sampled = report["temperatures"]["0"], report["temperatures"]["1"]
+    assert report["paths"] == greedy["paths"] and report["tau"] == greedy["tau"]
+    assert greedy["samples_per_prompt"] == 1 and sampled["samples_per_prompt"] == 2
+    for name in ("selector", "backbone"):
+        assert greedy["paths"][name]["lossless"] is True
+        res = sampled["paths"][name]
+        assert res["lossless"] is None  # samples: the law is what is lossless (tests/test_sampling.py)
+        assert len(res["measured"]["accept"]) == BLOCK_SIZE - 1
+        # 3 prompts x 2 samples of 10 tokens each, for the target alone and for every path
+        assert res["measured"]["tokens"] == sampled["target_only"]["tokens"] == 3 * 2 * 10
+        for blk in (greedy, sampled):
+            m, iv = blk["paths"][name]["measured"], blk["paths"][name]["interval"]
+            assert iv["level"] == 0.95 and iv["resamples"] == 300 and iv["unit"] == "prompt"
+            assert iv["tau"][0] <= m["tau"] <= iv["tau"][1]
+            assert all(lo <= a <= hi for a, (lo, hi) in zip(m["accept"], iv["accept"]))
+            assert iv["speedup"][0] <= blk["paths"][name]["speedup"] <= iv["speedup"][1]
+    # seeded: the same settings measure the same cycles, another seed other ones
+    again = evaluate_draft(draft, target, prompts()[:3], 10, **kw)
+    other = evaluate_draft(draft, target, prompts()[:3], 10, **{**kw, "seed": 8})
+    hist = lambda r: {n: v["measured"]["histogram"] for n, v in r["temperatures"]["1"]["paths"].items()}  # noqa: E731
+    assert hist(again) == hist(report) and hist(other) != hist(report)
+    lines = summary_lines(report)
+    assert any(line.startswith("T=1, top_p 0.9") for line in lines)
+    assert any("tau" in line and "[" in line for line in lines) and any("accept_k" in line for line in lines)
+
+
+def test_eval_cli_samples_and_bad_settings(tmp_path) -> None:
+    draft_dir = save_draft(trained_draft("dflash2"), tmp_path / "draft", dtype=torch.float64)
+    out = tmp_path / "eval"
+    status = eval_main(["--draft", str(draft_dir), "--target", json.dumps(TARGET_SPEC), "--out", str(out),
+                        "--max-new-tokens", "8", "--max-prompts", "2", "--no-progress", "--no-estimate",
+                        "--paths", "backbone", "--temperature", "0", "0.7", "--top-k", "50", "--samples", "2",
+                        "--seed", "3", "--resamples", "100"])
+    assert status == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["sampling"]["top_k"] == 50 and list(report["temperatures"]) == ["0", "0.7"]
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    target, draft = tiny_target(), trained_draft("dflash2")
+    for kwargs, field in [({"temperatures": (1.0, 1.0)}, "temperatures"), ({"samples": 0}, "samples"),
+                          ({"temperatures": (-1.0,)}, "temperature"), ({"top_p": 0.0, "temperatures": (1.0,)}, "top_p")]:
+        with pytest.raises(ValueError, match=field):
+            evaluate_draft(draft, target, prompts()[:1], 4, progress=False, estimate=False, **kwargs)

@@ -75,6 +75,9 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
         assert res["lossless"], name
         assert res["estimated"] is not None and "tau" in res["estimated"], name
     assert summary["tau"] == report["tau"]
+    assert list(report["temperatures"]) == ["0", "1"]  # the quickstart measures greedy and T=1
+    assert all(r["interval"]["tau"][0] <= r["measured"]["tau"] <= r["interval"]["tau"][1]
+               for blk in report["temperatures"].values() for r in blk["paths"].values())
     assert artifacts["eval plot"].read_bytes()[:8] == PNG_MAGIC
     assert artifacts["training acceptance plot"].read_bytes()[:8] == PNG_MAGIC
 

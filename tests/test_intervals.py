@@ -1,0 +1,56 @@
+"""Bootstrap intervals over prompts: they cover the pooled estimate, shrink with more prompts, are seeded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash2_lightning.intervals import bootstrap_intervals
+
+
+def _prompts(n: int, seed: int) -> tuple[list[list[int]], list[float], list[float]]:
+    """``n`` prompts whose cycles accept 0..3 drafts, each prompt with its own difficulty."""
+    rng = np.random.default_rng(seed)
+    hists = [list(rng.multinomial(20, rng.dirichlet([2.0, 1.0, 1.0, 1.0]))) for _ in range(n)]
+    tokens = [float(sum((a + 1) * h for a, h in enumerate(hist))) for hist in hists]
+    return hists, tokens, [t / 50.0 for t in tokens]
+
+
+def _pooled_tau(hists: list[list[int]]) -> float:
+    pooled = np.sum(hists, axis=0)
+    return float((np.arange(len(pooled)) + 1) @ pooled / pooled.sum())
+
+
+def test_interval_covers_the_pooled_estimate_and_shrinks_with_prompts() -> None:
+    widths = []
+    for n in (10, 160):
+        hists, tokens, seconds = _prompts(n, seed=n)
+        iv = bootstrap_intervals(hists, tokens, seconds, tokens, [s * 2 for s in seconds], resamples=2000)
+        lo, hi = iv["tau"]
+        assert lo < _pooled_tau(hists) < hi
+        assert iv["tokens_per_second"] == pytest.approx([50.0, 50.0])  # every prompt runs at 50 tok/s
+        assert iv["speedup"] == pytest.approx([2.0, 2.0])
+        assert len(iv["accept"]) == 3 and all(a <= b for a, b in iv["accept"])
+        # accept_k is non-increasing in k, and so are its bounds
+        assert iv["accept"][0][1] >= iv["accept"][1][1] >= iv["accept"][2][1]
+        widths.append(hi - lo)
+    assert widths[1] < widths[0] / 2.5  # ~1/sqrt(n): 16x the prompts, ~4x narrower
+
+
+def test_interval_is_seeded_and_degenerate_for_identical_prompts() -> None:
+    hists, tokens, seconds = _prompts(12, seed=0)
+    a = bootstrap_intervals(hists, tokens, seconds, seed=5)
+    assert a == bootstrap_intervals(hists, tokens, seconds, seed=5)
+    assert a["tau"] != bootstrap_intervals(hists, tokens, seconds, seed=6)["tau"]
+    assert a["speedup"] is None
+    same = bootstrap_intervals([[2, 1, 1]] * 5, [9.0] * 5, [1.0] * 5)
+    assert same["tau"] == pytest.approx([1.75, 1.75])
+
+
+def test_interval_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="resamples=0"):
+        bootstrap_intervals([[1, 0]], [1.0], [1.0], resamples=0)
+    with pytest.raises(ValueError, match="level=1"):
+        bootstrap_intervals([[1, 0]], [1.0], [1.0], level=1)
+    with pytest.raises(ValueError, match="histograms is empty"):
+        bootstrap_intervals([], [], [])

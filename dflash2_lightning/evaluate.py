@@ -70,6 +70,7 @@ class TeacherForced:
     valid: Tensor
     seq_len: int
     block_size: int
+    alpha: Tensor | None = None  # [N, bs-1] acceptance probability of each slot under sampling
 
     def trainer_blocks(self) -> tuple[Tensor, Tensor]:
         """``(right, valid)`` of the anchors the trainer samples from: blocks that fit (``a <= S - bs``)."""
@@ -99,14 +100,18 @@ class TeacherForced:
 
 @torch.no_grad()
 def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], continuation: Sequence[int],
-                   paths: Sequence[DraftPath] = PATHS, chunk: int = 32) -> dict[str, TeacherForced]:
+                   paths: Sequence[DraftPath] = PATHS, chunk: int = 32,
+                   sampling: Sampling | None = None) -> dict[str, TeacherForced]:
     """Run the trainer's objective (:class:`~dflash2_lightning.objective.DraftObjective`) on
     ``prompt + continuation`` with an anchor at every continuation position.
 
     The target runs once over the whole sequence (features, and its greedy next tokens: what "right"
     means); the continuation is the supervised region, as an assistant turn is in training. The
     selector path uses the objective's greedy walk (``walk=True``). Anchors go ``chunk`` at a time.
+    With a sampling ``sampling`` each slot also gets its acceptance probability under speculative
+    sampling (:func:`~dflash2_lightning.metrics.sampled_alpha`, the trainer's ``val/t<T>`` metric).
     """
+    from dflash2_lightning.metrics import sampled_alpha
     from dflash2_lightning.objective import DraftObjective, Teacher
 
     t = target_handles(target)
@@ -116,7 +121,8 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
     p, s = len(prompt), ids.shape[1]
     out = t.hf(input_ids=ids, use_cache=False, output_hidden_states=True)
     features = target_features(out.hidden_states, cfg.target_layer_ids or []).to(dtype)
-    teacher = Teacher(greedy=out.logits.argmax(-1))
+    sampled = sampling is not None and not sampling.greedy
+    teacher = Teacher(greedy=out.logits.argmax(-1), logits=out.logits if sampled else None)
     loss_mask = torch.arange(s, device=device)[None] >= p
     embed = lambda x: t.embed(x).to(dtype)  # noqa: E731 (target and draft may differ in dtype)
     head_dtype = t.hf.get_output_embeddings().weight.dtype
@@ -124,6 +130,7 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
     objective = DraftObjective(token_loss="ce", selector_loss_alpha=0.0)
     want = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
     rights: dict[str, list[Tensor]] = {x: [] for x in want}
+    alphas: dict[str, list[Tensor]] = {x: [] for x in want}
     valids = []
     anchors = torch.arange(p, s, device=device)
     for lo in range(0, anchors.shape[0], chunk):
@@ -134,8 +141,13 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
         for x in want:
             tokens = res.draft_tokens if x == "backbone" else res.selector_tokens
             rights[x].append((tokens == res.reference)[0])
+        if sampled:
+            for x, alpha in sampled_alpha(res, sampling).items():
+                if x in alphas:
+                    alphas[x].append(alpha[0])
     valid = torch.cat(valids) if valids else torch.zeros(0, bs - 1, dtype=torch.bool)
-    return {x: TeacherForced(anchors.cpu(), (torch.cat(r) if r else valid).cpu(), valid.cpu(), s, bs)
+    return {x: TeacherForced(anchors.cpu(), (torch.cat(r) if r else valid).cpu(), valid.cpu(), s, bs,
+                             torch.cat(alphas[x]).cpu() if alphas[x] else None)
             for x, r in rights.items()}
 
 
@@ -151,21 +163,30 @@ class EstimateStats:
     metric: Any
     replayed: list[int]
     updates: int = 0
+    sampled: Any = None  # a SampledAcceptance at temperature > 0 (then the greedy figures are not reported)
 
     @classmethod
-    def empty(cls, block_size: int) -> "EstimateStats":
-        from dflash2_lightning.metrics import BlockAcceptance
+    def empty(cls, block_size: int, sampled: bool = False) -> "EstimateStats":
+        from dflash2_lightning.metrics import BlockAcceptance, SampledAcceptance
 
-        return cls(block_size, BlockAcceptance(block_size), [])
+        return cls(block_size, BlockAcceptance(block_size), [], sampled=SampledAcceptance(block_size) if sampled else None)
 
     def add(self, tf: TeacherForced) -> None:
         right, valid = tf.trainer_blocks()
         if right.shape[0]:
             self.metric.update(right, valid)
+            if self.sampled is not None and tf.alpha is not None:
+                self.sampled.update(tf.alpha[tf.anchors <= tf.seq_len - tf.block_size], valid)
             self.updates += 1
         self.replayed += tf.replay()
 
     def summary(self) -> dict[str, Any]:
+        if self.sampled is not None:  # expected acceptance under sampling, teacher-forced (no replay: random)
+            if not self.updates:
+                return {"tau": None, "accept": None, "alpha": None, "blocks": 0, "kind": "sampled"}
+            r = self.sampled.compute()
+            return {"tau": float(r["tau"]), "accept": [float(x) for x in r["accept"]],
+                    "alpha": [float(x) for x in r["alpha"]], "blocks": int(r["num_blocks"]), "kind": "sampled"}
         if not self.updates:  # every continuation shorter than a block: nothing the trainer would count
             return {"tau": None, "accept": None, "acc": None, "blocks": 0,
                     "replayed_tau": None, "replayed_cycles": len(self.replayed)}
@@ -231,7 +252,7 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     blocks = {}
     for ti, st in enumerate(settings):
         blocks[_temperature_key(st.temperature)] = _evaluate_at(
-            draft, target, prompts, max_new_tokens, usable, stop, estimate and st.greedy, progress, st,
+            draft, target, prompts, max_new_tokens, usable, stop, estimate, progress, st,
             seed, ti, samples if not st.greedy else 1, resamples)
     first = next(iter(blocks.values()))
     report: dict[str, Any] = {
@@ -274,7 +295,8 @@ def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]
 
     kw = {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k}
     references: list[list[GreedyResult]] = []
-    runs = {x: PathRun([], EstimateStats.empty(draft.config.block_size) if estimate else None, []) for x in usable}
+    runs = {x: PathRun([], EstimateStats.empty(draft.config.block_size, not st.greedy) if estimate else None, [])
+            for x in usable}
     desc = "eval" if st.greedy else f"eval T={st.temperature:g}"
     for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
         refs = []
@@ -294,7 +316,8 @@ def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]
                     runs[x].mismatched.append(i)
         references.append(refs)
         if estimate:
-            for x, tf in teacher_forced(draft, target, prompt, refs[0].tokens, usable).items():
+            # At temperature > 0 on the target's first sampled continuation, with the sampled estimate.
+            for x, tf in teacher_forced(draft, target, prompt, refs[0].tokens, usable, sampling=st).items():
                 runs[x].estimate.add(tf)
 
     flat = [r for refs in references for r in refs]
@@ -464,7 +487,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                          + (f"; target alone {tps:.1f} tok/s" if tps else ""))
         for name, res in blk["paths"].items():
             m, e, iv = res["measured"], res["estimated"] or {}, res.get("interval") or {}
-            est = f", trainer estimate {e['tau']:.2f} (replayed {e['replayed_tau']:.2f})" if e.get("tau") else ""
+            replay = f" (replayed {e['replayed_tau']:.2f})" if e.get("replayed_tau") is not None else ""
+            est = f", trainer estimate {e['tau']:.2f}{replay}" if e.get("tau") else ""
             speed = (f", {m['tokens_per_second']:.1f} tok/s ({res['speedup']:.2f}x{_iv(iv.get('speedup'))})"
                      if res["speedup"] else "")
             lossy = res["lossless"] is False

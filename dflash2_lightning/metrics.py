@@ -25,12 +25,31 @@ scoring the top-k with the teacher-forced predecessor, picks the right token), b
 
 Every state is an integer count with ``sum`` reduction, so DDP ranks add up exactly; ratios are
 formed in ``compute``.
+
+Under sampling (:class:`SampledAcceptance`, logged as ``val/t<T>/...`` when the module is given a
+``val_temperature``), a slot is not right or wrong: the speculative-sampling rule accepts the draft
+at offset ``k`` with probability ``alpha_k = sum_v min(p_k(v), q_k(v))``, where ``p_k`` is the target's
+and ``q_k`` the draft's distribution at that slot, both processed by the same sampling settings
+(:func:`dflash2_lightning.sampling.probabilities`). ``q_k`` is the backbone's processed softmax, or
+for the selector the processed softmax of its scores over the top-k after the teacher-forced
+predecessor. The estimate is ``accept_k = E[prod_{j <= k} alpha_j]`` over blocks and
+``tau = 1 + sum_k accept_k``. It can differ from the τ measured by sampled speculative decoding at
+that temperature because (besides the anchors, as for greedy):
+
+* it conditions every offset on the teacher-forced prefix (the data, or the target's greedy text),
+  while the loop conditions offset ``k`` on the drafts it accepted before, a sample; the product of
+  per-offset expectations is not the expectation of the product when ``p_k`` or ``q_k`` depends on
+  that prefix (the selector's ``q`` always does);
+* offline, ``p_k`` is the renormalised cached top-k of the target, missing the mass outside it.
+
+Its states are float sums (``sum`` reduction): DDP adds them up to rounding.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -71,6 +90,63 @@ class BlockAcceptance(Metric):
                 "num_positions": self.counted.sum(), "num_blocks": self.blocks[0]}
 
 
+class SampledAcceptance(Metric):
+    """Expected per-offset acceptance ``alpha_k`` and acceptance curve under speculative sampling."""
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self, block_size: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.length = block_size - 1
+        for name in ("alpha", "accepted"):
+            self.add_state(name, default=torch.zeros(self.length, dtype=torch.float64), dist_reduce_fx="sum")
+        for name in ("counted", "blocks"):
+            self.add_state(name, default=torch.zeros(self.length, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, alpha: Tensor, valid: Tensor) -> None:
+        """``alpha [..., L]``: acceptance probability of each slot; ``valid [..., L]``: slot counted."""
+        alpha = alpha.reshape(-1, self.length).double()
+        valid = valid.reshape(-1, self.length).bool()
+        prefix = torch.cumprod(valid.long(), dim=1)  # blocks whose offsets 1..k are all counted
+        survive = torch.cumprod(torch.where(valid, alpha, torch.ones_like(alpha)), dim=1)
+        self.alpha = self.alpha + torch.where(valid, alpha, torch.zeros_like(alpha)).sum(0)  # out of place: see above
+        self.counted = self.counted + valid.sum(0)
+        self.accepted = self.accepted + (survive * prefix).sum(0)
+        self.blocks = self.blocks + prefix.sum(0)
+
+    def compute(self) -> dict[str, Tensor]:
+        """``alpha [L]`` (mean acceptance probability per offset), ``accept [L]``, ``tau``."""
+        alpha = self.alpha / self.counted.clamp(min=1)
+        accept = self.accepted / self.blocks.clamp(min=1)
+        return {"alpha": alpha, "accept": accept, "tau": 1.0 + accept.sum(), "num_blocks": self.blocks[0]}
+
+
+def sampled_alpha(out: ObjectiveOutput, sampling: Any) -> dict[str, Tensor] | None:
+    """Per-slot acceptance probabilities ``{path: [B, N, L]}`` under ``sampling``, or None when the
+    target's distribution is not at hand (neither its logits nor a cached top-k)."""
+    from dflash2_lightning.objective import gather_positions
+    from dflash2_lightning.sampling import probabilities
+
+    teacher, sources = out.teacher, out.blocks.sources
+    with torch.no_grad():
+        if teacher is not None and teacher.logits is not None:
+            p = probabilities(gather_positions(teacher.logits, sources), sampling)
+        elif teacher is not None and teacher.topk_values is not None and teacher.topk_indices is not None:
+            # Offline: the cached top-k logits, processed and scattered back; the mass outside is missing.
+            values = probabilities(gather_positions(teacher.topk_values, sources), sampling)
+            p = torch.zeros(*values.shape[:-1], out.logits.shape[-1], dtype=values.dtype, device=values.device)
+            p.scatter_(-1, gather_positions(teacher.topk_indices, sources).long(), values)
+        else:
+            return None
+        q = probabilities(out.logits.detach(), sampling).to(p.dtype)
+        alphas = {"backbone": torch.minimum(p, q).sum(-1)}
+        if out.selector_scores is not None and out.selector_candidates is not None:
+            q_sel = probabilities(out.selector_scores, sampling).to(p.dtype)  # zero outside the candidates
+            alphas["selector"] = torch.minimum(p.gather(-1, out.selector_candidates), q_sel).sum(-1)
+    return alphas
+
+
 class SelectorAgreement(Metric):
     """Selector coverage (right token in the top-k) and teacher-forced accuracy, over counted slots."""
 
@@ -102,12 +178,17 @@ class DraftMetrics(nn.Module):
     Call ``reset()`` after logging.
     """
 
-    def __init__(self, block_size: int, selector: bool, prefix: str = "val") -> None:
+    def __init__(self, block_size: int, selector: bool, prefix: str = "val", sampling: Any = None) -> None:
         super().__init__()
         self.prefix = prefix
         self.backbone = BlockAcceptance(block_size)
         self.selector = BlockAcceptance(block_size) if selector else None
         self.agreement = SelectorAgreement() if selector else None
+        # The expected acceptance under sampling (a dflash2_lightning.sampling.Sampling), per path.
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None
+        self.sampled = nn.ModuleDict({x: SampledAcceptance(block_size) for x in
+                                      (["backbone", "selector"] if selector else ["backbone"])}) \
+            if self.sampling is not None else None
 
     def update(self, out: ObjectiveOutput) -> None:
         valid = out.blocks.valid
@@ -116,6 +197,11 @@ class DraftMetrics(nn.Module):
             self.selector.update(out.selector_tokens == out.reference, valid)
         if self.agreement is not None and out.covered is not None and out.selector_correct is not None:
             self.agreement.update(out.covered, out.selector_correct, valid)
+        if self.sampled is not None:
+            alphas = sampled_alpha(out, self.sampling) or {}
+            for path, alpha in alphas.items():
+                if path in self.sampled:
+                    self.sampled[path].update(alpha, valid)
 
     def compute(self) -> dict[str, float]:
         """Flat metric values (synchronised across DDP ranks)."""
@@ -136,10 +222,19 @@ class DraftMetrics(nn.Module):
             values[f"{p}/selector/coverage"] = float(agreement["coverage"])
             values[f"{p}/selector/accuracy"] = float(agreement["accuracy"])
         values[f"{p}/tau"] = values[f"{p}/selector/tau" if self.selector is not None else f"{p}/backbone/tau"]
+        if self.sampled is not None and int(self.sampled["backbone"].blocks[0]) > 0:
+            t = f"{p}/t{self.sampling.temperature:g}"
+            for path, metric in self.sampled.items():
+                result = metric.compute()
+                for k, (alpha, accept) in enumerate(zip(result["alpha"].tolist(), result["accept"].tolist()), 1):
+                    values[f"{t}/{path}/alpha_{k}"] = alpha
+                    values[f"{t}/{path}/accept_{k}"] = accept
+                values[f"{t}/{path}/tau"] = float(result["tau"])
+            values[f"{t}/tau"] = values[f"{t}/selector/tau" if "selector" in self.sampled else f"{t}/backbone/tau"]
         return values
 
     def reset(self) -> None:
-        for metric in (self.backbone, self.selector, self.agreement):
+        for metric in (self.backbone, self.selector, self.agreement, *(self.sampled or {}).values()):
             if metric is not None:
                 metric.reset()
 

@@ -99,6 +99,9 @@ class DFlash2Module(pl.LightningModule):
             and the first position at ~300x): raw, they dominate a random ``fc``'s output, so every
             context vector starts out pointing the same way and Adam's per-weight steps move those
             columns ~25x more than the rest.
+        val_temperature, val_top_p, val_top_k: validation also logs the expected acceptance under
+            speculative sampling at these settings (``val/t<T>/...``, see
+            :class:`~dflash2_lightning.metrics.SampledAcceptance`); ``None`` or 0 turns it off.
     """
 
     def __init__(
@@ -137,6 +140,9 @@ class DFlash2Module(pl.LightningModule):
         export_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         init_from_target: bool = False,
         normalize_features: bool = False,
+        val_temperature: float | None = 1.0,
+        val_top_p: float = 1.0,
+        val_top_k: int = 0,
     ) -> None:
         super().__init__()
         if target is None:
@@ -179,8 +185,14 @@ class DFlash2Module(pl.LightningModule):
                                         selector_loss_alpha=selector_loss_alpha,
                                         gold_outside_topk=gold_outside_topk, num_anchors=num_anchors,
                                         labels=labels)
+        from dflash2_lightning.sampling import Sampling
+
+        try:
+            val_sampling = Sampling(val_temperature or 0.0, val_top_p, val_top_k)
+        except ValueError as err:
+            raise ConfigError(f"val_{err}") from None  # the message names the field: val_temperature=...
         self.val_metrics = DraftMetrics(self.draft_config.block_size, selector=self.draft_config.is_dflash2,
-                                        prefix="val")
+                                        prefix="val", sampling=val_sampling)
 
     # ------------------------------------------------------------------ the frozen target
     @property
@@ -261,8 +273,9 @@ class DFlash2Module(pl.LightningModule):
             with torch.no_grad():
                 out = tgt.features(batch["input_ids"], attention_mask, self.draft_config.target_layer_ids)
             features = out.features
-            teacher = Teacher(logits=out.logits if self.objective.token_loss == "kd" else None,
-                              greedy=out.logits.argmax(-1))
+            # The logits also serve validation's expected acceptance under sampling (walk=True there).
+            keep = self.objective.token_loss == "kd" or (walk and self.val_metrics.sampled is not None)
+            teacher = Teacher(logits=out.logits if keep else None, greedy=out.logits.argmax(-1))
         features = features.to(self.draft.fc.weight.dtype)
         if hasattr(self, "feature_scale"):
             if self.training and not bool(self.feature_scale_ready):

@@ -263,6 +263,10 @@ class ObjectiveOutput:
     selector_tokens: Tensor | None = None   # the selector's greedy walk (when requested)
     covered: Tensor | None = None           # reference in the draft's top-k
     selector_correct: Tensor | None = None  # teacher-forced selector pick == reference
+    # For the expected acceptance under sampling (metrics.SampledAcceptance), no gradient:
+    teacher: Teacher | None = None             # what the target supplied (logits or cached top-k)
+    selector_candidates: Tensor | None = None  # [B, N, L, K] the top-k the selector scores
+    selector_scores: Tensor | None = None      # [B, N, L, K] its scores after the teacher-forced predecessor
 
 
 class DraftObjective:
@@ -362,7 +366,7 @@ class DraftObjective:
             else blocks.labels)
         out = ObjectiveOutput(loss=token_loss, token_loss=token_loss, selector_loss=None, slot_loss=slot_loss,
                               slot_weight=weight, logits=logits, blocks=blocks, reference=reference,
-                              draft_tokens=logits.argmax(-1))
+                              draft_tokens=logits.argmax(-1), teacher=teacher)
         selector = draft.candidate_selector
         if selector is not None:
             self._selector_terms(out, selector, hidden, walk)
@@ -400,6 +404,7 @@ class DraftObjective:
         with torch.no_grad():
             ref_in = cand == out.reference[..., None]
             out.covered = ref_in.any(-1)
+            out.selector_candidates, out.selector_scores = cand, scores.detach()
             picked = cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
             out.selector_correct = picked == out.reference
             if walk:

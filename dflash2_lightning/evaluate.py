@@ -31,6 +31,13 @@ Why the estimate and the measurement differ (and the replay does not):
 
 The selector is not a source of difference: the trainer's acceptance follows the same greedy walk,
 seeded with the anchor, as the loop (its teacher-forced ``selector/accuracy`` is another quantity).
+
+Temperatures (``--temperature 0 0.7 1``): every one is measured in turn and reported under
+``temperatures`` (the top-level ``paths``/``tau`` are the first one's). At ``T > 0`` the target alone
+and the loop sample (``--top-p``/``--top-k``, ``--samples`` generations per prompt, each seeded from
+``--seed``); the estimate beside the measurement is then the trainer's expected acceptance under
+sampling (:class:`~dflash2_lightning.metrics.SampledAcceptance`) on the target's sampled continuation.
+Every measured figure carries a 95% bootstrap interval over prompts (:mod:`dflash2_lightning.intervals`).
 """
 
 from __future__ import annotations

@@ -406,7 +406,8 @@ def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Te
     if not sampling.greedy:
         if not callable(getattr(drafter, "sample_block", None)):
             raise ValueError(f"temperature={temperature} is invalid for {type(drafter).__name__}: it drafts "
-                             "greedily only (no sample_block); use temperature=0 or the torch draft")
+                             "greedily only (no sample_block: it returns tokens, not the distributions a lossless "
+                             "sampled proposal needs); use temperature=0, or the torch draft to sample")
         gen = _generator(seed, generator, ids.device)
 
     t0 = time.perf_counter()

@@ -109,6 +109,12 @@ def test_speculative_loop_same_tokens_and_acceptance(setup):
     assert ort.stats().tau == ref.stats().tau
 
 
+def test_onnxruntime_drafter_is_greedy_only(setup):
+    """Sampling needs the proposal distributions; the exported draft_step graph returns tokens only."""
+    with pytest.raises(ValueError, match="temperature=1.0 is invalid for OrtDrafter: it drafts greedily only"):
+        speculative_generate(setup.target, setup.drafter, [1, 2, 3], max_new_tokens=4, temperature=1.0)
+
+
 def test_bad_inputs_and_unrunnable_exports_are_refused(setup, tmp_path):
     with pytest.raises(ValueError, match="features"):
         setup.drafter.context_kv(torch.zeros(1, 3, 5), torch.zeros(1, 2, dtype=torch.long))

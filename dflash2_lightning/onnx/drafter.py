@@ -12,6 +12,9 @@ The cache is the torch :class:`~dflash2_lightning.model.ContextKV` itself (tenso
 onnxruntime's outputs), so ``append``/``crop`` behave exactly as with the torch draft. ``embed`` and
 ``head`` are accepted for interface compatibility and ignored: the target's embedding and head are
 baked into ``draft_step``.
+
+Greedy only: ``draft_step`` returns the walked tokens, not the candidates, scores and distributions
+a sampled proposal needs, so the loop refuses ``temperature > 0`` with this drafter.
 """
 
 from __future__ import annotations

@@ -176,7 +176,8 @@ class EstimateStats:
     def empty(cls, block_size: int, sampled: bool = False) -> "EstimateStats":
         from dflash2_lightning.metrics import BlockAcceptance, SampledAcceptance
 
-        return cls(block_size, BlockAcceptance(block_size), [], sampled=SampledAcceptance(block_size) if sampled else None)
+        return cls(block_size, BlockAcceptance(block_size), [],
+                   sampled=SampledAcceptance(block_size) if sampled else None)
 
     def add(self, tf: TeacherForced) -> None:
         right, valid = tf.trainer_blocks()
@@ -254,7 +255,8 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
                                      temperature=1.0, seed=seed)
     if any(not st.greedy for st in settings):
         notes.append("temperature > 0: outputs are samples, so losslessness is not checked token for token "
-                     "(lossless: null); the loop's output law is proven equal to the target's in tests/test_sampling.py")
+                     "(lossless: null); the loop's output law is proven equal to the target's in "
+                     "tests/test_sampling.py")
 
     blocks = {}
     for ti, st in enumerate(settings):

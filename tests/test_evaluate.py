@@ -144,7 +144,8 @@ def test_eval_cli_samples_and_bad_settings(tmp_path) -> None:
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     target, draft = tiny_target(), trained_draft("dflash2")
     for kwargs, field in [({"temperatures": (1.0, 1.0)}, "temperatures"), ({"samples": 0}, "samples"),
-                          ({"temperatures": (-1.0,)}, "temperature"), ({"top_p": 0.0, "temperatures": (1.0,)}, "top_p")]:
+                          ({"temperatures": (-1.0,)}, "temperature"),
+                          ({"top_p": 0.0, "temperatures": (1.0,)}, "top_p")]:
         with pytest.raises(ValueError, match=field):
             evaluate_draft(draft, target, prompts()[:1], 4, progress=False, estimate=False, **kwargs)
 

@@ -532,8 +532,9 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
                         help="decoding paths to measure (default: selector backbone)")
-    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], metavar="T",
-                        help="sampling temperatures to measure, e.g. --temperature 0 0.7 1.0 (default 0 = greedy)")
+    parser.add_argument("--temperature", type=float, nargs="+", action="extend", default=None, metavar="T",
+                        help="sampling temperatures to measure, e.g. --temperature 0 0.7 1.0 (repeatable; "
+                             "default 0 = greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the top k tokens (default 0 = all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs and the bootstrap (default 0)")
@@ -549,7 +550,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     report = run_eval(args.draft, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
                       args.paths, args.max_prompts, not args.no_estimate, not args.no_progress,
-                      temperatures=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      temperatures=args.temperature or [0.0], top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                       samples=args.samples, resamples=args.resamples)
     print("\n".join(summary_lines(report)))
     print(f"report: {Path(args.out) / 'eval.json'}  plot: {Path(args.out) / 'acceptance.png'}")

@@ -117,6 +117,16 @@ class QuickstartOptions:
             raise QuickstartError(f"sample_temperature={self.sample_temperature} is invalid: must be > 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise QuickstartError(f"max_steps={self.max_steps} is invalid: must be >= 1")
+        from dflash2_lightning.sampling import Sampling
+
+        if not self.eval_temperatures or len(set(self.eval_temperatures)) != len(self.eval_temperatures):
+            raise QuickstartError(f"eval_temperatures={self.eval_temperatures} is invalid: need at least one, "
+                                  "without repeats")
+        for t in self.eval_temperatures:  # checked now, not after training
+            try:
+                Sampling(t, self.eval_top_p, self.eval_top_k)
+            except ValueError as err:
+                raise QuickstartError(f"eval_{err}") from None
         if self.threads is not None and self.threads < 1:
             raise QuickstartError(f"threads={self.threads} is invalid: must be >= 1 (or None for automatic)")
 
@@ -670,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"held-out prompts for the speculative-decoding evaluation (default {d.eval_prompts})")
     p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens,
                    help=f"generation budget per evaluation prompt (default {d.eval_max_new_tokens})")
-    p.add_argument("--eval-temperature", type=float, nargs="+", default=d.eval_temperatures, metavar="T",
+    p.add_argument("--eval-temperature", type=float, nargs="+", action="extend", default=None, metavar="T",
                    help="temperatures the evaluation measures (default "
                         + " ".join(f"{t:g}" for t in d.eval_temperatures) + "; 0 = greedy)")
     p.add_argument("--eval-top-p", type=float, default=d.eval_top_p, help="evaluation top-p (default 1)")
@@ -700,7 +710,8 @@ def quickstart_main(argv: Sequence[str] | None = None) -> int:
         target=args.target, out=args.out, config=args.config, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, sampled=args.sampled, sample_temperature=args.sample_temperature,
         regen_dtype=args.regen_dtype, regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
-        eval_max_new_tokens=args.eval_max_new_tokens, eval_temperatures=args.eval_temperature,
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        **({"eval_temperatures": args.eval_temperature} if args.eval_temperature else {}),
         eval_top_p=args.eval_top_p, eval_top_k=args.eval_top_k, eval_samples=args.eval_samples,
         eval_seed=args.eval_seed, max_steps=args.max_steps, overrides=args.overrides,
         overwrite=args.overwrite, progress=not args.no_progress,

@@ -136,7 +136,7 @@ def test_eval_cli_samples_and_bad_settings(tmp_path) -> None:
     out = tmp_path / "eval"
     status = eval_main(["--draft", str(draft_dir), "--target", json.dumps(TARGET_SPEC), "--out", str(out),
                         "--max-new-tokens", "8", "--max-prompts", "2", "--no-progress", "--no-estimate",
-                        "--paths", "backbone", "--temperature", "0", "0.7", "--top-k", "50", "--samples", "2",
+                        "--paths", "backbone", "--temperature", "0", "--temperature", "0.7", "--top-k", "50", "--samples", "2",
                         "--seed", "3", "--resamples", "100"])
     assert status == 0
     report = json.loads((out / "eval.json").read_text())

@@ -161,3 +161,18 @@ def test_auto_threads_leaves_cores_that_other_processes_use(monkeypatch, load, o
 
     monkeypatch.setattr(quickstart, "_load_average", lambda: None if load is None else [load, load, load])
     assert quickstart.auto_threads(2, own) == expected
+
+
+def test_eval_sampling_options_are_checked_before_any_work():
+    from dflash2_lightning.quickstart import QuickstartOptions, build_parser
+
+    args = build_parser().parse_args(["--eval-temperature", "0", "0.7", "--eval-temperature", "1.2",
+                                      "--eval-samples", "3", "--eval-top-p", "0.9"])
+    assert args.eval_temperature == [0.0, 0.7, 1.2] and args.eval_samples == 3 and args.eval_top_p == 0.9
+    assert build_parser().parse_args([]).eval_temperature is None  # the options' default (T=0 and T=1) applies
+    assert QuickstartOptions().eval_temperatures == [0.0, 1.0]
+    for kwargs, field in [({"eval_temperatures": [1.0, 1.0]}, "eval_temperatures"),
+                          ({"eval_temperatures": [-0.5]}, "eval_temperature"),
+                          ({"eval_top_p": 0.0}, "eval_top_p"), ({"eval_samples": 0}, "eval_samples")]:
+        with pytest.raises(QuickstartError, match=field):
+            QuickstartOptions(**kwargs)

@@ -144,7 +144,7 @@ def tiny_hf(seed: int = 0, vocab: int = V):
     """A float64 Qwen3 with a tiny vocabulary; its head is scaled so the next-token laws are uneven."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False,
                       max_position_embeddings=64)
     with torch.random.fork_rng(devices=[]):
@@ -156,7 +156,7 @@ def tiny_hf(seed: int = 0, vocab: int = V):
 
 
 def tiny_draft(projector: str = "dflash2", seed: int = 1, vocab: int = V) -> DraftModel:
-    cfg = DraftConfig(hidden_size=16, vocab_size=vocab, num_target_layers=1, num_hidden_layers=1,
+    cfg = DraftConfig(hidden_size=16, vocab_size=vocab, num_target_layers=2, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
                       block_size=BLOCK, mask_token_id=vocab - 1, target_layer_ids=[0], selector_top_k=3,
                       selector_rank=4, conv_group_size=8, max_position_embeddings=64, projector_type=projector)

@@ -6,18 +6,26 @@ The proof is layered, each layer exact or a statistical test with a stated bound
 2. the proposals report the distributions they really sample from: the selector walk's ``q`` equals
    an independent recomputation along the sampled path (exact), and batched walks follow the exactly
    enumerated path law (statistical);
-3. :func:`verify` turns any proposal into the target's law (statistical, tens of thousands of calls);
-4. end to end: the real loop, a real tiny target (float64 Qwen3, vocabulary 6) and a real tiny draft,
-   against the target's exact sampling law by enumeration of every continuation: backbone path,
-   selector path, top-p, top-k, a drafter whose every draft is accepted, and a stop token inside
-   the block. Negative controls (a broken acceptance rule) show the same test has the power to fail.
+3. :func:`verify` turns any proposal into the target's law (statistical, 10000 calls per case);
+4. end to end, **exact**: every random choice of the loop goes through ``sampling.draw``, so
+   :class:`Enumerator` runs the real loop (real tiny float64 Qwen3 target, real tiny draft) once per
+   outcome of its choices and sums their exact probabilities. The loop's law of the 3 generated tokens
+   (the prefill's and two cycles') must equal the target's sampling law, enumerated from one uncached
+   forward over every continuation, to 1e-9: the selector path with no processing but the temperature,
+   the backbone path with top-k, the selector with top-p, a DFlash draft with top-k, a drafter whose
+   every draft is accepted (``q == p``, bonus tokens), and a stop token inside the block. Negative
+   controls (accept every draft; draw from ``p`` instead of the residual; judge a draft by the next
+   position's ``p``) fail the same comparison;
+5. end to end with torch's own seeded generator (statistical), and :func:`target_sample`.
 
 Statistical test (:func:`assert_law`): cells are the outcomes whose expected count is at least 5
 (the rest lumped into one cell), fixed from the exact law before sampling. A cell fails when
 ``n * KL(observed || expected) > ln(2 m / ALPHA)`` for ``m`` cells. By the Chernoff-Hoeffding bound,
 ``P(n KL(X/n || P) >= t) <= 2 exp(-t)`` for a binomial count ``X``, and a union bound over the cells
-gives a false-failure probability of at most ``ALPHA = 1e-6`` per test when the loop is lossless,
-with no asymptotic approximation. Seeds are fixed, so a run is reproducible.
+gives a false-failure probability of at most ``ALPHA = 1e-6`` per test when the code is correct,
+with no asymptotic approximation; the file's 8 statistical checks together at most 8e-6. Seeds are
+fixed, so a run is reproducible; the exact layers carry the proof, the statistical ones check the
+real random streams.
 """
 
 from __future__ import annotations

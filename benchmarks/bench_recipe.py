@@ -47,6 +47,24 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "norm_init29": (["--set", "model.init_args.normalize_features=true", "--set", "model.init_args.init_from_target=true",
                      "--set", "model.init_args.target_layer_ids=[28]", "--set", "model.init_args.lr=1.0e-3"],
                     "normalized features + draft layer from target layer 29 (features of layer 28), lr 1e-3"),
+    "norm_init16": (["--set", "model.init_args.normalize_features=true", "--set", "model.init_args.init_from_target=true",
+                     "--set", "model.init_args.target_layer_ids=[15]", "--set", "model.init_args.lr=1.0e-3"],
+                    "normalized features + draft layer from target layer 16 (features of layer 15), lr 1e-3"),
+    "norm_lr1e-3": (["--set", "model.init_args.normalize_features=true", "--set", "model.init_args.lr=1.0e-3"],
+                    "normalized features, lr 1e-3"),
+    "norm_2layers": (["--set", "model.init_args.normalize_features=true", "--set", "model.init_args.num_hidden_layers=2",
+                      "--set", "model.init_args.target_layer_ids=[15]"],
+                     "normalized features, two draft layers (same feature layer)"),
+    "swa16": (["--set", "model.init_args.sliding_window=16"],
+              "context attention restricted to the 16 most recent positions (non-causal SWA)"),
+    "swa8": (["--set", "model.init_args.sliding_window=8"],
+             "context attention restricted to the 8 most recent positions (non-causal SWA)"),
+    "swa16_540_bf16": (["--set", "model.init_args.sliding_window=16", "--max-steps", "540",
+                        "--set", "trainer.precision=bf16-mixed"],
+                       "SWA 16, 540 steps, bf16 autocast"),
+    "dflash_swa16_540_bf16": (["--set", "model.init_args.projector_type=dflash", "--set", "model.init_args.sliding_window=16",
+                               "--max-steps", "540", "--set", "trainer.precision=bf16-mixed"],
+                              "the DFlash baseline (no conv, no selector) with the same recipe"),
     "bf16": (["--set", "trainer.precision=bf16-mixed"], "bf16 autocast training (CPU AVX512-BF16)"),
     "lr1e-3_wd": (["--set", "model.init_args.lr=1.0e-3", "--set", "model.init_args.weight_decay=0.1"],
                   "lower learning rate and weight decay 0.1"),
@@ -65,28 +83,35 @@ def share_responses(source: Path, dest: Path) -> None:
             shutil.copy2(source / rel, dest / rel)
 
 
-def run_variant(name: str, flags: list[str], common: list[str], out: Path, first: Path | None) -> dict[str, Any]:
-    """Run one variant's quickstart (reusing the shared responses); return its result row."""
+def run_variant(name: str, flags: list[str], common: list[str], out: Path, first: Path | None,
+                collect: bool = False) -> dict[str, Any]:
+    """Run one variant's quickstart (reusing the shared responses); return its result row.
+
+    ``collect``: do not run, only read the result of an earlier run from its directory.
+    """
     target = out / name
-    if first is not None and first != target:
-        share_responses(first, target)
     cmd = ["dflash2", "quickstart", "--out", str(target), "--no-progress", *common, *flags]
-    started, cpu0 = time.perf_counter(), os.times()
-    load = os.getloadavg()
-    log = target.parent / f"{name}.log"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        done = subprocess.run([str(Path(sys.executable).parent / "dflash2"), *cmd[1:]], stdout=f,
-                              stderr=subprocess.STDOUT)
-    cpu1 = os.times()
-    row: dict[str, Any] = {"command": shlex.join(cmd), "returncode": done.returncode, "log": str(log),
-                           "wall_seconds": round(time.perf_counter() - started, 1),
-                           "cpu_seconds": round(cpu1.children_user + cpu1.children_system
-                                                - cpu0.children_user - cpu0.children_system, 1),
-                           "load_average_start": [round(x, 2) for x in load],
-                           "load_average_end": [round(x, 2) for x in os.getloadavg()]}
+    row: dict[str, Any] = {"command": shlex.join(cmd)}
+    if not collect:
+        if first is not None and first != target:
+            share_responses(first, target)
+        started, cpu0 = time.perf_counter(), os.times()
+        load = os.getloadavg()
+        log = target.parent / f"{name}.log"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            done = subprocess.run([str(Path(sys.executable).parent / "dflash2"), *cmd[1:]], stdout=f,
+                                  stderr=subprocess.STDOUT)
+        cpu1 = os.times()
+        row.update({"returncode": done.returncode, "log": str(log),
+                    "wall_seconds": round(time.perf_counter() - started, 1),
+                    "cpu_seconds": round(cpu1.children_user + cpu1.children_system
+                                         - cpu0.children_user - cpu0.children_system, 1),
+                    "load_average_start": [round(x, 2) for x in load],
+                    "load_average_end": [round(x, 2) for x in os.getloadavg()]})
     summary = _load(target / "summary.json")
     if summary:
+        row["machine"] = summary.get("machine")
         row["tau"] = summary["tau"]
         row["validation_tau"] = summary.get("validation_tau")
         row["estimated_tau"] = summary.get("estimated_tau")
@@ -149,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--responses-from", default=None,
                    help="a quickstart output directory whose responses every variant reuses (default: the first "
                         "variant's own)")
+    p.add_argument("--collect", action="store_true",
+                   help="run nothing: rebuild the rows of the named variants from their directories")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="also plot the measured acceptance curves of the run's variants into PNG")
     p.add_argument("common", nargs=argparse.REMAINDER,
@@ -166,14 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         flags, what = VARIANTS[name]
         print(f"== {name}: {what}", flush=True)
-        row = run_variant(name, flags, common, out, first)
+        row = run_variant(name, flags, common, out, first, args.collect)
         row["what"] = what
-        results[name] = row
+        results[name] = {**results.get(name, {}), **row}
         first = first or out / name
         results_path.parent.mkdir(parents=True, exist_ok=True)
         results_path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"   tau {row.get('tau')} val {row.get('validation_tau')} ({row['wall_seconds']} s, rc {row['returncode']})",
-              flush=True)
+        print(f"   tau {row.get('tau')} val {row.get('validation_tau')} ({row.get('wall_seconds')} s, "
+              f"rc {row.get('returncode')})", flush=True)
     print(table({n: results[n] for n in names}))
     if args.plot:
         plot_acceptance(results, names, Path(args.plot))

@@ -65,6 +65,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "dflash_swa16_540_bf16": (["--set", "model.init_args.projector_type=dflash", "--set", "model.init_args.sliding_window=16",
                                "--max-steps", "540", "--set", "trainer.precision=bf16-mixed"],
                               "the DFlash baseline (no conv, no selector) with the same recipe"),
+    "swa16_lr1e-3": (["--set", "model.init_args.sliding_window=16", "--set", "model.init_args.lr=1.0e-3"],
+                     "SWA 16, learning rate 1e-3 instead of 3e-3"),
     "bf16": (["--set", "trainer.precision=bf16-mixed"], "bf16 autocast training (CPU AVX512-BF16)"),
     "lr1e-3_wd": (["--set", "model.init_args.lr=1.0e-3", "--set", "model.init_args.weight_decay=0.1"],
                   "lower learning rate and weight decay 0.1"),

@@ -29,47 +29,30 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_recipe.json"
 
-# name -> (extra quickstart flags, what it tests). Every variant starts from configs/quickstart.yaml.
+# name -> (extra quickstart flags, what it tests). Every variant starts from configs/quickstart.yaml (as shipped:
+# all seed prompts x 160 tokens, 16-position context window, lr 1e-3, 540 steps, bf16 autocast).
+PREVIOUS = ["--max-steps", "360", "--set", "trainer.precision=32", "--set", "model.init_args.sliding_window=null",
+            "--set", "model.init_args.lr=3.0e-3", "--eval-prompts", "8", "--eval-temperature", "0"]
 VARIANTS: dict[str, tuple[list[str], str]] = {
-    "base": ([], "configs/quickstart.yaml as shipped"),
-    "dflash": (["--set", "model.init_args.projector_type=dflash"], "the DFlash baseline (no conv, no selector)"),
+    "shipped": (["--eval-temperature", "0"], "configs/quickstart.yaml as shipped"),
+    "shipped_dflash": (["--set", "model.init_args.projector_type=dflash", "--eval-temperature", "0"],
+                       "the DFlash baseline (no conv, no selector) with the shipped recipe"),
+    "lr3e-3": (["--set", "model.init_args.lr=3.0e-3"], "learning rate 3e-3 instead of 1e-3"),
+    "lr3e-3_dflash": (["--set", "model.init_args.projector_type=dflash", "--set", "model.init_args.lr=3.0e-3"],
+                      "the DFlash baseline at learning rate 3e-3"),
+    "previous": (PREVIOUS, "the previous quickstart recipe (full attention, lr 3e-3, 360 fp32 steps) on the same data"),
+    "previous_norm": (PREVIOUS + ["--set", "model.init_args.normalize_features=true"],
+                      "previous recipe + fc trained on unit-RMS features (scale folded into fc at export)"),
+    "previous_swa16": (PREVIOUS + ["--set", "model.init_args.sliding_window=16"],
+                       "previous recipe + 16-position context window"),
+    "previous_init29": (PREVIOUS + ["--set", "model.init_args.init_from_target=true",
+                                    "--set", "model.init_args.target_layer_ids=[28]", "--set", "model.init_args.lr=1.0e-3"],
+                        "previous recipe + draft layer starting as target layer 29 (features of layer 28), lr 1e-3"),
     "kd32": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32"],
              "soft distillation from the target's cached top-32 logits"),
     "dpace": (["--set", "model.init_args.position_weighting=dpace"], "D-PACE position weights (alpha 0.5)"),
-    "init29": (["--set", "model.init_args.init_from_target=true", "--set", "model.init_args.target_layer_ids=[28]",
-                "--set", "model.init_args.lr=1.0e-3"],
-               "draft layer starts as target layer 29, features from layer 28, lr 1e-3"),
-    "init16": (["--set", "model.init_args.init_from_target=true", "--set", "model.init_args.target_layer_ids=[15]",
-                "--set", "model.init_args.lr=1.0e-3"],
-               "draft layer starts as target layer 16, features from layer 15 (the default feature layer), lr 1e-3"),
-    "norm": (["--set", "model.init_args.normalize_features=true"],
-             "fc trained on unit-RMS features (scale folded into fc at export)"),
-    "norm_init29": (["--set", "model.init_args.normalize_features=true", "--set", "model.init_args.init_from_target=true",
-                     "--set", "model.init_args.target_layer_ids=[28]", "--set", "model.init_args.lr=1.0e-3"],
-                    "normalized features + draft layer from target layer 29 (features of layer 28), lr 1e-3"),
-    "norm_init16": (["--set", "model.init_args.normalize_features=true", "--set", "model.init_args.init_from_target=true",
-                     "--set", "model.init_args.target_layer_ids=[15]", "--set", "model.init_args.lr=1.0e-3"],
-                    "normalized features + draft layer from target layer 16 (features of layer 15), lr 1e-3"),
-    "norm_lr1e-3": (["--set", "model.init_args.normalize_features=true", "--set", "model.init_args.lr=1.0e-3"],
-                    "normalized features, lr 1e-3"),
-    "norm_2layers": (["--set", "model.init_args.normalize_features=true", "--set", "model.init_args.num_hidden_layers=2",
-                      "--set", "model.init_args.target_layer_ids=[15]"],
-                     "normalized features, two draft layers (same feature layer)"),
-    "swa16": (["--set", "model.init_args.sliding_window=16"],
-              "context attention restricted to the 16 most recent positions (non-causal SWA)"),
-    "swa8": (["--set", "model.init_args.sliding_window=8"],
-             "context attention restricted to the 8 most recent positions (non-causal SWA)"),
-    "swa16_540_bf16": (["--set", "model.init_args.sliding_window=16", "--max-steps", "540",
-                        "--set", "trainer.precision=bf16-mixed"],
-                       "SWA 16, 540 steps, bf16 autocast"),
-    "dflash_swa16_540_bf16": (["--set", "model.init_args.projector_type=dflash", "--set", "model.init_args.sliding_window=16",
-                               "--max-steps", "540", "--set", "trainer.precision=bf16-mixed"],
-                              "the DFlash baseline (no conv, no selector) with the same recipe"),
-    "swa16_lr1e-3": (["--set", "model.init_args.sliding_window=16", "--set", "model.init_args.lr=1.0e-3"],
-                     "SWA 16, learning rate 1e-3 instead of 3e-3"),
-    "bf16": (["--set", "trainer.precision=bf16-mixed"], "bf16 autocast training (CPU AVX512-BF16)"),
-    "lr1e-3_wd": (["--set", "model.init_args.lr=1.0e-3", "--set", "model.init_args.weight_decay=0.1"],
-                  "lower learning rate and weight decay 0.1"),
+    "two_layers": (["--set", "model.init_args.num_hidden_layers=2", "--set", "model.init_args.target_layer_ids=[15]"],
+                   "two draft layers (same feature layer)"),
 }
 
 
@@ -112,6 +95,16 @@ def run_variant(name: str, flags: list[str], common: list[str], out: Path, first
                     "load_average_start": [round(x, 2) for x in load],
                     "load_average_end": [round(x, 2) for x in os.getloadavg()]})
     summary = _load(target / "summary.json")
+    if not summary and (target / "eval" / "eval.json").is_file():
+        # Trained by the quickstart, measured by a separate, larger `dflash2 eval` (its command is recorded).
+        report = _load(target / "eval" / "eval.json")
+        row["eval_command"] = (f"dflash2 eval --draft {target / 'train' / 'hf'} --target smollm2 --max-prompts "
+                               f"{report['prompts']} --max-new-tokens {report['max_new_tokens']} --temperature 0")
+        summary = {"tau": report["tau"], "timings": {}, "draft": {"architecture": report.get("architecture")},
+                   "validation_tau": None, "estimated_tau": {p: (v.get("estimated") or {}).get("tau")
+                                                             for p, v in report["paths"].items()},
+                   "eval": {"prompts": report["prompts"], "generated_tokens": report["generated_tokens"],
+                            "paths": report["paths"]}, "machine": report.get("machine")}
     if summary:
         row["machine"] = summary.get("machine")
         row["tau"] = summary["tau"]
@@ -120,7 +113,8 @@ def run_variant(name: str, flags: list[str], common: list[str], out: Path, first
         row["timings"] = summary["timings"]
         row["eval"] = {k: summary["eval"][k] for k in ("prompts", "generated_tokens")}
         row["paths"] = {p: {"measured": {k: v for k, v in r["measured"].items() if k != "per_prompt"},
-                            "speedup": r.get("speedup")} for p, r in summary["eval"]["paths"].items()}
+                            "interval": r.get("interval"), "speedup": r.get("speedup"),
+                            "lossless": r.get("lossless")} for p, r in summary["eval"]["paths"].items()}
         row["draft"] = summary["draft"]
     from dflash2_lightning.quickstart import last_validation
 
@@ -158,7 +152,8 @@ def table(results: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for name, row in results.items():
         tau = row.get("tau") or {}
-        val = row.get("validation_tau") or {}
+        val = row.get("validation_tau") or {k.split("/")[1]: v for k, v in (row.get("validation") or {}).items()
+                                             if k.endswith("/tau") and k.count("/") == 2}
         sp = ((row.get("paths") or {}).get("selector") or {}).get("speedup")
         train = ((row.get("timings") or {}).get("train") or {}).get("seconds")
         fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"  # noqa: E731

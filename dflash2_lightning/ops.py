@@ -84,8 +84,20 @@ def block_conv_reference(x: Tensor, base: Tensor, delta: Tensor, block_size: int
     return out.reshape(b, s, h)
 
 
-@torch.library.custom_op("dflash::block_conv", mutates_args=())
-def _block_conv_op(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tensor:
+def _eager_inference(*tensors: Tensor) -> bool:
+    """True when an op may skip the ``torch.library`` dispatcher and run its implementation directly.
+
+    That is: plain eager code (not traced by ``torch.export`` / ``torch.compile`` / the ONNX exporter,
+    which must see the op as one node) and no autograd (nothing to record a backward for). The
+    dispatcher's own cost (autograd wrapper, dynamo guard, redispatch) is ~0.1 ms per call, which at
+    batch 1 is as much as a small draft layer's whole block convolution.
+    """
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _block_conv_impl(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tensor:
     _check_conv_shapes(x, base, delta, block_size)
     if x.is_cuda:
         from dflash2_lightning.kernels import cuda_block_conv  # Triton, optional extra
@@ -93,6 +105,11 @@ def _block_conv_op(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> T
         if cuda_block_conv is not None:
             return cuda_block_conv(x, base, delta, block_size)
     return block_conv_reference(x, base, delta, block_size)
+
+
+@torch.library.custom_op("dflash::block_conv", mutates_args=())
+def _block_conv_op(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tensor:
+    return _block_conv_impl(x, base, delta, block_size)
 
 
 @_block_conv_op.register_fake
@@ -134,6 +151,8 @@ _block_conv_op.register_autograd(_block_conv_backward, setup_context=_block_conv
 
 def block_conv(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tensor:
     """One side of the block convolution: ``x [B,S,H]``, ``base [T,H]``, ``delta [B,S,T,G]`` -> ``[B,S,H]``."""
+    if _eager_inference(x, base, delta):
+        return _block_conv_impl(x, base, delta, int(block_size))
     return _block_conv_op(x, base, delta, int(block_size))
 
 
@@ -205,9 +224,8 @@ def _check_walk_shapes(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor
                          f"{tuple(pred_codebook.shape)}/{tuple(succ_codebook.shape)}, proj {tuple(proj.shape)}")
 
 
-@torch.library.custom_op("dflash::lattice_walk", mutates_args=())
-def _lattice_walk_op(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
-                     pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+def _lattice_walk_impl(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
+                       pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
     _check_walk_shapes(cand, unary, proj, anchor, pred_codebook, succ_codebook)
     if cand.is_cuda:
         from dflash2_lightning.kernels import cuda_lattice_walk  # Triton, optional extra
@@ -216,6 +234,12 @@ def _lattice_walk_op(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
             return cuda_lattice_walk(cand, unary, proj, anchor, pred_codebook, succ_codebook)
     scores = edge_scores(cand, unary, proj, anchor, pred_codebook, succ_codebook)
     return walk_edge_scores(scores, cand)
+
+
+@torch.library.custom_op("dflash::lattice_walk", mutates_args=())
+def _lattice_walk_op(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
+                     pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+    return _lattice_walk_impl(cand, unary, proj, anchor, pred_codebook, succ_codebook)
 
 
 @_lattice_walk_op.register_fake
@@ -227,6 +251,8 @@ def _(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
 def lattice_walk(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
                  pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
     """Greedy selector path ``[B, L]`` through candidates ``cand [B, L, K]`` seeded with ``anchor [B]``."""
+    if _eager_inference(unary, proj, pred_codebook, succ_codebook):
+        return _lattice_walk_impl(cand, unary, proj, anchor, pred_codebook, succ_codebook)
     return _lattice_walk_op(cand, unary, proj, anchor, pred_codebook, succ_codebook)
 
 

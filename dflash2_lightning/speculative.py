@@ -28,6 +28,13 @@ and the emitted token after the accepted run comes from the residual (or, after 
 target). The output is then distributed exactly as the target's own samples; the math lives in
 :mod:`dflash2_lightning.sampling`. ``temperature == 0`` takes the greedy path below, unchanged.
 
+A drafter may also offer ``new_cache(batch, capacity)``: an empty preallocated cache (a
+:class:`~dflash2_lightning.model.DraftCache` for the torch draft) that the loop sizes once for the whole
+generation (prompt + budget) and appends to in place, so a cycle copies only its new positions.
+
+Per cycle the loop itself does only what it must: one target verify pass, one draft step, the new
+context K/V, and a handful of scalar reads (everything under ``torch.inference_mode``).
+
 Acceptance accounting (:class:`SpecResult`, :class:`AcceptanceStats`): per cycle the number of accepted
 drafts ``a`` (0..bs-1) and the tokens actually emitted. A cycle is *truncated* when it emitted fewer
 than ``a + 1`` tokens because the generation stopped inside it (a stop token among the accepted
@@ -52,6 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash2_lightning.model.backbone import ContextKV
+from dflash2_lightning.model.cache import DraftCache
 from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.sampling import (Proposal, Sampling, draw, probabilities, sample_backbone,
                                        sample_selector_walk, verify)
@@ -62,7 +70,7 @@ DraftPath = Literal["selector", "backbone"]
 
 # ----------------------------------------------------------------------------- the draft interface
 class ContextCache(Protocol):
-    """The draft's cache of context K/V; :class:`ContextKV` is one."""
+    """The draft's cache of context K/V; :class:`ContextKV` and :class:`DraftCache` are two."""
 
     def append(self, other: Any) -> "ContextCache": ...
 
@@ -104,11 +112,15 @@ class TorchDrafter:
         self.target_layer_ids = list(model.config.target_layer_ids or [])
         self.dtype = next(model.parameters()).dtype
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def context_kv(self, features: Tensor, positions: Tensor) -> ContextKV:
         return self.model.context_kv(features.to(self.dtype), positions)
 
-    def _block_hidden(self, anchor: Tensor, context: ContextKV, embed: Head, head: Head,
+    def new_cache(self, batch: int, capacity: int) -> DraftCache:
+        """An empty preallocated cache of ``capacity`` context positions (the draft's dtype and device)."""
+        return DraftCache.for_model(self.model, batch, capacity)
+
+    def _block_hidden(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head,
                       start: int) -> tuple[Tensor, Head]:
         """The draft hidden of the block's mask slots ``[B, bs-1, H]`` and the head to apply to it."""
         cfg = self.model.config
@@ -120,15 +132,16 @@ class TorchDrafter:
         hidden = self.model(embeds.to(self.dtype), positions, context)[:, 1:]  # slot 0 is the anchor
         return hidden, lambda h: head(h.to(embeds.dtype))
 
-    @torch.no_grad()
-    def draft_block(self, anchor: Tensor, context: ContextKV, embed: Head, head: Head, start: int) -> Tensor:
+    @torch.inference_mode()
+    def draft_block(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head,
+                    start: int) -> Tensor:
         hidden, target_head = self._block_hidden(anchor, context, embed, head, start)
         if self.path == "selector":
             return self.model.propose(hidden, anchor, target_head)
         return target_head(hidden).argmax(-1)
 
-    @torch.no_grad()
-    def sample_block(self, anchor: Tensor, context: ContextKV, embed: Head, head: Head, start: int,
+    @torch.inference_mode()
+    def sample_block(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head, start: int,
                      sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
         """A sampled block and the distributions it was drawn from (see :mod:`dflash2_lightning.sampling`)."""
         hidden, target_head = self._block_hidden(anchor, context, embed, head, start)
@@ -306,7 +319,7 @@ class AcceptanceStats:
 
 
 # ----------------------------------------------------------------------------- decoding
-@torch.no_grad()
+@torch.inference_mode()
 def target_greedy(target: Any, input_ids: Tensor | Sequence[int], max_new_tokens: int,
                   stop_token_ids: Iterable[int] = ()) -> GreedyResult:
     """Plain greedy decoding with the target's KV cache: one token per forward pass.
@@ -330,7 +343,7 @@ def target_greedy(target: Any, input_ids: Tensor | Sequence[int], max_new_tokens
     return GreedyResult(tokens, ids.shape[1], tokens[-1] in stop, time.perf_counter() - t0)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def target_sample(target: Any, input_ids: Tensor | Sequence[int], max_new_tokens: int,
                   stop_token_ids: Iterable[int] = (), *, temperature: float = 0.0, top_p: float = 1.0,
                   top_k: int = 0, seed: int | None = None,
@@ -376,7 +389,7 @@ def _next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator |
     return int(draw(probabilities(logits, sampling), generator))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Tensor | Sequence[int],
                          max_new_tokens: int, stop_token_ids: Iterable[int] = (),
                          path: DraftPath | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
@@ -400,7 +413,7 @@ def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Te
     ids = _prompt_tensor(input_ids, t.hf.device)
     bs, layer_ids, stop = drafter.block_size, drafter.target_layer_ids, set(stop_token_ids)
     prompt_len = ids.shape[1]
-    arange = lambda a, n: torch.arange(a, a + n, device=ids.device)[None]  # noqa: E731
+    positions = torch.arange(prompt_len + max_new_tokens + bs, device=ids.device)[None]  # sliced, never rebuilt
 
     gen = None
     if not sampling.greedy:
@@ -413,24 +426,28 @@ def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Te
     t0 = time.perf_counter()
     cache = _new_cache(t.hf)
     out = _forward(t.hf, ids, 0, cache, hidden=True, last_only=True)
-    context = drafter.context_kv(target_features(out.hidden_states, layer_ids), arange(0, prompt_len))
+    context = drafter.context_kv(target_features(out.hidden_states, layer_ids), positions[:, :prompt_len])
+    new_cache = getattr(drafter, "new_cache", None)
+    if new_cache is not None:  # preallocated for the whole generation: cycles append in place
+        context = new_cache(1, prompt_len + max_new_tokens).append(context)
     anchor = _next_token(out.logits[0, -1], sampling, gen)
     tokens = [anchor]
     accepted, emitted, anchors = [], [], []
     done = anchor in stop or max_new_tokens == 1
+    block = torch.empty(1, bs, dtype=torch.long, device=ids.device)
     while not done:
         start = prompt_len + len(tokens) - 1  # the anchor's position; everything before it is in both caches
-        anchor_t = torch.tensor([anchor], device=ids.device)
+        block[0, 0] = anchor
         if sampling.greedy:
-            drafts = drafter.draft_block(anchor_t, context, t.embed, t.head, start)
+            drafts = drafter.draft_block(block[:, 0], context, t.embed, t.head, start)
         else:
-            proposal = drafter.sample_block(anchor_t, context, t.embed, t.head, start, sampling, gen)
+            proposal = drafter.sample_block(block[:, 0], context, t.embed, t.head, start, sampling, gen)
             drafts = proposal.tokens
-        block = torch.cat([torch.tensor([[anchor]], device=ids.device), drafts.to(ids.device)], dim=1)
+        block[:, 1:] = drafts
         out = _forward(t.hf, block, start, cache, hidden=True)
         if sampling.greedy:
             greedy = out.logits[0].argmax(-1)
-            a = int((block[0, 1:] == greedy[:-1]).long().cumprod(0).sum())
+            a = int((block[0, 1:] == greedy[:-1]).cumprod(0).sum())
             bonus = int(greedy[a])
         else:  # accept by rejection sampling against the target's processed distributions
             a, bonus = verify(block[0, 1:], proposal.probs[0], probabilities(out.logits[0], sampling), gen)
@@ -445,8 +462,8 @@ def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Te
         done = keep < len(new) or tokens[-1] in stop or len(tokens) >= max_new_tokens
         if not done:
             # The anchor and the accepted drafts are verified: their features join the draft's context.
-            verified = target_features(out.hidden_states, layer_ids)[:, :a + 1]
-            context = context.append(drafter.context_kv(verified, arange(start, a + 1)))
+            verified = torch.cat([out.hidden_states[i + 1][:, :a + 1] for i in layer_ids], dim=-1)
+            context = context.append(drafter.context_kv(verified, positions[:, start:start + a + 1]))
             _crop(cache, start + a + 1)
             anchor = new[-1]
     return SpecResult(tokens, prompt_len, bs, accepted, emitted, anchors, tokens[-1] in stop,

@@ -97,8 +97,8 @@ def test_trt_copy_has_no_function_bodies(dflash2):
 def test_inputs_outputs_are_named_and_dynamic(dflash2):
     step = _load(dflash2.dir, "draft_step.onnx")
     names = [f"{kind}_{i}" for i in range(CFG.num_hidden_layers) for kind in "kv"]
-    assert [i.name for i in step.graph.input] == names + ["anchor", "start"]
-    kv_shape = ["batch", CFG.num_key_value_heads, "context", CFG.head_dim]
+    assert [i.name for i in step.graph.input] == names + ["length", "anchor", "start"]
+    kv_shape = ["batch", CFG.num_key_value_heads, "capacity", CFG.head_dim]
     assert all(_dims(i) == kv_shape for i in step.graph.input[: len(names)])
     assert [(o.name, _dims(o)) for o in step.graph.output] == [
         ("tokens", ["batch", CFG.block_size - 1]), ("hidden", ["batch", CFG.block_size - 1, CFG.hidden_size])]
@@ -106,6 +106,7 @@ def test_inputs_outputs_are_named_and_dynamic(dflash2):
     assert [(i.name, _dims(i)) for i in context.graph.input] == [
         ("features", ["batch", "context", CFG.num_target_features * CFG.hidden_size]), ("positions", ["batch", "context"])]
     assert [o.name for o in context.graph.output] == names
+    assert all(_dims(o) == ["batch", CFG.num_key_value_heads, "context", CFG.head_dim] for o in context.graph.output)
     manifest = json.loads((dflash2.dir / "drafter.json").read_text())
     assert manifest["dtype"] == "fp32" and manifest["config"] == CFG.to_hf_dict()
     assert manifest["graphs"]["draft_step"]["trt_file"] == "draft_step.trt.onnx"
@@ -113,6 +114,17 @@ def test_inputs_outputs_are_named_and_dynamic(dflash2):
     os.umask(umask)
     for name in ("draft_step.onnx", "draft_step.trt.onnx", "drafter.json"):  # deployable, not 0600 temp files
         assert (dflash2.dir / name).stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_draft_step_never_copies_the_cache(dflash2):
+    """The cache buffers feed only the score and value matmuls (through a transpose ORT folds into the
+    MatMul): no Concat, Expand or Tile of the context, so a step does not copy the cache."""
+    step = _load(dflash2.dir, "draft_step.onnx")
+    cache = {i.name for i in step.graph.input if re.fullmatch(r"[kv]_\d+", i.name)}
+    consumers = {n.op_type for n in step.graph.node if cache & set(n.input)}
+    assert consumers and consumers <= {"MatMul", "Transpose", "Shape"}, consumers
+    transposed = {o for n in step.graph.node if n.op_type == "Transpose" and cache & set(n.input) for o in n.output}
+    assert {n.op_type for n in step.graph.node if transposed & set(n.input)} <= {"MatMul"}
 
 
 # ----------------------------------------------------------------------------- numerics
@@ -133,7 +145,7 @@ def test_selector_walk_matters_in_the_checked_tokens(dflash2):
     anchor = torch.arange(6)
     with torch.no_grad():
         tokens, hidden = DraftStepGraph(draft, embed, head)([t for kv in cache.layers for t in (kv.keys, kv.values)],
-                                                            anchor, torch.full((6,), 9))
+                                                            torch.full((6,), 9), anchor, torch.full((6,), 9))
         assert torch.equal(tokens, draft.draft_block(anchor, cache, embed, head, 9))  # the graph module == torch draft
         assert not torch.equal(tokens, head(hidden).argmax(-1))
         assert torch.equal(choice_margins(draft, hidden, anchor, head)[0], tokens)
@@ -203,12 +215,12 @@ def test_cli_exports_fp16_opset23_sliding_window_and_verifies(tmp_path, capsys):
     assert printed.rstrip().endswith("OK")
     step = _load(out, "draft_step.onnx")
     inputs = {i.name: i for i in step.graph.input}
-    assert _dims(inputs["context_positions"]) == ["batch", "context"]  # the window needs the cache's positions
+    assert _dims(inputs["context_positions"]) == ["batch", "capacity"]  # the window needs the cache's positions
     assert inputs["k_0"].type.tensor_type.elem_type == TensorProto.FLOAT16
     assert step.graph.output[1].type.tensor_type.elem_type == TensorProto.FLOAT16
     assert {_attrs(n).get("block_size") for n in ops.custom_nodes(step)} == {CFG.block_size, None}
     assert ops.default_opset(step) == 23 and {f.opset_import[0].version for f in step.functions} == {23}
-    assert "Attention" in {n.op_type for n in step.graph.node}
+    assert "RMSNormalization" in {n.op_type for n in step.graph.node}
 
 
 @torch.no_grad()
@@ -229,7 +241,7 @@ def test_dflash_baseline_exports_argmax_without_custom_nodes(tmp_path):
                                  torch.arange(context).expand(batch, context))
         anchor, start = torch.randint(0, cfg.vocab_size, (batch,)), torch.full((batch,), context)
         feeds = {"k_0": cache.layers[0].keys.numpy(), "v_0": cache.layers[0].values.numpy(),
-                 "anchor": anchor.numpy(), "start": start.numpy()}
+                 "length": start.numpy(), "anchor": anchor.numpy(), "start": start.numpy()}
         tokens, hidden = session.run(None, feeds)
         expected = draft.draft_block(anchor, cache, embed, head, start)
         assert np.array_equal(tokens, expected.numpy())

@@ -54,7 +54,9 @@ def test_cycles_of_append_crop_and_draft_match_torch(setup):
     width = cfg.num_target_features * cfg.hidden_size
     batch, length = 2, 9
     features, positions = torch.randn(batch, length, width, generator=gen), torch.arange(length).expand(batch, length)
-    ref, ort = draft.context_kv(features, positions), drafter.context_kv(features, positions)
+    ref = draft.context_kv(features, positions)  # the concatenating reference cache
+    ort = drafter.new_cache(batch, 64).append(drafter.context_kv(features, positions))  # preallocated, in place
+    assert ort.capacity == 64 and ort.keys[0].shape[2] == 64 + cfg.block_size
     drafted = 0
     for cycle in range(6):
         _close(ort, ref)
@@ -107,6 +109,18 @@ def test_speculative_loop_same_tokens_and_acceptance(setup):
     assert len(ref_blocks) >= 3 and ort_blocks == ref_blocks
     assert ort.tokens == ref.tokens and ort.accepted == ref.accepted
     assert ort.stats().tau == ref.stats().tau
+    # Without the recording wrapper the loop preallocates the drafter's own cache: same output again.
+    direct = speculative_generate(setup.target, setup.drafter, prompt, max_new_tokens=20)
+    assert type(direct.context).__name__ == "DraftCache" and direct.tokens == ref.tokens
+    assert direct.context.length == direct.anchors[-1]
+
+
+def test_old_exports_are_refused_with_the_fix(setup, tmp_path):
+    shutil.copytree(setup.dir, tmp_path / "v1")
+    manifest = json.loads((tmp_path / "v1" / "drafter.json").read_text())
+    (tmp_path / "v1" / "drafter.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(ValueError, match="format_version=1.*re-export"):
+        OrtDrafter(tmp_path / "v1")
 
 
 def test_onnxruntime_drafter_is_greedy_only(setup):

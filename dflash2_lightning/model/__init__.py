@@ -1,8 +1,9 @@
 """The draft model: DFlash backbone, DFlash2 convolution and candidate selector."""
 
-from dflash2_lightning.model.backbone import ContextKV, LayerKV
+from dflash2_lightning.model.backbone import CacheSlot, ContextKV, LayerKV
+from dflash2_lightning.model.cache import DraftCache
 from dflash2_lightning.model.conv import DFlashGroupedConv
 from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.model.selector import CandidateSelector
 
-__all__ = ["CandidateSelector", "ContextKV", "DFlashGroupedConv", "DraftModel", "LayerKV"]
+__all__ = ["CacheSlot", "CandidateSelector", "ContextKV", "DraftCache", "DFlashGroupedConv", "DraftModel", "LayerKV"]

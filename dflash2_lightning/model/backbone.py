@@ -69,6 +69,37 @@ class LayerKV:
 
 
 @dataclass
+class CacheSlot:
+    """One layer of a preallocated cache (:class:`~dflash2_lightning.model.cache.DraftCache`) for a draft step.
+
+    ``keys``/``values`` are the whole buffers ``[B, num_kv_heads, capacity + block, head_dim]``; the first
+    ``length`` positions are the context. The attention writes the block's K/V right after them and
+    attends to the first ``length + block`` positions as a view: no copy of the context.
+    """
+
+    keys: Tensor
+    values: Tensor
+    length: int
+
+
+@dataclass
+class BufferedKV:
+    """One layer's cache buffers for a graph that cannot write in place (ONNX ``draft_step``).
+
+    ``keys``/``values`` ``[B, num_kv_heads, N, head_dim]``: only the keys where ``valid [B, 1 or Q, N]``
+    is True are attended to. The attention scores the block against the buffers and against its own
+    K/V separately and normalises them together, so the context is never copied or concatenated (and
+    K/V are never repeated per query head: the query heads of one KV head are grouped instead).
+    ``block_valid [Q, Q]`` (True = attend) restricts the block's keys (a sliding window), or is None.
+    """
+
+    keys: Tensor
+    values: Tensor
+    valid: Tensor
+    block_valid: Tensor | None = None
+
+
+@dataclass
 class ContextKV:
     """The draft's context cache: per-layer K/V of verified target features and their positions ``[B, C]``.
 
@@ -129,13 +160,38 @@ class DraftAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
         return LayerKV(apply_rope(k, cos, sin), v)
 
-    def forward(self, x: Tensor, context: LayerKV, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+    def _split_attention(self, q: Tensor, block: LayerKV, cache: BufferedKV) -> Tensor:
+        """Softmax over ``cat(cache, block)`` keys computed as two score matrices: ``[B, heads, Q, head_dim]``."""
+        b, _, q_len, hd = q.shape
+        kv, repeat = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        # Query head h reads KV head h // repeat (as repeat_interleave would): group them per KV head.
+        qg = q.reshape(b, kv, repeat * q_len, hd) * (hd ** -0.5)
+        ctx = (qg @ cache.keys.transpose(-1, -2)).view(b, kv, repeat, q_len, -1)
+        ctx = ctx.masked_fill(~cache.valid[:, None, None], float("-inf"))
+        own = (qg @ block.keys.transpose(-1, -2)).view(b, kv, repeat, q_len, q_len)
+        if cache.block_valid is not None:
+            own = own.masked_fill(~cache.block_valid, float("-inf"))
+        n = ctx.shape[-1]
+        probs = torch.softmax(torch.cat([ctx, own], dim=-1), dim=-1).view(b, kv, repeat * q_len, n + q_len)
+        out = probs[..., :n] @ cache.values + probs[..., n:] @ block.values
+        return out.view(b, self.num_heads, q_len, hd)
+
+    def forward(self, x: Tensor, context: LayerKV | CacheSlot | BufferedKV, cos: Tensor, sin: Tensor,
+                mask: Tensor | None) -> Tensor:
         b, q_len, _ = x.shape
         q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         block = self.project_kv(x, cos, sin)
-        k = torch.cat([context.keys, block.keys], dim=2)
-        v = torch.cat([context.values, block.values], dim=2)
+        if isinstance(context, BufferedKV):
+            return self.o_proj(self._split_attention(q, block, context).transpose(1, 2).reshape(b, q_len, -1))
+        if isinstance(context, CacheSlot):  # preallocated: the block goes into the scratch slots after the context
+            end = context.length + q_len
+            context.keys[:, :, context.length:end] = block.keys
+            context.values[:, :, context.length:end] = block.values
+            k, v = context.keys[:, :, :end], context.values[:, :, :end]
+        else:
+            k = torch.cat([context.keys, block.keys], dim=2)
+            v = torch.cat([context.values, block.values], dim=2)
         repeat = self.num_heads // self.num_kv_heads
         # SDPA's own GQA skips copying K/V per query head (same numbers). CUDA kernels take it only
         # without a mask (else they fall back to the slow math kernel), so there the copy stays.
@@ -171,7 +227,7 @@ class DraftLayer(nn.Module):
         self.attention_conv: nn.Module = IdentitySeam()
         self.mlp_conv: nn.Module = IdentitySeam()
 
-    def forward(self, h: Tensor, context: LayerKV, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, h: Tensor, context: LayerKV | CacheSlot | BufferedKV, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         x, state = self.attention_conv.prepare(self.input_layernorm(h))
         h = h + self.attention_conv.finish(self.self_attn(x, context, cos, sin, mask), state)
         x, state = self.mlp_conv.prepare(self.post_attention_layernorm(h))

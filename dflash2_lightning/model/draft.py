@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model.backbone import (ContextKV, DraftLayer, RMSNorm, RotaryEmbedding,
                                               sliding_window_mask)
+from dflash2_lightning.model.cache import DraftCache
 from dflash2_lightning.model.conv import DFlashGroupedConv
 from dflash2_lightning.model.selector import CandidateSelector
 
@@ -63,20 +64,26 @@ class DraftModel(nn.Module):
         return ContextKV([layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers], positions)
 
     # ------------------------------------------------------------------ block
-    def forward(self, noise_embeds: Tensor, positions: Tensor, context: ContextKV,
+    def forward(self, noise_embeds: Tensor, positions: Tensor, context: ContextKV | DraftCache,
                 attention_mask: Tensor | None = None) -> Tensor:
         """Final hidden states ``[B, Q, H]`` of the block embeddings ``noise_embeds [B, Q, H]``.
 
         ``positions [B, Q]`` are the block's absolute positions; ``context`` holds the K/V the block
-        attends to; ``attention_mask`` (bool ``[B, 1, Q, C + Q]``, True = attend) is needed only when
-        several blocks share one call (training) — a single block sees its whole context.
+        attends to (a :class:`ContextKV`, or a preallocated :class:`DraftCache`, whose scratch slots then
+        take the block's K/V: inference only); ``attention_mask`` (bool ``[B, 1, Q, C + Q]``, True =
+        attend) is needed only when several blocks share one call (training) — a single block sees its
+        whole context.
         """
+        if isinstance(context, DraftCache) and noise_embeds.shape[1] > context.block_size:
+            raise ValueError(f"a block of {noise_embeds.shape[1]} positions exceeds the cache's "
+                             f"block_size={context.block_size} scratch slots")
         if attention_mask is None and self.config.sliding_window is not None:
             keys = torch.cat([context.positions, positions], dim=1)
             attention_mask = sliding_window_mask(positions, keys, self.config.sliding_window)
         cos, sin = self.rotary(positions, noise_embeds.dtype)
         h = noise_embeds
-        for layer, kv in zip(self.layers, context.layers):
+        kvs = context.slots() if isinstance(context, DraftCache) else context.layers
+        for layer, kv in zip(self.layers, kvs):
             h = layer(h, kv, cos, sin, attention_mask)
         return self.norm(h)
 
@@ -93,7 +100,7 @@ class DraftModel(nn.Module):
         unary, cand = logits.topk(self.candidate_selector.top_k, dim=-1)
         return self.candidate_selector.greedy_path(cand, unary, hidden, anchor)
 
-    def draft_block(self, anchor: Tensor, context: ContextKV, embed: Head, head: Head,
+    def draft_block(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head,
                     start: Tensor | int | None = None) -> Tensor:
         """One drafting step: ``[anchor, MASK x (block_size-1)]`` at positions ``start..`` -> tokens ``[B, bs-1]``.
 

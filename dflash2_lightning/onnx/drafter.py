@@ -3,18 +3,23 @@
 It duck-types what the speculative loop uses of a draft (``dflash2_lightning.speculative.Drafter``)::
 
     drafter = OrtDrafter("exported/")                        # reads drafter.json + the two graphs
-    cache = drafter.context_kv(features [B,C,n_t*H], positions [B,C])   # -> ContextKV (torch tensors)
-    cache = cache.append(drafter.context_kv(new_features, new_positions))
-    cache = cache.crop(n)
-    tokens = drafter.draft_block(anchor [B], cache, embed, head, start)  # -> [B, bs-1] int64
+    cache = drafter.new_cache(batch, capacity)               # preallocated DraftCache (torch buffers)
+    cache.append(drafter.context_kv(features [B,C,n_t*H], positions [B,C]))   # O(C) copy into the buffers
+    cache.crop(n)                                            # a rollback: only the valid length moves
+    tokens = drafter.draft_block(anchor [B], cache, embed, head, start)      # -> [B, bs-1] int64
 
-The cache is the torch :class:`~dflash2_lightning.model.ContextKV` itself (tensors share memory with
-onnxruntime's outputs), so ``append``/``crop`` behave exactly as with the torch draft. ``embed`` and
-``head`` are accepted for interface compatibility and ignored: the target's embedding and head are
-baked into ``draft_step``.
+The cache is the torch :class:`~dflash2_lightning.model.DraftCache`; its buffers are handed to
+``draft_step`` as numpy views of the same memory (no copy per step), with the valid ``length``. A
+reference :class:`~dflash2_lightning.model.ContextKV` works too (its tensors are the buffers, all
+valid). ``embed`` and ``head`` are accepted for interface compatibility and ignored: the target's
+embedding and head are baked into ``draft_step``.
 
 Greedy only: ``draft_step`` returns the walked tokens, not the candidates, scores and distributions
 a sampled proposal needs, so the loop refuses ``temperature > 0`` with this drafter.
+
+Sessions run with onnxruntime's intra-op thread pool *not spinning* between calls by default: in
+the speculative loop the target's torch forward runs right after every draft step, and spinning
+onnxruntime workers would take the cores torch's threads need.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import torch
 from torch import Tensor
 
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.model import ContextKV, LayerKV
+from dflash2_lightning.model import ContextKV, DraftCache, LayerKV
 
 MANIFEST = "drafter.json"
+FORMAT_VERSION = 2  # what this drafter reads (see dflash2_lightning.onnx.export)
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -55,15 +61,22 @@ class OrtDrafter:
         directory: what ``export/to_onnx.py`` wrote (``drafter.json``, ``context.onnx``, ``draft_step.onnx``).
         providers: onnxruntime execution providers (default: CPU).
         threads: intra-op threads per session (default: onnxruntime's choice).
-        session_options: a prepared ``onnxruntime.SessionOptions`` (overrides ``threads``).
+        spinning: let idle intra-op workers spin between calls (default False: they would compete
+            with the target's torch threads in the speculative loop).
+        session_options: a prepared ``onnxruntime.SessionOptions`` (overrides ``threads``, ``spinning``).
     """
 
     def __init__(self, directory: str | os.PathLike, providers: list[str] | None = None,
-                 threads: int | None = None, session_options: Any = None) -> None:
+                 threads: int | None = None, session_options: Any = None, spinning: bool = False) -> None:
         import onnxruntime as ort
 
         self.directory = Path(directory)
         self.manifest = read_manifest(directory)
+        version = self.manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{self.directory / MANIFEST}: format_version={version!r} is not the supported "
+                             f"{FORMAT_VERSION} (draft_step over preallocated buffers with a length input): re-export "
+                             "the drafter with this version (python export/to_onnx.py ...)")
         self.config = DraftConfig.from_hf_dict(self.manifest["config"])
         self.dtype = TORCH_DTYPES[self.manifest["dtype"]]
         if self.dtype == torch.bfloat16:
@@ -74,6 +87,8 @@ class OrtDrafter:
             options = ort.SessionOptions()
             if threads:
                 options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1  # one graph at a time: the loop is sequential
+            options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         providers = providers or ["CPUExecutionProvider"]
         graphs = self.manifest["graphs"]
         missing = [name for name in ("context", "draft_step") if name not in graphs]
@@ -102,22 +117,37 @@ class OrtDrafter:
         kv = [torch.from_numpy(a) for a in out]
         return ContextKV([LayerKV(kv[i], kv[i + 1]) for i in range(0, len(kv), 2)], positions.cpu())
 
+    def new_cache(self, batch: int, capacity: int) -> DraftCache:
+        """An empty preallocated cache of ``capacity`` context positions in the graphs' dtype (CPU)."""
+        cfg = self.config
+        return DraftCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity,
+                          cfg.block_size, self.dtype)
+
     # ------------------------------------------------------------------ block
-    def draft_step(self, anchor: Tensor, context: ContextKV, start: Tensor | int | None = None) -> tuple[Tensor, ...]:
+    def draft_step(self, anchor: Tensor, context: ContextKV | DraftCache,
+                   start: Tensor | int | None = None) -> tuple[Tensor, ...]:
         """Run ``draft_step``: ``(tokens [B, bs-1], hidden [B, bs-1, H])`` (hidden only if exported)."""
         b = anchor.shape[0]
         if start is None:
             start = context.positions[:, -1] + 1 if context.length else torch.zeros(b, dtype=torch.long)
         start = torch.as_tensor(start, dtype=torch.long).reshape(-1).expand(b)
-        feeds: dict[str, np.ndarray] = {"anchor": _numpy(anchor.to(torch.long)), "start": _numpy(start)}
-        for i, layer in enumerate(context.layers):
-            feeds[f"k_{i}"] = _numpy(layer.keys, self.dtype)
-            feeds[f"v_{i}"] = _numpy(layer.values, self.dtype)
+        if isinstance(context, DraftCache):  # the whole buffers (views, no copy); slots >= length are ignored
+            keys, values, positions = context.keys, context.values, context._positions
+        else:
+            keys = [layer.keys for layer in context.layers]
+            values = [layer.values for layer in context.layers]
+            positions = context.positions
+        length = np.full((b,), context.length, dtype=np.int64)
+        feeds: dict[str, np.ndarray] = {"anchor": _numpy(anchor.to(torch.long)), "start": _numpy(start),
+                                        "length": length}
+        for i, (k, v) in enumerate(zip(keys, values)):
+            feeds[f"k_{i}"] = _numpy(k, self.dtype)
+            feeds[f"v_{i}"] = _numpy(v, self.dtype)
         if "context_positions" in self._step_inputs:
-            feeds["context_positions"] = _numpy(context.positions.to(torch.long))
+            feeds["context_positions"] = _numpy(positions.to(torch.long))
         return tuple(torch.from_numpy(a) for a in self._step.run(None, feeds))
 
-    def draft_block(self, anchor: Tensor, context: ContextKV, embed: Any = None, head: Any = None,
+    def draft_block(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Any = None, head: Any = None,
                     start: Tensor | int | None = None) -> Tensor:
         """Draft tokens ``[B, bs-1]`` after ``anchor [B]`` at ``start`` (default: after the context).
 

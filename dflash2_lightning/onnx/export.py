@@ -2,8 +2,8 @@
 
 :func:`export_drafter` writes into one directory::
 
-    context.onnx        features, positions -> k_0, v_0, ...            (function bodies attached)
-    draft_step.onnx     k_0, v_0, ..., anchor, start -> tokens, hidden   (function bodies attached)
+    context.onnx        features, positions -> k_0, v_0, ...                    (function bodies attached)
+    draft_step.onnx     k_0, v_0, ..., length, anchor, start -> tokens, hidden   (function bodies attached)
     context.trt.onnx    the same graphs without function bodies, for TensorRT's plugins
     draft_step.trt.onnx
     drafter.json        config, dtype, opset, every input/output with its shape, custom node counts
@@ -35,10 +35,12 @@ from dflash2_lightning.checkpoint import atomic_write, atomic_write_text
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.onnx import ops
 from dflash2_lightning.onnx.drafter import MANIFEST, TORCH_DTYPES
-from dflash2_lightning.onnx.graphs import (BATCH, CONTEXT, ContextGraph, DraftStepGraph, context_io,
+from dflash2_lightning.onnx.graphs import (BATCH, CAPACITY, CONTEXT, ContextGraph, DraftStepGraph, context_io,
                                            draft_step_io)
 
 GRAPHS = ("context", "draft_step")
+# 2: draft_step reads preallocated cache buffers with a valid ``length`` input (1: a concatenated cache).
+FORMAT_VERSION = 2
 DEFAULT_OPSET = 20
 MIN_OPSET = 18  # the reference bodies use ReduceSum/Unsqueeze with axes inputs and CastLike
 MAX_BATCH = 4096
@@ -196,7 +198,9 @@ def export_drafter(draft: DraftModel, embed: nn.Module, head: nn.Module, out: st
     gen = torch.Generator().manual_seed(0)
     b, c, layers, sliding = example_batch, example_context, cfg.num_hidden_layers, cfg.sliding_window is not None
     batch = torch.export.Dim(BATCH, min=1, max=MAX_BATCH)
-    context = torch.export.Dim(CONTEXT, min=1, max=max(cfg.max_position_embeddings, c + 1))
+    longest = max(cfg.max_position_embeddings, c + 1)
+    context = torch.export.Dim(CONTEXT, min=1, max=longest)
+    capacity = torch.export.Dim(CAPACITY, min=1, max=longest + cfg.block_size)
     positions = torch.arange(c).expand(b, c).contiguous()
 
     if "context" in graphs:  # features [B, C, n_t*H], positions [B, C] -> k_i, v_i [B, nkv, C, hd]
@@ -206,22 +210,22 @@ def export_drafter(draft: DraftModel, embed: nn.Module, head: nn.Module, out: st
                          names_in, names_out, opset)
         result.graphs["context"] = _finish(model, "context", directory, metadata)
 
-    if "draft_step" in graphs:  # k_i, v_i, anchor [B], start [B] (+ context_positions) -> tokens (+ hidden)
+    if "draft_step" in graphs:  # k_i, v_i [B, nkv, N, hd], length, anchor, start (+ context_positions) -> tokens
         kv = [torch.randn(b, cfg.num_key_value_heads, c, cfg.head_dim, generator=gen).to(torch_dtype)
               for _ in range(2 * layers)]
-        args: tuple[Any, ...] = (kv, torch.randint(0, cfg.vocab_size, (b,), generator=gen),
-                                 torch.full((b,), c, dtype=torch.long))
-        shapes: tuple[Any, ...] = ([{0: batch, 2: context}] * (2 * layers), {0: batch}, {0: batch})
+        length = torch.arange(c - b + 1, c + 1)  # rows of different lengths <= capacity
+        args: tuple[Any, ...] = (kv, length, torch.randint(0, cfg.vocab_size, (b,), generator=gen), length.clone())
+        shapes: tuple[Any, ...] = ([{0: batch, 2: capacity}] * (2 * layers), {0: batch}, {0: batch}, {0: batch})
         if sliding:  # only then does the block need the context's positions (its attention mask)
-            args, shapes = args + (positions,), shapes + ({0: batch, 1: context},)
+            args, shapes = args + (positions,), shapes + ({0: batch, 1: capacity},)
         names_in, names_out = draft_step_io(layers, sliding, with_hidden)
         model = _to_onnx(DraftStepGraph(draft, embed, head, with_hidden), args, shapes, names_in, names_out, opset)
         result.graphs["draft_step"] = _finish(model, "draft_step", directory, metadata)
 
     manifest = {
-        "format": "dflash2-onnx-drafter", "format_version": 1,
+        "format": "dflash2-onnx-drafter", "format_version": FORMAT_VERSION,
         "dtype": dtype, "opset": opset, "architecture": cfg.architecture, "config": cfg.to_hf_dict(),
-        "dynamic_axes": [BATCH, CONTEXT], "sliding_window": sliding, "with_hidden": with_hidden,
+        "dynamic_axes": [BATCH, CONTEXT, CAPACITY], "sliding_window": sliding, "with_hidden": with_hidden,
         "custom_domain": {"domain": ops.DOMAIN, "version": ops.DOMAIN_VERSION, **ops.PLUGIN_ATTRIBUTES},
         "graphs": {name: {k: v for k, v in vars(g).items() if k != "name"} for name, g in result.graphs.items()},
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": _version("onnxscript")},

@@ -1,22 +1,31 @@
 """The two drafting graphs as torch modules, in the exact form they are exported.
 
-A server drafts in two calls, so the draft is exported as two graphs:
+A server drafts in two calls, over a context cache it preallocates once (per layer ``k_i``, ``v_i`` of
+``[B, num_kv_heads, N, head_dim]``, ``N`` = its capacity) and owns:
 
 ``context``
     ``features [B, C, n_t*H]``, ``positions [B, C]`` -> ``k_0, v_0, ..., k_{L-1}, v_{L-1}``, each
-    ``[B, num_kv_heads, C, head_dim]``: the K/V of newly verified target features, to append to the
-    draft's cache (:meth:`DraftModel.context_kv`).
+    ``[B, num_kv_heads, C, head_dim]``: the K/V of the ``C`` newly verified target features
+    (:meth:`DraftModel.context_kv`). The caller writes them into its buffers at ``length..length+C-1``
+    (a copy of ``C`` positions: appending costs O(new tokens), never O(context)).
 
 ``draft_step``
-    ``k_0, v_0, ..., k_{L-1}, v_{L-1}`` (the whole cache, ``C`` = its length), ``anchor [B]``,
-    ``start [B]`` (the anchor's position) and, only with a sliding window, ``context_positions [B, C]``
-    -> ``tokens [B, bs-1]`` and ``hidden [B, bs-1, H]`` (the final-norm hidden states the head reads;
-    kept for tolerance checks and optional to export). Inside: the target's embedding (baked), the
-    draft layers with their block convolutions, the final norm, the target's head (baked), then
-    argmax (DFlash) or top-k + ``hidden_projection`` (a plain MatMul) + the lattice walk (DFlash2).
+    ``k_0, v_0, ..., k_{L-1}, v_{L-1}`` (the cache buffers, ``N`` = capacity), ``length [B]`` (valid
+    positions per row: slots ``>= length`` are ignored, whatever they hold), ``anchor [B]``, ``start [B]``
+    (the anchor's position) and, only with a sliding window, ``context_positions [B, N]`` ->
+    ``tokens [B, bs-1]`` and ``hidden [B, bs-1, H]`` (the final-norm hidden states the head reads; kept
+    for tolerance checks and optional to export). Inside: the target's embedding (baked), the draft
+    layers with their block convolutions, the final norm, the target's head (baked), then argmax
+    (DFlash) or top-k + ``hidden_projection`` (a plain MatMul) + the lattice walk (DFlash2).
 
-``B`` (``"batch"``) and ``C`` (``"context"``) are dynamic. Names are the public interface of the
-exported files; :data:`ContextKV` layouts are the same as the torch draft's.
+The step reads the buffers and never writes or copies them: each layer scores the block against the
+cache and against the block's own K/V separately and normalises both together (:class:`BufferedKV`),
+so no graph concatenates the context, and the query heads of a KV head are grouped instead of K/V
+being repeated per head. The buffers are plain inputs, so the same device memory can be bound to
+every call (onnxruntime IO binding, TensorRT ``set_tensor_address``) with nothing aliased.
+
+``B`` (``"batch"``), ``C`` (``"context"``) and ``N`` (``"capacity"``) are dynamic. Names are the public
+interface of the exported files; K/V layouts are the same as the torch draft's.
 """
 
 from __future__ import annotations
@@ -24,9 +33,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dflash2_lightning.model import ContextKV, DraftModel, LayerKV
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.model.backbone import BufferedKV
 
-BATCH, CONTEXT = "batch", "context"
+BATCH, CONTEXT, CAPACITY = "batch", "context", "capacity"
 
 
 def kv_names(num_layers: int) -> list[str]:
@@ -41,7 +51,7 @@ def context_io(num_layers: int) -> tuple[list[str], list[str]]:
 
 def draft_step_io(num_layers: int, sliding_window: bool, with_hidden: bool = True) -> tuple[list[str], list[str]]:
     """Input and output names of the ``draft_step`` graph."""
-    inputs = kv_names(num_layers) + ["anchor", "start"] + (["context_positions"] if sliding_window else [])
+    inputs = kv_names(num_layers) + ["length", "anchor", "start"] + (["context_positions"] if sliding_window else [])
     return inputs, ["tokens"] + (["hidden"] if with_hidden else [])
 
 
@@ -58,27 +68,38 @@ class ContextGraph(nn.Module):
 
 
 class DraftStepGraph(nn.Module):
-    """Cached context K/V + anchor + start -> ``tokens [B, bs-1]`` (+ ``hidden [B, bs-1, H]``).
+    """Cache buffers + valid length + anchor + start -> ``tokens [B, bs-1]`` (+ ``hidden [B, bs-1, H]``).
 
     ``embed`` and ``head`` are the target's frozen embedding and lm_head as modules (their weights
-    become initializers of the graph). This is :meth:`DraftModel.draft_block` written without
-    in-place writes, with the hidden states kept as a second output.
+    become initializers of the graph). This is :meth:`DraftModel.draft_block` over a preallocated
+    cache, written without in-place writes, with the hidden states kept as a second output.
     """
 
     def __init__(self, draft: DraftModel, embed: nn.Module, head: nn.Module, with_hidden: bool = True) -> None:
         super().__init__()
         self.draft, self.embed, self.head, self.with_hidden = draft, embed, head, with_hidden
 
-    def forward(self, kv: list[Tensor], anchor: Tensor, start: Tensor,
+    def forward(self, kv: list[Tensor], length: Tensor, anchor: Tensor, start: Tensor,
                 context_positions: Tensor | None = None) -> tuple[Tensor, ...]:
-        cfg = self.draft.config
+        draft, cfg = self.draft, self.draft.config
         bs = cfg.block_size
-        layers = [LayerKV(kv[2 * i], kv[2 * i + 1]) for i in range(len(kv) // 2)]
-        context = ContextKV(layers, context_positions)  # positions are read only with a sliding window
         masks = anchor.new_full((anchor.shape[0], bs - 1), cfg.mask_token_id)
         tokens = torch.cat([anchor[:, None], masks], dim=1)  # [anchor, MASK x (bs-1)]
-        positions = start[:, None] + torch.arange(bs, device=anchor.device)
-        hidden = self.draft(self.embed(tokens), positions, context)[:, 1:]
+        offsets = torch.arange(bs, device=anchor.device)
+        positions = start[:, None] + offsets
+        slots = torch.arange(kv[0].shape[2], device=anchor.device)
+        valid = (slots[None] < length[:, None])[:, None]  # [B, 1, N]
+        block_valid = None
+        if cfg.sliding_window is not None:  # both ways, as sliding_window_mask: |q - k| < window
+            distance = positions[:, :, None] - context_positions[:, None, :]
+            valid = valid & (distance.abs() < cfg.sliding_window)  # [B, Q, N]
+            block_valid = (offsets[:, None] - offsets[None, :]).abs() < cfg.sliding_window
+        embeds = self.embed(tokens)
+        cos, sin = draft.rotary(positions, embeds.dtype)
+        h = embeds
+        for i, layer in enumerate(draft.layers):
+            h = layer(h, BufferedKV(kv[2 * i], kv[2 * i + 1], valid, block_valid), cos, sin, None)
+        hidden = draft.norm(h)[:, 1:]
         drafts = self._propose(hidden, anchor)
         return (drafts, hidden) if self.with_hidden else (drafts,)
 

@@ -1,8 +1,11 @@
 """Check an exported drafter against the torch draft with onnxruntime.
 
 For each (batch, context) case: random target features and per-row position offsets go through
-``context`` (K/V compared with :meth:`DraftModel.context_kv`) and then, on onnxruntime's own cache,
-through ``draft_step`` (hidden compared with the torch block, tokens with :meth:`DraftModel.draft_block`).
+``context`` (K/V compared with :meth:`DraftModel.context_kv`); onnxruntime's K/V are then written into a
+preallocated cache (:class:`~dflash2_lightning.model.DraftCache`) whose capacity exceeds the context and
+whose unused slots hold garbage, and ``draft_step`` runs over those buffers with the valid ``length``
+(hidden compared with the torch block, tokens with :meth:`DraftModel.draft_block`): a step that read a
+slot past ``length`` would fail here.
 
 Tolerances (:data:`TOLERANCES`):
 
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from dflash2_lightning.model import ContextKV, DraftModel
+from dflash2_lightning.model import ContextKV, DraftCache, DraftModel
 from dflash2_lightning.onnx.drafter import TORCH_DTYPES, OrtDrafter, read_manifest
 from dflash2_lightning.onnx.graphs import DraftStepGraph
 from dflash2_lightning.ops import edge_scores
@@ -172,7 +175,8 @@ class _TorchSide:
     def run(self, features: Tensor, positions: Tensor, anchor: Tensor, start: Tensor) -> tuple[ContextKV, Tensor]:
         cache = self.draft.context_kv(features.to(self.dtype), positions)
         kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        return cache, self.step(kv, anchor, start, cache.positions)[1]
+        length = torch.full((features.shape[0],), cache.length, dtype=torch.long)
+        return cache, self.step(kv, length, anchor, start, cache.positions)[1]
 
 
 @torch.no_grad()
@@ -202,7 +206,11 @@ def verify_export(directory: str | os.PathLike, draft: DraftModel, embed: nn.Mod
         anchor = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
         start = positions[:, -1] + 1
         ort_cache = drafter.context_kv(features, positions)
-        outputs = drafter.draft_step(anchor, ort_cache, start)
+        buffers = drafter.new_cache(batch, context + 5)
+        for buffer in buffers.keys + buffers.values:  # finite garbage past the valid length
+            buffer.copy_(1e3 * torch.randn(buffer.shape, generator=gen))
+        buffers._positions.copy_(torch.randint(0, 64, buffers._positions.shape, generator=gen))
+        outputs = drafter.draft_step(anchor, buffers.append(ort_cache), start)
         ref_cache, ref_hidden = same.run(features, positions, anchor, start)
         ref32 = fp32.run(features, positions, anchor, start) if fp32 else None
         problems: list[str] = []

@@ -1,0 +1,206 @@
+"""The speculative loop, end to end: this project's loop (torch and onnxruntime drafters) vs the z-lab loop.
+
+Same trained draft checkpoint, same target, same held-out prompts, greedy: every loop must produce the
+target's own greedy tokens, so the benchmark asserts that all outputs are identical and then reports
+wall time and time per cycle (verify + draft + bookkeeping) of each loop:
+
+``torch``
+    :func:`dflash2_lightning.speculative.speculative_generate` with the torch draft (``TorchDrafter``,
+    preallocated :class:`~dflash2_lightning.model.DraftCache`).
+``onnxruntime``
+    the same loop with :class:`~dflash2_lightning.onnx.OrtDrafter` on graphs exported from the same
+    checkpoint (fp32; exported once into ``--onnx-dir`` or a temporary directory).
+``zlab``
+    ``dflash.model.dflash_generate`` of the z-lab reference (``dflash==0.1.0``) with its
+    ``DFlash2DraftModel`` loaded from the same checkpoint and the target's HF model.
+
+Loops run round-robin per prompt (``--repeats`` times each), so machine noise hits all alike; the
+figure per loop is the median over repeats of the summed wall time over prompts. Per-cycle cost is that
+time divided by the project loop's cycle count (identical tokens and drafts give identical cycles).
+
+    python benchmarks/bench_loop.py --draft runs/quickstart/train/hf --target smollm2 --prompts 8 --max-new-tokens 64
+    python benchmarks/bench_loop.py --draft <tiny draft dir> --target tiny --threads 1
+
+Writes ``benchmarks/results/bench_loop.json`` (``--json``) with the ``uptime`` load beside the figures.
+Not a test: nothing is asserted about time, only about the outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dflash2_lightning.checkpoint import load_draft
+from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+from dflash2_lightning.speculative import TorchDrafter, speculative_generate, target_greedy
+from dflash2_lightning.target import TargetSpec, load_target
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_loop.json"
+LOOPS = ("torch", "onnxruntime", "zlab")
+
+
+def _target_spec(text: str) -> TargetSpec:
+    if text == "tiny":
+        return TargetSpec(tiny={})
+    if text.startswith("{"):
+        return TargetSpec(**json.loads(text))
+    if text == "smollm2" or text.endswith(".gguf"):
+        return TargetSpec(gguf=text)
+    return TargetSpec(path=text)
+
+
+def zlab_loop(draft_dir: str, target: Any) -> Callable[[list[int], int, list[int]], list[int]]:
+    """``dflash_generate`` of the z-lab reference on ``target.hf``: prompt -> generated tokens."""
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
+
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    cls = DFlash2DraftModel if config["architectures"] == ["DFlash2DraftModel"] else DFlashDraftModel
+    model = cls.from_pretrained(draft_dir, dtype=next(target.hf.parameters()).dtype).eval()
+
+    def run(prompt: list[int], max_new_tokens: int, stop: list[int]) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = dflash_generate(model, target.hf, ids, max_new_tokens, stop or None)
+        return out[0, len(prompt):].tolist()
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
+    p.add_argument("--target", default="smollm2", help="'tiny', 'smollm2', a .gguf, an HF directory or JSON spec")
+    p.add_argument("--prompts", type=int, default=8, help="held-out evaluation prompts (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch (and onnxruntime) threads (default: torch's)")
+    p.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated subset of {','.join(LOOPS)}")
+    p.add_argument("--path", default=None, choices=["selector", "backbone"],
+                   help="decoding path of the project loop (default: selector for DFlash2; z-lab walks the selector)")
+    p.add_argument("--onnx-dir", default=None, help="reuse/keep the exported graphs here")
+    p.add_argument("--opset", type=int, default=20)
+    p.add_argument("--json", default=str(DEFAULT_OUT))
+    args = p.parse_args(argv)
+    loops = [x for x in args.loops.split(",") if x]
+    bad = [x for x in loops if x not in LOOPS]
+    if bad:
+        raise SystemExit(f"--loops {bad} is invalid: choose from {LOOPS}")
+    if "zlab" in loops and importlib.util.find_spec("dflash") is None:
+        raise SystemExit("the zlab loop needs the z-lab reference: pip install --no-deps dflash==0.1.0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+
+    target = load_target(_target_spec(args.target))
+    draft = load_draft(args.draft, dtype=next(target.hf.parameters()).dtype).eval()
+    stop = list(target.eos_token_ids)
+    prompts = [encode_prompt(target.tokenizer, m) for m in read_prompts(EVAL_PROMPTS, args.prompts)]
+
+    runners: dict[str, Callable[[list[int]], tuple[list[int], int]]] = {}
+    scratch = None
+    if "torch" in loops:
+        drafter = TorchDrafter(draft, args.path)
+
+        def run_torch(prompt: list[int]) -> tuple[list[int], int]:
+            r = speculative_generate(target, drafter, prompt, args.max_new_tokens, stop)
+            return r.tokens, len(r.accepted)
+
+        runners["torch"] = run_torch
+    if "onnxruntime" in loops:
+        from dflash2_lightning.onnx import OrtDrafter
+        from dflash2_lightning.onnx.export import export_drafter, target_embedding_and_head
+
+        if args.onnx_dir is None:
+            scratch = tempfile.TemporaryDirectory(prefix="dflash2-bench-loop-")
+        directory = Path(args.onnx_dir or scratch.name)  # type: ignore[union-attr]
+        if not (directory / "drafter.json").is_file():
+            export_drafter(draft, *target_embedding_and_head(target, torch.float32), directory,
+                           opset=args.opset, with_hidden=False)
+        ort = OrtDrafter(directory, threads=threads)
+        if args.path and args.path != ort.path:
+            raise SystemExit(f"--path {args.path} is not what the exported graphs decode with ({ort.path})")
+
+        def run_ort(prompt: list[int]) -> tuple[list[int], int]:
+            r = speculative_generate(target, ort, prompt, args.max_new_tokens, stop)
+            return r.tokens, len(r.accepted)
+
+        runners["onnxruntime"] = run_ort
+    if "zlab" in loops:
+        if args.path == "backbone" and draft.candidate_selector is not None:
+            raise SystemExit("the zlab loop walks the selector of a DFlash2 draft: drop --path backbone")
+        zlab = zlab_loop(args.draft, target)
+        runners["zlab"] = lambda prompt: (zlab(prompt, args.max_new_tokens, stop), 0)
+
+    # Reference outputs and a warm-up of every loop (first calls pay for allocation and lazy init).
+    reference = [target_greedy(target, q, args.max_new_tokens, stop).tokens for q in prompts]
+    cycles = {}
+    for name, run in runners.items():
+        got = [run(q) for q in prompts]
+        mismatched = [i for i, (tokens, _) in enumerate(got) if tokens != reference[i]]
+        if mismatched:
+            raise SystemExit(f"loop {name!r} differs from target-only greedy decoding on prompts {mismatched}")
+        cycles[name] = sum(n for _, n in got)
+    project_cycles = next((cycles[n] for n in ("torch", "onnxruntime") if n in cycles), None)
+
+    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    load_before = os.getloadavg()
+    for _ in range(args.repeats):
+        total = dict.fromkeys(runners, 0.0)
+        for q in prompts:
+            for name, run in runners.items():
+                t0 = time.perf_counter()
+                run(q)
+                total[name] += time.perf_counter() - t0
+        for name in runners:
+            seconds[name].append(total[name])
+    load_after = os.getloadavg()
+
+    rows = []
+    for name in runners:
+        wall = statistics.median(seconds[name])
+        rows.append(dict(loop=name, seconds=round(wall, 3),
+                         ms_per_cycle=round(1e3 * wall / project_cycles, 3) if project_cycles else None,
+                         runs=[round(s, 3) for s in seconds[name]]))
+    base = next((r["seconds"] for r in rows if r["loop"] == "torch"), None)
+    lines = ["| loop | wall time (s) | ms per cycle | vs torch drafter |", "|---|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{r['seconds'] / base:.2f}x" if base else "-"
+        per = f"{r['ms_per_cycle']:.2f}" if r["ms_per_cycle"] is not None else "-"
+        lines.append(f"| {r['loop']} | {r['seconds']:.2f} | {per} | {ratio} |")
+    generated = sum(len(t) for t in reference)
+    loaded = max(load_before[0], load_after[0]) >= 1.0
+    header = (f"{len(prompts)} prompts x {args.max_new_tokens} tokens ({generated} generated, {project_cycles} cycles), "
+              f"target {args.target}, {threads} threads, median of {args.repeats}; load average "
+              f"{load_before[0]:.2f} -> {load_after[0]:.2f}" + (" (LOADED MACHINE: re-take on a quiet one)"
+                                                                 if loaded else ""))
+    print(header)
+    print("\n".join(lines))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(command="python benchmarks/bench_loop.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  draft=str(args.draft), target=args.target, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+                  generated_tokens=generated, cycles=project_cycles, identical_outputs=True, rows=rows,
+                  machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=threads,
+                               torch=torch.__version__, load_average_before=load_before,
+                               load_average_after=load_after, loaded=loaded),
+                  table="\n".join(lines))
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+    if scratch is not None:
+        scratch.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

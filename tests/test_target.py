@@ -111,7 +111,7 @@ def test_embed_and_head_are_the_target_modules(tiny):
     assert torch.equal(tiny.head(hidden[:, :1]), hidden[:, :1] @ tiny.hf.lm_head.weight.T)
 
 
-@pytest.mark.parametrize("shape", [(1, 3), (2, 4), (4, 16), (3, 40)])  # the few-row CPU path and the stock one
+@pytest.mark.parametrize("shape", [(1, 3), (2, 4), (1, 15), (3, 3), (4, 16), (3, 40)])  # few rows, padded rows, stock
 def test_head_equals_the_lm_head_for_any_row_count(tiny, shape):
     weight = tiny.hf.lm_head.weight
     full = torch.randn(*shape[:-1], shape[-1] + 2, tiny.hidden_size, dtype=torch.float64).float()

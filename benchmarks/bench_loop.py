@@ -10,13 +10,17 @@ wall time and time per cycle (verify + draft + bookkeeping) of each loop:
 ``onnxruntime``
     the same loop with :class:`~dflash2_lightning.onnx.OrtDrafter` on graphs exported from the same
     checkpoint (fp32; exported once into ``--onnx-dir`` or a temporary directory).
+``torch-bf16-head``
+    the torch drafter with the opt-in bfloat16 drafting head (:func:`low_precision_head`): the target
+    still verifies with its own head, so the output is the same; its own τ and cycles are reported.
 ``zlab``
     ``dflash.model.dflash_generate`` of the z-lab reference (``dflash==0.1.0``) with its
     ``DFlash2DraftModel`` loaded from the same checkpoint and the target's HF model.
 
 Loops run round-robin per prompt (``--repeats`` times each), so machine noise hits all alike; the
 figure per loop is the median over repeats of the summed wall time over prompts. Per-cycle cost is that
-time divided by the project loop's cycle count (identical tokens and drafts give identical cycles).
+time divided by the loop's cycle count (z-lab's loop reports none: the torch loop's count is used, since
+identical tokens and identical drafts give identical cycles).
 
     python benchmarks/bench_loop.py --draft runs/quickstart/train/hf --target smollm2 --prompts 8 --max-new-tokens 64
     python benchmarks/bench_loop.py --draft <tiny draft dir> --target tiny --threads 1
@@ -43,11 +47,13 @@ import torch
 
 from dflash2_lightning.checkpoint import load_draft
 from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
-from dflash2_lightning.speculative import TorchDrafter, speculative_generate, target_greedy
+from dflash2_lightning.speculative import (AcceptanceStats, TorchDrafter, low_precision_head, speculative_generate,
+                                           target_greedy)
 from dflash2_lightning.target import TargetSpec, load_target
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_loop.json"
-LOOPS = ("torch", "onnxruntime", "zlab")
+LOOPS = ("torch", "onnxruntime", "zlab", "torch-bf16-head")
+DEFAULT_LOOPS = ("torch", "onnxruntime", "zlab")
 
 
 def _target_spec(text: str) -> TargetSpec:
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch (and onnxruntime) threads (default: torch's)")
-    p.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated subset of {','.join(LOOPS)}")
+    p.add_argument("--loops", default=",".join(DEFAULT_LOOPS), help=f"comma-separated subset of {','.join(LOOPS)}")
     p.add_argument("--path", default=None, choices=["selector", "backbone"],
                    help="decoding path of the project loop (default: selector for DFlash2; z-lab walks the selector)")
     p.add_argument("--onnx-dir", default=None, help="reuse/keep the exported graphs here")
@@ -106,16 +112,21 @@ def main(argv: list[str] | None = None) -> int:
     stop = list(target.eos_token_ids)
     prompts = [encode_prompt(target.tokenizer, m) for m in read_prompts(EVAL_PROMPTS, args.prompts)]
 
-    runners: dict[str, Callable[[list[int]], tuple[list[int], int]]] = {}
+    # Each runner: prompt -> (tokens, SpecResult or None).
+    runners: dict[str, Callable[[list[int]], tuple[list[int], Any]]] = {}
     scratch = None
-    if "torch" in loops:
-        drafter = TorchDrafter(draft, args.path)
 
-        def run_torch(prompt: list[int]) -> tuple[list[int], int]:
+    def project_loop(drafter: Any) -> Callable[[list[int]], tuple[list[int], Any]]:
+        def run(prompt: list[int]) -> tuple[list[int], Any]:
             r = speculative_generate(target, drafter, prompt, args.max_new_tokens, stop)
-            return r.tokens, len(r.accepted)
+            r.context = None
+            return r.tokens, r
+        return run
 
-        runners["torch"] = run_torch
+    if "torch" in loops:
+        runners["torch"] = project_loop(TorchDrafter(draft, args.path))
+    if "torch-bf16-head" in loops:
+        runners["torch-bf16-head"] = project_loop(TorchDrafter(draft, args.path, head=low_precision_head(target)))
     if "onnxruntime" in loops:
         from dflash2_lightning.onnx import OrtDrafter
         from dflash2_lightning.onnx.export import export_drafter, target_embedding_and_head
@@ -130,56 +141,66 @@ def main(argv: list[str] | None = None) -> int:
         if args.path and args.path != ort.path:
             raise SystemExit(f"--path {args.path} is not what the exported graphs decode with ({ort.path})")
 
-        def run_ort(prompt: list[int]) -> tuple[list[int], int]:
-            r = speculative_generate(target, ort, prompt, args.max_new_tokens, stop)
-            return r.tokens, len(r.accepted)
-
-        runners["onnxruntime"] = run_ort
+        runners["onnxruntime"] = project_loop(ort)
     if "zlab" in loops:
         if args.path == "backbone" and draft.candidate_selector is not None:
             raise SystemExit("the zlab loop walks the selector of a DFlash2 draft: drop --path backbone")
         zlab = zlab_loop(args.draft, target)
-        runners["zlab"] = lambda prompt: (zlab(prompt, args.max_new_tokens, stop), 0)
+        runners["zlab"] = lambda prompt: (zlab(prompt, args.max_new_tokens, stop), None)
 
     # Reference outputs and a warm-up of every loop (first calls pay for allocation and lazy init).
     reference = [target_greedy(target, q, args.max_new_tokens, stop).tokens for q in prompts]
-    cycles = {}
+    cycles, tau = {}, {}
     for name, run in runners.items():
         got = [run(q) for q in prompts]
         mismatched = [i for i, (tokens, _) in enumerate(got) if tokens != reference[i]]
         if mismatched:
             raise SystemExit(f"loop {name!r} differs from target-only greedy decoding on prompts {mismatched}")
-        cycles[name] = sum(n for _, n in got)
-    project_cycles = next((cycles[n] for n in ("torch", "onnxruntime") if n in cycles), None)
+        if got[0][1] is not None:
+            stats = AcceptanceStats.from_results([r for _, r in got])
+            cycles[name], tau[name] = stats.cycles, round(stats.tau, 4)
+    same_drafts = next((cycles[n] for n in ("torch", "onnxruntime") if n in cycles), None)
+    cycles.setdefault("zlab", same_drafts)  # type: ignore[arg-type]
 
     seconds: dict[str, list[float]] = {name: [] for name in runners}
+    cpu: dict[str, list[float]] = {name: [] for name in runners}
     load_before = os.getloadavg()
     for _ in range(args.repeats):
-        total = dict.fromkeys(runners, 0.0)
+        wall_total, cpu_total = dict.fromkeys(runners, 0.0), dict.fromkeys(runners, 0.0)
         for q in prompts:
             for name, run in runners.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 run(q)
-                total[name] += time.perf_counter() - t0
+                wall_total[name] += time.perf_counter() - t0
+                cpu_total[name] += time.process_time() - c0
         for name in runners:
-            seconds[name].append(total[name])
+            seconds[name].append(wall_total[name])
+            cpu[name].append(cpu_total[name])
     load_after = os.getloadavg()
 
     rows = []
     for name in runners:
-        wall = statistics.median(seconds[name])
-        rows.append(dict(loop=name, seconds=round(wall, 3),
-                         ms_per_cycle=round(1e3 * wall / project_cycles, 3) if project_cycles else None,
+        wall, used = statistics.median(seconds[name]), statistics.median(cpu[name])
+        n = cycles.get(name)
+        rows.append(dict(loop=name, seconds=round(wall, 3), cpu_seconds=round(used, 3), cycles=n, tau=tau.get(name),
+                         ms_per_cycle=round(1e3 * wall / n, 3) if n else None,
+                         cpu_ms_per_cycle=round(1e3 * used / n, 3) if n else None,
                          runs=[round(s, 3) for s in seconds[name]]))
-    base = next((r["seconds"] for r in rows if r["loop"] == "torch"), None)
-    lines = ["| loop | wall time (s) | ms per cycle | vs torch drafter |", "|---|---:|---:|---:|"]
+    base = next((r for r in rows if r["loop"] == "torch"), None)
+    # Process CPU time counts every thread (onnxruntime's pool too); on a loaded machine it is the
+    # steadier figure, but spinning thread pools inflate it.
+    lines = ["| loop | τ | cycles | wall time (s) | ms per cycle | vs torch drafter | CPU time (s) | CPU vs torch |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        ratio = f"{r['seconds'] / base:.2f}x" if base else "-"
+        ratio = f"{r['seconds'] / base['seconds']:.2f}x" if base else "-"
+        cpu_ratio = f"{r['cpu_seconds'] / base['cpu_seconds']:.2f}x" if base else "-"
         per = f"{r['ms_per_cycle']:.2f}" if r["ms_per_cycle"] is not None else "-"
-        lines.append(f"| {r['loop']} | {r['seconds']:.2f} | {per} | {ratio} |")
+        t = f"{r['tau']:.3f}" if r["tau"] is not None else "(same drafts)"
+        lines.append(f"| {r['loop']} | {t} | {r['cycles']} | {r['seconds']:.2f} | {per} | {ratio} | "
+                     f"{r['cpu_seconds']:.2f} | {cpu_ratio} |")
     generated = sum(len(t) for t in reference)
     loaded = max(load_before[0], load_after[0]) >= 1.0
-    header = (f"{len(prompts)} prompts x {args.max_new_tokens} tokens ({generated} generated, {project_cycles} cycles), "
+    header = (f"{len(prompts)} prompts x {args.max_new_tokens} tokens ({generated} generated), "
               f"target {args.target}, {threads} threads, median of {args.repeats}; load average "
               f"{load_before[0]:.2f} -> {load_after[0]:.2f}" + (" (LOADED MACHINE: re-take on a quiet one)"
                                                                  if loaded else ""))
@@ -189,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(command="python benchmarks/bench_loop.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   draft=str(args.draft), target=args.target, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-                  generated_tokens=generated, cycles=project_cycles, identical_outputs=True, rows=rows,
+                  generated_tokens=generated, identical_outputs=True, rows=rows,
                   machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=threads,
                                torch=torch.__version__, load_average_before=load_before,
                                load_average_after=load_after, loaded=loaded),

@@ -98,16 +98,19 @@ class TorchDrafter:
     does and lets a DFlash2 draft be measured without its selector. The block is the one
     ``DraftModel.draft_block`` builds; the embedding is cast to the draft's dtype and the draft hidden
     back to the target's before the head, so a float32 draft runs beside a float64 or bf16 target.
+
+    ``head`` replaces the loop's target head for drafting only, e.g. :func:`low_precision_head`: the
+    target still verifies with its own head, so the output stays exact and only τ can change.
     """
 
-    def __init__(self, model: DraftModel, path: DraftPath | None = None) -> None:
+    def __init__(self, model: DraftModel, path: DraftPath | None = None, head: Head | None = None) -> None:
         path = path or ("selector" if model.candidate_selector is not None else "backbone")
         if path not in ("selector", "backbone"):
             raise ValueError(f"path={path!r} is invalid: must be 'selector' or 'backbone'")
         if path == "selector" and model.candidate_selector is None:
             raise ValueError("path='selector' is invalid for a DFlash draft (projector_type='dflash' "
                              "has no candidate selector): use path='backbone'")
-        self.model, self.path = model.eval(), path
+        self.model, self.path, self.head = model.eval(), path, head
         self.block_size = model.config.block_size
         self.target_layer_ids = list(model.config.target_layer_ids or [])
         self.dtype = next(model.parameters()).dtype
@@ -130,6 +133,7 @@ class TorchDrafter:
         positions = (start + torch.arange(cfg.block_size, device=anchor.device)).expand_as(tokens)
         embeds = embed(tokens)
         hidden = self.model(embeds.to(self.dtype), positions, context)[:, 1:]  # slot 0 is the anchor
+        head = self.head or head  # a drafting head of its own (low_precision_head) wins over the loop's
         return hidden, lambda h: head(h.to(embeds.dtype))
 
     @torch.inference_mode()
@@ -149,6 +153,23 @@ class TorchDrafter:
         if self.path == "selector":
             return sample_selector_walk(self.model.candidate_selector, logits, hidden, anchor, sampling, generator)
         return sample_backbone(logits, sampling, generator)
+
+
+def low_precision_head(target: Any, dtype: torch.dtype = torch.bfloat16) -> Head:
+    """A drafting head: the target's ``lm_head`` weight cast once to ``dtype``, applied in ``dtype``.
+
+    On a CPU with bf16 dot-product instructions (AVX512-BF16, AMX) the 15 x vocab head of a draft step
+    runs ~2.5x faster in bfloat16 (SmolLM2's 49152 x 576 head, one core: 11 vs 28 ms) and reads half
+    the bytes. Logits come back in ``dtype``; the top-k and the walk widen them to float32. Only for
+    drafting: :func:`speculative_generate` verifies with the target's own head.
+    """
+    hf = getattr(target, "hf", target)
+    lm_head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    if not isinstance(lm_head, nn.Linear):
+        raise ValueError(f"low_precision_head needs an nn.Linear lm_head, not {type(lm_head).__name__}")
+    weight = lm_head.weight.detach().to(dtype)
+    bias = None if lm_head.bias is None else lm_head.bias.detach().to(dtype)
+    return lambda hidden: torch.nn.functional.linear(hidden.to(dtype), weight, bias)
 
 
 def as_drafter(draft: DraftModel | Drafter, path: DraftPath | None = None) -> Drafter:

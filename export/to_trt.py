@@ -9,8 +9,10 @@ bodies is parsed when present, so the ``dflash`` nodes cannot fall back to their
 it registers the plugins of ``export/plugins.py`` (ahead-of-time Triton kernels: the engine runs
 without Python), parses the graph (with ``aot=1`` added to each ``dflash`` node, the ONNX parser's
 switch to a plugin's AOT implementation), gives every dynamic dimension an optimisation-profile range
-(dimensions named like ``batch`` take ``--batch``, those named like ``context``/``past``/``seq``/
-``len``/``tokens`` take ``--context``, any other needs ``--dim``), builds with a persistent timing
+(dimensions named like ``batch`` take ``--batch``, those named like ``context``/``capacity``/``past``/
+``seq``/``len``/``tokens`` take ``--context``, any other needs ``--dim``; ``draft_step``'s cache buffers
+have the ``capacity`` axis: give it ``--dim capacity=...`` to size the preallocated cache a server
+binds, e.g. its maximum sequence length plus the block), builds with a persistent timing
 cache, writes the engine, and runs engine and onnxruntime (on the copy *with* bodies) on the same
 random inputs at the profile's min and opt shapes: token outputs must agree exactly in float32
 graphs, floats within a tolerance set by the output dtype.
@@ -37,7 +39,7 @@ TENSORRT_INSTALL = (
     "(TensorRT 11 needs an NVIDIA driver >= r580).")
 EXIT_OK, EXIT_MISSING, EXIT_BUILD, EXIT_MISMATCH = 0, 2, 3, 4
 BATCH_WORDS = ("batch",)
-CONTEXT_WORDS = ("context", "ctx", "past", "cache", "seq", "len", "tokens", "kv")
+CONTEXT_WORDS = ("context", "ctx", "past", "cache", "capacity", "seq", "len", "tokens", "kv")
 
 
 # ----------------------------------------------------------------------------- requirements

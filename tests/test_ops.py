@@ -251,3 +251,20 @@ def test_lattice_walk_rejects_mismatched_shapes():
 def test_opcheck_lattice_walk():
     inputs = walk_inputs(batch=2, length=4, k=3, vocab=20, rank=5, dtype=torch.float32, seed=9)
     torch.library.opcheck(torch.ops.dflash.lattice_walk.default, inputs)
+
+
+def test_eager_inference_skips_the_dispatcher_with_the_same_numbers():
+    """Under no_grad the ops call their implementation directly (no torch.library dispatch): same results."""
+    gen = torch.Generator().manual_seed(0)
+    x, base = torch.randn(2, 8, 16, generator=gen), torch.randn(2, 16, generator=gen)
+    delta = torch.randn(2, 8, 2, 4, generator=gen)
+    cand = torch.randint(0, 50, (2, 3, 4), generator=gen)
+    unary, proj = torch.randn(2, 3, 4, generator=gen), torch.randn(2, 3, 5, generator=gen)
+    anchor, books = torch.randint(0, 50, (2,), generator=gen), torch.randn(2, 50, 5, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(block_conv(x, base, delta, 4), torch.ops.dflash.block_conv(x, base, delta, 4))
+        assert torch.equal(lattice_walk(cand, unary, proj, anchor, books[0], books[1]),
+                           torch.ops.dflash.lattice_walk(cand, unary, proj, anchor, books[0], books[1]))
+    base.requires_grad_(True)  # with autograd the op (and its backward) is used
+    block_conv(x, base, delta, 4).sum().backward()
+    assert base.grad is not None and base.grad.shape == base.shape

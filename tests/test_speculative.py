@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from speculative_helpers import BLOCK_SIZE, continuations, prompts, tiny_target, trained_draft
+from speculative_helpers import BLOCK_SIZE, NEW_TOKENS, continuations, prompts, tiny_target, trained_draft
 
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.speculative import (AcceptanceStats, SpecResult, TorchDrafter, speculative_generate,
-                                           target_features, target_greedy)
+from dflash2_lightning.speculative import (AcceptanceStats, SpecResult, TorchDrafter, low_precision_head,
+                                           speculative_generate, target_features, target_greedy)
 
 CASES = [("dflash2", "selector"), ("dflash2", "backbone"), ("dflash", "backbone")]
 
@@ -182,3 +182,16 @@ def test_bad_arguments_are_named() -> None:
         speculative_generate(target, baseline, prompts()[0], 0)
     with pytest.raises(ValueError, match="input_ids shape"):
         target_greedy(target, torch.zeros(2, 3, dtype=torch.long), 4)
+
+
+def test_a_low_precision_drafting_head_keeps_the_output_exact() -> None:
+    """The bf16 drafting head only changes the drafts; the target's verification keeps greedy's tokens."""
+    target, draft = tiny_target(), trained_draft("dflash2")
+    drafter = TorchDrafter(draft, head=low_precision_head(target, torch.bfloat16))
+    for prompt, expected in list(zip(prompts(), continuations()))[:3]:
+        got = speculative_generate(target, drafter, prompt, NEW_TOKENS)
+        assert got.tokens == list(expected)
+    logits = low_precision_head(target)(torch.randn(2, 3, target.hidden_size, dtype=torch.float64))
+    assert logits.dtype == torch.bfloat16 and logits.shape == (2, 3, target.vocab_size)
+    with pytest.raises(ValueError, match="nn.Linear lm_head"):
+        low_precision_head(torch.nn.Module())

@@ -45,8 +45,9 @@ def test_parse_range():
 
 
 def test_dim_role():
-    assert [to_trt.dim_role(n) for n in ("batch", "batch_size", "context", "ctx_len", "past_len", "num_tokens")] == \
-        ["batch", "batch", "context", "context", "context", "context"]
+    assert [to_trt.dim_role(n) for n in ("batch", "batch_size", "context", "ctx_len", "past_len", "num_tokens",
+                                         "capacity")] == ["batch", "batch", "context", "context", "context", "context",
+                                                          "context"]
     assert to_trt.dim_role("nblocks") is None
 
 

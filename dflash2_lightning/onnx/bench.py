@@ -1,18 +1,23 @@
 """Drafting latency per step: torch eager vs onnxruntime (CPU), plus CUDA / TensorRT rows on a GPU.
 
-One *step* is what a server does per speculative cycle: the context graph on the newly verified
-tokens (``--new-tokens``, default 4), appending their K/V to the cache (``ContextKV.append``, a
-concatenation), and one ``draft_step`` over the whole cache. Each row is the median over ``--runs``
-steps after ``--warmup`` steps, at a fixed context length (the cache is re-appended from the same
-base every step). Geometry: SmolLM2-135M (hidden 576, 9/3 heads, head_dim 64, intermediate 1536,
-vocab 49152, 30 target layers) with a DFlash2 draft (block 16, conv 2 taps / group 16, selector
-rank 256 / top-16); random weights (latency does not depend on the values).
+One *step* is what a server does per speculative cycle, in three parts timed separately:
+
+``context``  the context graph on the newly verified tokens (``--new-tokens``, default 4);
+``append``   writing their K/V into the preallocated cache (:class:`~dflash2_lightning.model.DraftCache`,
+             in place at the valid length: O(new tokens)); ``--reference-cache`` adds rows with the
+             concatenating :class:`~dflash2_lightning.model.ContextKV` (O(context) per append);
+``draft``    one ``draft_step`` over the cache (its cost depends on the context only through attention).
+
+Each row is the median over ``--runs`` steps after ``--warmup`` steps, at a fixed context length (the
+cache is cropped back to the same length after every step). Geometry: SmolLM2-135M (hidden 576, 9/3
+heads, head_dim 64, intermediate 1536, vocab 49152, 30 target layers) with a DFlash2 draft (block 16,
+conv 2 taps / group 16, selector rank 256 / top-16); random weights (latency does not depend on the values).
 
     python export/bench.py                 # CPU: batch 1, 8 x context 256, 1024, 4096; 5 draft layers; fp32
     python export/bench.py --full          # more runs, fp16 rows too
     python export/bench.py --trt-dir engines/     # + TensorRT rows (GPU; engines from export/to_trt.py)
 
-Prints a markdown table and writes JSON (default ``benchmarks/results/export_bench.json``).
+Prints a markdown table (with the load average) and writes JSON (default ``benchmarks/results/export_bench.json``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.model import ContextKV, DraftModel
+from dflash2_lightning.model import ContextKV, DraftCache, DraftModel
 from dflash2_lightning.onnx.drafter import TORCH_DTYPES, OrtDrafter
 
 SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_target_layers=30, num_attention_heads=9,
@@ -78,12 +83,17 @@ def random_draft(cfg: DraftConfig, seed: int = 0) -> DraftModel:
 
 # ----------------------------------------------------------------------------- one backend
 class Stepper:
-    """One backend's drafting step split in its three parts (each returns what the next needs)."""
+    """One backend's drafting step split in its parts (each returns what the next needs).
+
+    ``new_cache(batch, capacity)`` gives an empty preallocated cache; ``None`` means the backend keeps
+    the concatenating reference :class:`ContextKV`.
+    """
 
     def __init__(self, context_kv: Callable[[Tensor, Tensor], ContextKV],
-                 draft_block: Callable[[Tensor, ContextKV, Tensor], Tensor],
+                 draft_block: Callable[[Tensor, Any, Tensor], Tensor],
+                 new_cache: Callable[[int, int], DraftCache] | None = None,
                  sync: Callable[[], None] = lambda: None) -> None:
-        self.context_kv, self.draft_block, self.sync = context_kv, draft_block, sync
+        self.context_kv, self.draft_block, self.new_cache, self.sync = context_kv, draft_block, new_cache, sync
 
 
 def time_steps(stepper: Stepper, cfg: DraftConfig, batch: int, context: int, new_tokens: int, runs: int,
@@ -94,6 +104,8 @@ def time_steps(stepper: Stepper, cfg: DraftConfig, batch: int, context: int, new
     width = cfg.num_target_features * cfg.hidden_size
     base_features = torch.randn(batch, context, width, generator=gen).to(device, dtype)
     base = stepper.context_kv(base_features, torch.arange(context, device=device).expand(batch, context))
+    if stepper.new_cache is not None:  # capacity for the context and this step's tokens
+        base = stepper.new_cache(batch, context + new_tokens).append(base)
     features = torch.randn(batch, new_tokens, width, generator=gen).to(device, dtype)
     positions = (context + torch.arange(new_tokens, device=device)).expand(batch, new_tokens)
     anchor = torch.randint(0, cfg.vocab_size, (batch,), generator=gen).to(device)
@@ -106,12 +118,14 @@ def time_steps(stepper: Stepper, cfg: DraftConfig, batch: int, context: int, new
         new = stepper.context_kv(features, positions)
         stepper.sync()
         t1 = time.perf_counter()
-        cache = base.append(new)
+        cache = base.append(new)  # in place for a DraftCache, a new concatenation for a ContextKV
         stepper.sync()
         t2 = time.perf_counter()
         stepper.draft_block(anchor, cache, start)
         stepper.sync()
         t3 = time.perf_counter()
+        if isinstance(cache, DraftCache):
+            cache.crop(context)  # back to the fixed context length for the next step
         if i >= warmup:
             for part, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                 part.append(1e3 * value)
@@ -120,35 +134,59 @@ def time_steps(stepper: Stepper, cfg: DraftConfig, batch: int, context: int, new
     return len(parts[0]), *parts  # type: ignore[return-value]
 
 
-def torch_stepper(model: DraftModel, embed: nn.Module, head: nn.Module, device: str) -> Stepper:
+def torch_stepper(model: DraftModel, embed: nn.Module, head: nn.Module, device: str,
+                  preallocated: bool = True) -> Stepper:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    new_cache = (lambda b, n: DraftCache.for_model(model, b, n)) if preallocated else None
     return Stepper(lambda f, p: model.context_kv(f, p),
-                   lambda a, c, s: model.draft_block(a, c, embed, head, s), sync)
+                   lambda a, c, s: model.draft_block(a, c, embed, head, s), new_cache, sync)
 
 
 def ort_stepper(drafter: OrtDrafter) -> Stepper:
-    return Stepper(drafter.context_kv, lambda a, c, s: drafter.draft_block(a, c, None, None, s))
+    return Stepper(drafter.context_kv, lambda a, c, s: drafter.draft_block(a, c, None, None, s), drafter.new_cache)
 
 
 def trt_stepper(engines: Path) -> tuple[Stepper, torch.dtype]:
-    """TensorRT engines ``context.engine`` / ``draft_step.engine`` (``export/to_trt.py --out <dir>``) on CUDA."""
+    """TensorRT engines ``context.engine`` / ``draft_step.engine`` (``export/to_trt.py --out <dir>``) on CUDA.
+
+    The cache is a :class:`DraftCache` on the GPU: ``draft_step`` is bound to its buffers' addresses
+    (no copy), the new K/V are written into them in place.
+    """
     from dflash2_lightning.model import LayerKV
 
     _register_trt_plugins()
     ctx, step = TrtGraph(engines / "context.engine"), TrtGraph(engines / "draft_step.engine")
+    dtype = ctx.dtype("features")
 
     def context_kv(features: Tensor, positions: Tensor) -> ContextKV:
         out = ctx({"features": features, "positions": positions})
         kv = [out[name] for name in ctx.outputs]
         return ContextKV([LayerKV(kv[i], kv[i + 1]) for i in range(0, len(kv), 2)], positions)
 
-    def draft_block(anchor: Tensor, cache: ContextKV, start: Tensor) -> Tensor:
-        feeds = {"anchor": anchor, "start": start, "context_positions": cache.positions}
-        for i, layer in enumerate(cache.layers):
-            feeds[f"k_{i}"], feeds[f"v_{i}"] = layer.keys, layer.values
+    def new_cache(batch: int, capacity: int) -> DraftCache:
+        cfg = ctx_config(engines)
+        return DraftCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity,
+                          cfg.block_size, dtype, "cuda")
+
+    def draft_block(anchor: Tensor, cache: DraftCache, start: Tensor) -> Tensor:
+        b = anchor.shape[0]
+        feeds = {"anchor": anchor, "start": start, "context_positions": cache._positions,
+                 "length": torch.full((b,), cache.length, dtype=torch.long, device=anchor.device)}
+        for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+            feeds[f"k_{i}"], feeds[f"v_{i}"] = k, v
         return step(feeds)["tokens"]
 
-    return Stepper(context_kv, draft_block, torch.cuda.synchronize), ctx.dtype("features")
+    return Stepper(context_kv, draft_block, new_cache, torch.cuda.synchronize), dtype
+
+
+def ctx_config(engines: Path) -> DraftConfig:
+    """The draft config of an engine directory (``drafter.json`` copied or next to it)."""
+    from dflash2_lightning.onnx.drafter import read_manifest
+
+    for directory in (engines, engines.parent):
+        if (directory / "drafter.json").is_file():
+            return DraftConfig.from_hf_dict(read_manifest(directory)["config"])
+    raise FileNotFoundError(f"no drafter.json in {engines} or its parent: copy the export's drafter.json there")
 
 
 def _register_trt_plugins() -> None:
@@ -187,7 +225,7 @@ class TrtGraph:
 
     def __call__(self, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
         for name in self.inputs:
-            t = feeds[name].to(self.dtype(name)).contiguous()
+            t = feeds[name].to(self.dtype(name)).contiguous()  # the cache buffers are: bound as they are
             feeds[name] = t
             self.context.set_input_shape(name, tuple(t.shape))
             self.context.set_tensor_address(name, t.data_ptr())
@@ -233,6 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    load_before = os.getloadavg()
     cfg = bench_config(args.layers, args.projector)
     model = random_draft(cfg, args.seed)
     embed, head = random_embedding_and_head(cfg.vocab_size, cfg.hidden_size, args.seed)
@@ -259,6 +298,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 with torch.no_grad():
                     typed = [copy.deepcopy(m).to(torch_dtype) for m in (model, embed, head)]
                     record("torch eager cpu", dtype, torch_stepper(*typed, "cpu"), "cpu", torch_dtype)
+                    if args.reference_cache:
+                        record("torch eager cpu, ContextKV", dtype, torch_stepper(*typed, "cpu", preallocated=False),
+                               "cpu", torch_dtype)
                     del typed
             if "ort" not in args.backends:
                 continue
@@ -302,6 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                     "threads": threads, "torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
         "runs": args.runs, "warmup": args.warmup, "opsets": args.opsets,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
         "rows": [asdict(r) for r in rows], "notes": notes,
     }
 
@@ -341,6 +384,8 @@ def parser() -> argparse.ArgumentParser:
                    help="opsets of the onnxruntime graphs, e.g. 20,23 (23 fuses Attention/RMSNormalization/RoPE)")
     p.add_argument("--onnx-dir", help="reuse (or keep) exported graphs here: <dir>/<dtype>-opset<N>/")
     p.add_argument("--trt-dir", help="directory with context.engine and draft_step.engine (export/to_trt.py --out)")
+    p.add_argument("--reference-cache", action="store_true",
+                   help="also time torch with the concatenating ContextKV (appending copies the whole cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=str(DEFAULT_OUT), help=f"JSON output (default {DEFAULT_OUT})")
     return p
@@ -361,7 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     table = markdown(result)
-    print("\n" + table + "\n")
+    load = max(result["load_average"]["before"][0], result["load_average"]["after"][0])
+    print(f"\nload average {result['load_average']['before'][0]:.2f} -> {result['load_average']['after'][0]:.2f}"
+          + (" (LOADED MACHINE: re-take on a quiet one)" if load >= 1.0 else ""))
+    print(table + "\n")
     for note in result["notes"]:
         print(f"note: {note}")
     out = Path(args.json)

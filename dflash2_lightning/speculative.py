@@ -169,7 +169,14 @@ def low_precision_head(target: Any, dtype: torch.dtype = torch.bfloat16) -> Head
         raise ValueError(f"low_precision_head needs an nn.Linear lm_head, not {type(lm_head).__name__}")
     weight = lm_head.weight.detach().to(dtype)
     bias = None if lm_head.bias is None else lm_head.bias.detach().to(dtype)
-    return lambda hidden: torch.nn.functional.linear(hidden.to(dtype), weight, bias)
+
+    def head(hidden: Tensor) -> Tensor:
+        # As rows: a [1, 15, H] slice of a [1, 16, H] block counts as contiguous but keeps the batch
+        # stride 16*H, and oneDNN's bf16 matmul then takes a path ~13x slower (137 vs 10 ms).
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+        return torch.nn.functional.linear(rows, weight, bias).view(*hidden.shape[:-1], -1)
+
+    return head
 
 
 def as_drafter(draft: DraftModel | Drafter, path: DraftPath | None = None) -> Drafter:

@@ -72,6 +72,11 @@ class DraftCache:
         """Absolute positions ``[B, length]`` of the valid context."""
         return self._positions[:, :self.length]
 
+    @property
+    def slot_positions(self) -> Tensor:
+        """Positions of every slot ``[B, capacity + block_size]`` (what a graph reading whole buffers takes)."""
+        return self._positions
+
     def slots(self) -> list[CacheSlot]:
         """What a draft step's attention uses: buffers plus the valid length (it writes the block after it)."""
         return [CacheSlot(k, v, self.length) for k, v in zip(self.keys, self.values)]

@@ -170,7 +170,7 @@ def trt_stepper(engines: Path) -> tuple[Stepper, torch.dtype]:
 
     def draft_block(anchor: Tensor, cache: DraftCache, start: Tensor) -> Tensor:
         b = anchor.shape[0]
-        feeds = {"anchor": anchor, "start": start, "context_positions": cache._positions,
+        feeds = {"anchor": anchor, "start": start, "context_positions": cache.slot_positions,
                  "length": torch.full((b,), cache.length, dtype=torch.long, device=anchor.device)}
         for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
             feeds[f"k_{i}"], feeds[f"v_{i}"] = k, v

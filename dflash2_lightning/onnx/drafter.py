@@ -132,7 +132,7 @@ class OrtDrafter:
             start = context.positions[:, -1] + 1 if context.length else torch.zeros(b, dtype=torch.long)
         start = torch.as_tensor(start, dtype=torch.long).reshape(-1).expand(b)
         if isinstance(context, DraftCache):  # the whole buffers (views, no copy); slots >= length are ignored
-            keys, values, positions = context.keys, context.values, context._positions
+            keys, values, positions = context.keys, context.values, context.slot_positions
         else:
             keys = [layer.keys for layer in context.layers]
             values = [layer.values for layer in context.layers]

@@ -209,7 +209,7 @@ def verify_export(directory: str | os.PathLike, draft: DraftModel, embed: nn.Mod
         buffers = drafter.new_cache(batch, context + 5)
         for buffer in buffers.keys + buffers.values:  # finite garbage past the valid length
             buffer.copy_(1e3 * torch.randn(buffer.shape, generator=gen))
-        buffers._positions.copy_(torch.randint(0, 64, buffers._positions.shape, generator=gen))
+        buffers.slot_positions.copy_(torch.randint(0, 64, buffers.slot_positions.shape, generator=gen))
         outputs = drafter.draft_step(anchor, buffers.append(ort_cache), start)
         ref_cache, ref_hidden = same.run(features, positions, anchor, start)
         ref32 = fp32.run(features, positions, anchor, start) if fp32 else None

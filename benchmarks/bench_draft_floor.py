@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = dict(command="python benchmarks/bench_draft_floor.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    command = "python benchmarks/bench_draft_floor.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = dict(command=command,
                   peak_gflops=round(peak / 1e9, 2), stream_gbps=round(bandwidth / 1e9, 2), rows=rows,
                   machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=args.threads,
                                torch=torch.__version__, load_average_before=load_before,

@@ -227,7 +227,8 @@ class DraftLayer(nn.Module):
         self.attention_conv: nn.Module = IdentitySeam()
         self.mlp_conv: nn.Module = IdentitySeam()
 
-    def forward(self, h: Tensor, context: LayerKV | CacheSlot | BufferedKV, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, h: Tensor, context: LayerKV | CacheSlot | BufferedKV, cos: Tensor, sin: Tensor,
+                mask: Tensor | None) -> Tensor:
         x, state = self.attention_conv.prepare(self.input_layernorm(h))
         h = h + self.attention_conv.finish(self.self_attn(x, context, cos, sin, mask), state)
         x, state = self.mlp_conv.prepare(self.post_attention_layernorm(h))

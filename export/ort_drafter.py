@@ -31,14 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg, gen = drafter.config, torch.Generator().manual_seed(0)
     width = cfg.num_target_features * cfg.hidden_size
     b, c = args.batch, args.context
-    cache = drafter.context_kv(torch.randn(b, c, width, generator=gen), torch.arange(c).expand(b, c))
+    cache = drafter.new_cache(b, c + 4 * args.cycles)  # preallocated: each cycle appends in place
+    cache.append(drafter.context_kv(torch.randn(b, c, width, generator=gen), torch.arange(c).expand(b, c)))
     anchor = torch.randint(0, cfg.vocab_size, (b,), generator=gen)
     for cycle in range(args.cycles):
         t0 = time.perf_counter()
         tokens = drafter.draft_block(anchor, cache)
         new = cache.length
-        cache = cache.append(drafter.context_kv(torch.randn(b, 4, width, generator=gen),
-                                                (new + torch.arange(4)).expand(b, 4)))
+        cache.append(drafter.context_kv(torch.randn(b, 4, width, generator=gen), (new + torch.arange(4)).expand(b, 4)))
         print(f"cycle {cycle}: context {new:>5} -> tokens {tokens[0].tolist()} ({1e3 * (time.perf_counter() - t0):.1f} ms)")
         anchor = tokens[:, -1]
     return 0

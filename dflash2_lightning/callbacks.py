@@ -11,8 +11,10 @@ Checkpoints
     :class:`AtomicCheckpointIO` writes local checkpoints to a temporary file *in the checkpoint's own
     directory*, fsyncs it, ``os.replace``s it onto the final name (atomic on POSIX) and fsyncs the
     directory. A kill at any moment leaves either the previous complete file or the new complete one.
-    Temporary files are named ``.<name>.<random>.tmp``, which Lightning's ``last*.ckpt`` discovery never
-    matches. Remote paths (``s3://`` ...) keep Lightning's own writer.
+    Temporary files are named ``.<name>.<host>-<pid>.<random>.tmp`` (:mod:`dflash2_lightning.tempfiles`),
+    which Lightning's ``last*.ckpt`` discovery never matches; the CLI removes those of killed runs when a
+    fit starts and when it ends. Remote paths (``s3://`` ...) keep Lightning's own writer. A checkpoint
+    that cannot be read (truncated, not a checkpoint) is a :class:`CheckpointError` naming the file.
 
 Metrics
     Lightning 2.6's ``CSVLogger`` *deletes* an existing ``metrics.csv`` when it opens a run directory
@@ -24,7 +26,6 @@ Metrics
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from dflash2_lightning.checkpoint import atomic_write_text
+from dflash2_lightning import tempfiles
+from dflash2_lightning.checkpoint import CheckpointError, atomic_write_text
 
 
 def _is_local(path: str | os.PathLike) -> bool:
@@ -55,7 +57,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save(obj, path)`` through a same-directory temporary file, fsync and rename."""
     path = Path(str(path).removeprefix("file://"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfiles.make_file(path)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -91,6 +93,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_torch_save(checkpoint, path)
 
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's loader, but a damaged file is a :class:`CheckpointError` naming it (not a traceback)."""
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as error:  # torch reports a truncated zip / pickle in several exception types
+            raise CheckpointError(
+                f"checkpoint {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:160]}): "
+                "it is truncated or not a Lightning checkpoint; delete it and resume from another checkpoint "
+                "(--ckpt_path <file>), or start the run again") from None
+
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -107,7 +122,28 @@ class _AppendingWriter(ExperimentWriter):
 
 
 class ResumableCSVLogger(CSVLogger):
-    """``CSVLogger`` whose ``metrics.csv`` survives a resume in the same run directory (see module doc)."""
+    """``CSVLogger`` whose ``metrics.csv`` survives a resume in the same run directory (see module doc).
+
+    It also keeps every row a checkpoint covers: Lightning saves a step's checkpoint (``ModelCheckpoint``
+    in ``on_train_batch_end``) *before* it logs that step's training metrics, so a kill between the two
+    lost the row for good (the resumed run starts after that step). :func:`log_step_metrics_now`, called
+    while the checkpoint is being written, logs and flushes the row first; the identical row Lightning
+    logs a moment later is then skipped.
+    """
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        row = (step, dict(metrics))
+        if step is not None and row == getattr(self, "_early_row", None):
+            self._early_row = None  # Lightning's own copy of a row already written early
+            return
+        super().log_metrics(metrics, step)
+
+    @rank_zero_only
+    def log_early(self, metrics: dict[str, Any], step: int) -> None:
+        """Write a step's row now (before its checkpoint lands); the same row logged again is skipped."""
+        super().log_metrics(metrics, step)
+        self.save()
+        self._early_row = (step, dict(metrics))
 
     @property
     @rank_zero_experiment
@@ -134,3 +170,36 @@ class ResumableCSVLogger(CSVLogger):
         table.writeheader()
         table.writerows(rows)
         atomic_write_text(path, out.getvalue())
+
+
+def log_step_metrics_now(trainer: Any) -> None:
+    """Log (and flush) the current training step's metrics into each :class:`ResumableCSVLogger` now.
+
+    Called from the module's ``on_save_checkpoint``: when a checkpoint is written in the middle of
+    training, the row of the step it covers must be on disk before the checkpoint is. Same conditions,
+    values and step number as Lightning's own ``update_train_step_metrics`` a moment later.
+    """
+    from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, ResumableCSVLogger)]
+    if not loggers or not trainer.training or trainer.sanity_checking:
+        return
+    connector = trainer._logger_connector
+    loop = trainer.fit_loop
+    progress = loop.epoch_loop.batch_progress.current
+    if progress.processed <= progress.completed:  # not inside on_train_batch_end: the row is logged already
+        return
+    if loop._should_accumulate() and trainer.lightning_module.automatic_optimization:
+        return
+    if connector._first_loop_iter is None or not (connector.should_update_logs or trainer.fast_dev_run):
+        return
+    metrics = connector.metrics["log"]
+    if not metrics:
+        return
+    scalars = convert_tensors_to_scalars(metrics)
+    step = scalars.pop("step", None)
+    if step is None:
+        scalars.setdefault("epoch", trainer.current_epoch)
+        step = loop.epoch_loop._batches_that_stepped
+    for logger in loggers:
+        logger.log_early(scalars, int(step))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dflash2_lightning import tempfiles
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
 
@@ -106,7 +106,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfiles.make_file(path)
     os.close(fd)
     try:
         write(tmp)

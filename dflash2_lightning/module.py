@@ -39,6 +39,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from dflash2_lightning.callbacks import log_step_metrics_now
 from dflash2_lightning.checkpoint import load_config, save_draft
 from dflash2_lightning.config import ConfigError, DraftConfig
 from dflash2_lightning.engines import TargetInfo, choose_export_dtype
@@ -392,6 +393,9 @@ class DFlash2Module(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Recorded for humans and tools reading a .ckpt; the weights are the module's state_dict.
         checkpoint["draft_config"] = self.draft_config.to_hf_dict()
+        # The metrics row of the step this checkpoint covers goes to disk before the checkpoint does.
+        if self._trainer is not None:
+            log_step_metrics_now(self._trainer)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Resuming a fit: rows a logger wrote after this checkpoint are logged again, so drop the old copies

@@ -1,0 +1,131 @@
+"""jsonargparse's errors (``dflash2 fit`` / ``validate``) as one line: the key, what was expected, the closest key.
+
+jsonargparse reports a typo such as ``selector_rnak`` or a value such as ``selector_rank: sixteen`` as a
+nested "Does not validate against any of the Union subtypes" report of 10-60 lines with the key named
+once in the middle. :func:`explain` reads that report and returns, for example::
+
+    model.init_args.selector_rnak is not a setting of DFlash2Module (in config small.yaml); did you mean
+    selector_rank? `dflash2 fit --help` lists every setting
+
+The valid keys come from the signatures of the classes the message names (the model and data
+classes, ``Trainer``), so the suggestion is always a key the CLI accepts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+from collections.abc import Sequence
+from typing import Any
+
+_CLASS_PATH = re.compile(r"Problem with given class_path '([\w.]+)'")
+_NOT_ACCEPTED = re.compile(r"Option '([\w.]+)' is not accepted")
+_PARSER_KEY = re.compile(r'Parser key "([\w.]+)":')
+_EXPECTED = re.compile(r"Expected an? (.+?)\. Got value: (.*)$", re.M)
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)$", re.M)
+_FILE_MISSING = re.compile(r'Parser key "config": File does not exist: (.*)$', re.M)
+_SECTIONS = ("model", "data", "optimizer", "lr_scheduler")
+
+
+def _class(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def parameters(cls: Any) -> list[str]:
+    """The ``__init__`` parameter names of ``cls`` and its bases (the keys a config may give it)."""
+    names: list[str] = []
+    for klass in getattr(cls, "__mro__", [])[:-1]:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            sig = inspect.signature(init)
+        except (TypeError, ValueError):
+            continue
+        names += [p for p, v in sig.parameters.items() if p != "self" and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)
+                  and p not in names]
+    return names
+
+
+def _top_level_keys() -> list[str]:
+    from lightning.pytorch import Trainer
+
+    keys = ["config", "print_config", "seed_everything", "ckpt_path", "trainer", "model", "data",
+            "optimizer", "lr_scheduler"]
+    return keys + [f"trainer.{p}" for p in parameters(Trainer)]
+
+
+def _closest(word: str, choices: Sequence[str]) -> str | None:
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _type_name(text: str) -> str:
+    m = re.fullmatch(r"<class '([\w.]+)'>", text.strip())
+    return m.group(1) if m else text.strip()
+
+
+def _where(message: str, config_files: Sequence[str]) -> str:
+    if "NestedArg" in message or not config_files:
+        return "on the command line"
+    return "in config " + ", ".join(config_files)
+
+
+def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2 fit") -> str:
+    """One line for a jsonargparse error ``message`` (see the module docstring); never raises."""
+    help_hint = f"`{prog} --help` lists every setting"
+    missing = _FILE_MISSING.search(message)
+    if missing:
+        return f"config file {missing.group(1).strip()} does not exist: check the --config path"
+    outer = _PARSER_KEY.match(message.strip())
+    section = outer.group(1) if outer else None
+    class_path = _CLASS_PATH.search(message)
+    cls = _class(class_path.group(1)) if class_path else None
+    prefix = f"{section}.init_args." if section in _SECTIONS and cls is not None else ""
+    owner = getattr(cls, "__name__", None)
+
+    bad = _NOT_ACCEPTED.search(message)
+    if bad:
+        key = bad.group(1)
+        guess = _closest(key, parameters(cls)) if cls is not None else None
+        return (f"{prefix}{key} is not a setting of {owner or section} ({_where(message, config_files)})"
+                + (f"; did you mean {guess}?" if guess else "") + f" {help_hint}")
+
+    unknown = _UNRECOGNIZED.search(message)
+    if unknown:
+        words = [w for w in unknown.group(1).split() if w.startswith("--")]
+        if not words:
+            return f"unexpected argument(s) {unknown.group(1).strip()!r}; {help_hint}"
+        key = words[0][2:].split("=", 1)[0]
+        if cls is not None:  # nested inside a class's arguments: model.init_args.<key>
+            choices = parameters(cls)
+            guess = _closest(key.split(".")[0], choices)
+            full = f"{prefix}{key}"
+        else:
+            choices = _top_level_keys()
+            guess = _closest(key, choices)
+            full = key
+        return (f"--{full} is not a setting (on the command line)"
+                + (f"; did you mean --{prefix if cls is not None else ''}{guess}?" if guess else "") + f" {help_hint}")
+
+    keys = _PARSER_KEY.findall(message)
+    expected = _EXPECTED.search(message)
+    if expected and keys:
+        inner = keys[-1]
+        full = inner if inner == section else f"{prefix}{inner}" if prefix else inner
+        value = expected.group(2).strip()
+        return (f"{full}={value!r} is invalid ({_where(message, config_files)}): expected "
+                f"{_type_name(expected.group(1))}; {help_hint}")
+
+    # Anything else: the report without its bookkeeping lines, on one line.
+    keep = [line.strip() for line in message.splitlines()
+            if line.strip() and not re.match(r"(Given value|Subtypes|Errors:|- Expected a <class 'NoneType'>|"
+                                              r"Does not validate against any)", line.strip())]
+    text = "; ".join(keep)
+    return (text[:400] + " ...") if len(text) > 400 else text

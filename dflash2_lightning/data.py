@@ -22,6 +22,22 @@ The directory holds a ``manifest.json`` recording the target fingerprint, tokeni
 ``seq_len``, top-k, storage dtype and a hash of the data; it is written into a temporary directory and
 renamed into place, so a crash never leaves a complete-looking cache, and a cache whose manifest differs
 from the current run is an error naming the fields that differ.
+
+Integrity. The manifest records, for every ``.npy`` file, its size, its sha256 and the sha256 of 64
+sampled 64 KiB blocks (the first one holds the ``.npy`` header, the last one the end of the data).
+Opening the cache checks every file is there with its recorded size, then (``cache_verify``):
+
+- ``"full"``: the sha256 of every byte, once per process for a given file (size, mtime);
+- ``"sampled"``: the sampled blocks only (milliseconds whatever the size);
+- ``"auto"`` (default): full when the cache holds at most :data:`FULL_VERIFY_BYTES` (4 GiB), sampled above.
+
+Why: hashing runs at about the speed of reading the file (sha256 ~1 GB/s, measured on a 300 MB
+float16 cache on a 2-core machine: 0.31 s against 0.25 s for the read alone), so a cache of a few GB
+is verified completely in seconds, which a corrupted cache is worth. A real target's cache is
+terabytes (Qwen3-8B, 5 layers, 100k x 2048 tokens in float16 is ~8 TB): hashing it at every start
+would take hours, so it gets the size check (truncation, a missing file) plus the sampled blocks
+(a damaged header, damage that hits a sampled block); ``cache_verify: full`` forces the whole check.
+A damaged file is a :class:`DataError` naming the file and saying to rebuild the cache.
 """
 
 from __future__ import annotations
@@ -32,7 +48,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +57,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from dflash2_lightning import tempfiles
 from dflash2_lightning.checkpoint import dir_mode
 from dflash2_lightning.config import ConfigError
 from dflash2_lightning.corpus import builtin_corpus, builtin_fingerprint
@@ -50,8 +66,11 @@ from dflash2_lightning.target import Target, TargetSpec, default_cache_dir, load
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the manifest records a checksum of every file
 MANIFEST = "manifest.json"
+FULL_VERIFY_BYTES = 4 << 30  # cache_verify="auto": hash every byte up to this cache size
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 64, 64 << 10
+_VERIFIED: set[tuple[str, int, int]] = set()  # (file, size, mtime_ns) fully hashed by this process
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool",
                   "function": "tool", "observation": "tool"}
@@ -64,16 +83,35 @@ class DataError(ValueError):
 
 # ---------------------------------------------------------------------- reading records
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield ``("file:line", record)`` for each non-blank line; a malformed line raises :class:`DataError`."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """Yield ``("file:line", record)`` for each non-blank line; a malformed line raises :class:`DataError`.
+
+    A missing or unreadable file, bytes that are not UTF-8 and invalid JSON are errors naming the file,
+    the line and the column.
+    """
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise DataError(f"data file {path} does not exist; check the path (train_files / val_files / --prompts)") from None
+    except IsADirectoryError:
+        raise DataError(f"data file {path} is a directory: give jsonl files (one JSON object per line)") from None
+    except PermissionError:
+        raise DataError(f"data file {path} is not readable (permission denied)") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                "save the file as UTF-8") from None
+            line = line.rstrip("\r\n")
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                at = "at the end of the line" if e.pos >= len(line) else f"at column {e.colno}"
+                raise DataError(f"{where}: invalid JSON ({e.msg} {at}); fix or remove that line") from None
             yield where, record
 
 
@@ -279,6 +317,8 @@ class DraftDataModule(pl.LightningDataModule):
         max_samples: read at most this many records from the training files (and from ``val_files``).
         feature_dtype: on-disk dtype of offline features, ``float16`` (default) or ``float32``.
         feature_device: device that computes offline features (default: ``cuda`` when available, else ``cpu``).
+        cache_verify: how an offline cache is checked when opened: ``"auto"``, ``"full"`` or ``"sampled"``
+            (see the module docstring: every byte up to 4 GiB, sampled blocks above).
     """
 
     def __init__(
@@ -300,6 +340,7 @@ class DraftDataModule(pl.LightningDataModule):
         feature_dtype: Literal["float16", "float32"] = "float16",
         feature_device: str | None = None,
         shuffle_seed: int = 0,
+        cache_verify: Literal["auto", "full", "sampled"] = "auto",
     ) -> None:
         super().__init__()
         if hasattr(target, "as_dict"):  # a jsonargparse Namespace, e.g. through a linked argument
@@ -327,6 +368,8 @@ class DraftDataModule(pl.LightningDataModule):
         self.num_draft_layers, self.teacher_top_k, self.num_workers = num_draft_layers, teacher_top_k, num_workers
         self.max_samples, self.feature_dtype, self.feature_device = max_samples, feature_dtype, feature_device
         self.shuffle_seed = shuffle_seed
+        _check(cache_verify in ("auto", "full", "sampled"), "cache_verify", cache_verify, "'auto', 'full' or 'sampled'")
+        self.cache_verify = cache_verify
         self._resume_position: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint
         self.save_hyperparameters(ignore=["target"])
         self.hparams["target"] = dataclasses.asdict(self.target)  # a plain dict keeps hparams.yaml readable
@@ -424,14 +467,14 @@ class DraftDataModule(pl.LightningDataModule):
         if self.cache_dir is not None:
             return Path(self.cache_dir).expanduser()
         manifest = manifest or self.manifest()
-        checked = {k: v for k, v in manifest.items() if k != "info"}
+        checked = {k: v for k, v in manifest.items() if k not in ("info", "files")}
         digest = hashlib.sha256(json.dumps(checked, sort_keys=True).encode()).hexdigest()[:16]
         return default_cache_dir() / "features" / digest
 
     def _check_manifest(self, path: Path, want: dict[str, Any]) -> dict[str, Any]:
-        have = json.loads((path / MANIFEST).read_text())
+        have = read_manifest(path)
         diffs = [f"{k}: cache has {have.get(k)!r}, this run has {v!r}"
-                 for k, v in want.items() if k != "info" and have.get(k) != v]
+                 for k, v in want.items() if k not in ("info", "files") and have.get(k) != v]
         if diffs:
             raise DataError(f"offline feature cache {path} was built for different settings — "
                             + "; ".join(diffs)
@@ -449,7 +492,8 @@ class DraftDataModule(pl.LightningDataModule):
             raise DataError(f"cache_dir={str(path)!r} exists, is not empty and has no {MANIFEST}: "
                             "not a feature cache (a complete cache always has one); choose another directory")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        tempfiles.remove_stale(path.parent, path.name)  # what a killed build of this cache left behind
+        tmp = tempfiles.make_dir(path)
         try:
             encoded = self._encode()
             stats = {}
@@ -458,6 +502,7 @@ class DraftDataModule(pl.LightningDataModule):
                 stats[f"{split}_samples"] = int(arrays["input_ids"].shape[0])
             want["info"]["stats"] = {**stats, "skipped_samples": self.skipped_samples,
                                      "total_records": self.total_records}
+            want["files"] = {str(f.relative_to(tmp)): file_checksums(f) for f in sorted(tmp.glob("*/*.npy"))}
             (tmp / MANIFEST).write_text(json.dumps(want, indent=2) + "\n")  # last: marks the cache complete
             os.chmod(tmp, dir_mode())  # mkdtemp makes 0700: other users (a server) must read the cache
             try:
@@ -522,7 +567,8 @@ class DraftDataModule(pl.LightningDataModule):
             arr.flush()
 
     def _load_cache(self, path: Path) -> dict[str, ArrayDataset]:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_manifest(path)
+        verify_cache(path, manifest, self.cache_verify)
         stats = manifest.get("info", {}).get("stats", {})
         self._set_skipped(int(stats.get("skipped_samples", 0)), int(stats.get("total_records", 0)))
         dtype = self.target_model.dtype
@@ -583,6 +629,91 @@ class DraftDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, shuffle=False)
+
+
+# ---------------------------------------------------------------------- cache integrity
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The cache's ``manifest.json``; unreadable or damaged is a :class:`DataError` naming it."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"offline feature cache manifest {file} is damaged ({e}); delete {path} to rebuild "
+                        "the cache") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"offline feature cache manifest {file} is not a JSON object; delete {path} to rebuild it")
+    return manifest
+
+
+def _sample_offsets(size: int) -> list[int]:
+    if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+        return list(range(0, size, SAMPLE_BLOCK_BYTES))
+    last = size - SAMPLE_BLOCK_BYTES
+    return [round(i * last / (SAMPLE_BLOCKS - 1)) for i in range(SAMPLE_BLOCKS)]
+
+
+def _sampled_digest(file: Path, size: int) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for offset in _sample_offsets(size):
+            f.seek(offset)
+            h.update(f.read(SAMPLE_BLOCK_BYTES))
+    return h.hexdigest()
+
+
+def _full_digest(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_checksums(file: Path) -> dict[str, Any]:
+    """What the manifest records of a cache file: ``bytes``, ``sha256`` and ``sampled_sha256``."""
+    size = file.stat().st_size
+    return {"bytes": size, "sha256": _full_digest(file), "sampled_sha256": _sampled_digest(file, size)}
+
+
+def verify_cache(path: Path, manifest: dict[str, Any], mode: str = "auto") -> str:
+    """Check the cache's files against the manifest's checksums (see the module docstring); the mode used.
+
+    Raises :class:`DataError` naming the first missing or damaged file.
+    """
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise DataError(f"offline feature cache {path}: {MANIFEST} records no file checksums (damaged, or written "
+                        "by another version); delete the directory to rebuild it")
+    total = 0
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            raise DataError(f"offline feature cache file {file} is missing; delete {path} to rebuild the cache")
+        size = file.stat().st_size
+        if size != want.get("bytes"):
+            raise DataError(f"offline feature cache file {file} is damaged: {size} bytes, the manifest recorded "
+                            f"{want.get('bytes')} (truncated or overwritten); delete {path} to rebuild the cache")
+        total += size
+    full = mode == "full" or (mode == "auto" and total <= FULL_VERIFY_BYTES)
+    if not full:
+        log.info("offline feature cache %s: %.1f GB, checked by size and sampled blocks (cache_verify='full' "
+                 "hashes every byte)", path, total / 1e9)
+    for name, want in files.items():
+        file = path / name
+        st = file.stat()
+        if full:
+            key = (str(file.resolve()), st.st_size, st.st_mtime_ns)
+            if key in _VERIFIED:
+                continue
+            ok = _full_digest(file) == want.get("sha256")
+        else:
+            ok = _sampled_digest(file, st.st_size) == want.get("sampled_sha256")
+        if not ok:
+            raise DataError(f"offline feature cache file {file} is damaged: its checksum differs from the one "
+                            f"recorded when the cache was built; delete {path} to rebuild the cache")
+        if full:
+            _VERIFIED.add(key)
+    return "full" if full else "sampled"
 
 
 def _check(ok: bool, name: str, value: Any, bound: str) -> None:

@@ -60,9 +60,12 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
 def _is_user_os_error(error: BaseException) -> bool:
-    return isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)) \
-        and getattr(error, "filename", None) is not None
+    """A path the user gave is wrong: the OS names the file, or our own code raised it with a message."""
+    return isinstance(error, _PATH_ERRORS) and (getattr(error, "filename", None) is not None or error.errno is None)
 
 
 def find_user_error(error: BaseException) -> BaseException | None:
@@ -83,7 +86,7 @@ def find_user_error(error: BaseException) -> BaseException | None:
 
 def describe(error: BaseException) -> str:
     """The message of a user error, without Python's decoration."""
-    if _is_user_os_error(error) and isinstance(error, OSError):
+    if _is_user_os_error(error) and isinstance(error, OSError) and error.filename is not None:
         what = {FileNotFoundError: "does not exist", IsADirectoryError: "is a directory, not a file",
                 NotADirectoryError: "is not a directory", PermissionError: "cannot be accessed (permission denied)"}
         text = next((v for k, v in what.items() if isinstance(error, k)), error.strerror or str(error))

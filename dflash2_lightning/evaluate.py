@@ -230,16 +230,20 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     the sample). The top-level ``paths``/``tau``/``target_only`` are those of the first temperature;
     ``temperatures`` holds every one. Intervals: bootstrap over prompts (:mod:`~dflash2_lightning.intervals`).
     """
+    from dflash2_lightning.config import ConfigError
+
     if not prompts:
-        raise ValueError("prompts is empty: need at least one prompt to evaluate")
+        raise ConfigError("prompts is empty: need at least one prompt to evaluate")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+        raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
     if samples < 1:
-        raise ValueError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
+        raise ConfigError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
     temps = [float(t) for t in temperatures]
     if not temps or len(set(temps)) != len(temps):
-        raise ValueError(f"temperatures={temps} is invalid: need at least one, without repeats")
+        raise ConfigError(f"temperatures={temps} is invalid: need at least one, without repeats")
     settings = [Sampling(t, top_p, top_k) for t in temps]  # validates every setting before any work
+    if hasattr(target, "check_fits"):
+        target.check_fits(draft.config, "the draft")
     hf = target_handles(target).hf
     draft = draft.to(hf.device).eval()
     stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
@@ -377,20 +381,31 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
             sampled generation and the bootstrap; samples: generations per prompt at temperature > 0;
             resamples: bootstrap draws for the intervals.
 
-    Returns the report dict (also written to ``out_dir/eval.json``).
+    Returns the report dict (also written to ``out_dir/eval.json``). Its ``machine`` entry records the
+    torch threads, the cores and the load average before and after; when other processes' load and
+    these threads exceed the cores, a note says the timings cannot be trusted
+    (:func:`~dflash2_lightning.threads.timing_warning`).
     """
     from dflash2_lightning.checkpoint import atomic_write_text, load_draft
     from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target import load_target
+    from dflash2_lightning.threads import load_average, timing_warning
 
+    draft = load_draft(draft_dir)  # before the target: a bad checkpoint path fails in a second
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
-    draft = load_draft(draft_dir)
     prompts_file = prompts_file or EVAL_PROMPTS
     chats = read_prompts(prompts_file, max_prompts)
     prompts = [encode_prompt(target.tokenizer, m) for m in chats]
+    load_start = load_average()
     report = evaluate_draft(draft, target, prompts, max_new_tokens, paths, estimate=estimate, progress=progress,
                             temperatures=temperatures, top_p=top_p, top_k=top_k, seed=seed, samples=samples,
                             resamples=resamples)
+    cores = os.cpu_count() or 1
+    report["machine"].update(cpus=cores, load_average_start=load_start, load_average_end=load_average())
+    warning = timing_warning(torch.get_num_threads(), cores, load_start, report["machine"]["load_average_end"])
+    report["machine"]["timing_trusted"] = warning is None
+    if warning is not None:
+        report.setdefault("notes", []).append(warning)
     report = {"draft": str(draft_dir), "target": _describe(target), "prompts_file": str(prompts_file), **report}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -543,11 +558,16 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--resamples", type=int, default=RESAMPLES,
                         help=f"bootstrap resamples over prompts for the 95%% intervals (default {RESAMPLES})")
     parser.add_argument("--no-estimate", action="store_true", help="skip the trainer's teacher-forced estimate")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", default="auto",
+                        help="torch CPU threads: a number, or 'auto' (default: the cores other processes leave free "
+                             "by the 1-minute load average, as the quickstart chooses; the report records it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
+    from dflash2_lightning.threads import auto_threads
+
+    torch.set_num_threads(auto_threads(torch.get_num_threads()) if args.threads == "auto" else int(args.threads))
     report = run_eval(args.draft, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
                       args.paths, args.max_prompts, not args.no_estimate, not args.no_progress,
                       temperatures=args.temperature or [0.0], top_p=args.top_p, top_k=args.top_k, seed=args.seed,

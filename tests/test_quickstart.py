@@ -19,6 +19,7 @@ import yaml
 
 from dflash2_lightning import cli as cli_module
 from dflash2_lightning import regen as regen_module
+from dflash2_lightning import threads
 from dflash2_lightning.checkpoint import load_draft
 from dflash2_lightning.quickstart import QuickstartError, fit_config, find_config, parse_override, quickstart_main
 
@@ -157,10 +158,8 @@ def test_shipped_quickstart_config_is_a_valid_fit_config(capsys, monkeypatch):
     (3.0, 1, 1),   # two other busy processes: still at least one thread
 ])
 def test_auto_threads_leaves_cores_that_other_processes_use(monkeypatch, load, own, expected):
-    from dflash2_lightning import quickstart
-
-    monkeypatch.setattr(quickstart, "_load_average", lambda: None if load is None else [load, load, load])
-    assert quickstart.auto_threads(2, own) == expected
+    monkeypatch.setattr(threads, "load_average", lambda: None if load is None else [load, load, load])
+    assert threads.auto_threads(2, own) == expected
 
 
 def test_eval_sampling_options_are_checked_before_any_work():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from torch import nn
 
@@ -30,17 +29,17 @@ def resolve_target(target: str, draft: DraftModel, seed: int = 0) -> tuple[nn.Mo
     cfg = draft.config
     if target == "tiny":
         return random_embedding_and_head(cfg.vocab_size, cfg.hidden_size, seed)
-    from dflash2_lightning.target import TargetSpec, load_target
+    from dflash2_lightning.regen import target_spec_from_arg
+    from dflash2_lightning.target import TargetError, load_target
 
-    is_gguf = target.lower() == "smollm2" or target.lower().endswith(".gguf")
-    if not is_gguf and not Path(target).is_dir():
-        raise SystemExit(f"--target {target!r} is invalid: must be a local Hugging Face directory, a .gguf file, "
-                         "'smollm2' or 'tiny'")
-    loaded = load_target(TargetSpec(gguf=target) if is_gguf else TargetSpec(path=target))
+    # The same --target values as `dflash2 eval` / `regen` (a JSON TargetSpec included); plain 'tiny' keeps
+    # its meaning here: a random embedding and head of the draft's own geometry.
+    spec = target_spec_from_arg(target)
+    loaded = load_target(spec)
     embed, head = target_embedding_and_head(loaded)
     vocab, hidden = embed.weight.shape
     if (vocab, hidden) != (cfg.vocab_size, cfg.hidden_size):
-        raise SystemExit(f"--target {target!r} does not fit the draft: target vocab_size={vocab}, hidden_size={hidden} "
+        raise TargetError(f"--target {target!r} does not fit the draft: target vocab_size={vocab}, hidden_size={hidden} "
                          f"but the draft has vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
     return embed, head
 
@@ -60,7 +59,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="to_onnx.py", description="Export a draft as the ONNX drafting graphs "
                                 "(context, draft_step) and check them with onnxruntime against torch.")
     p.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
-    p.add_argument("--target", required=True, help="HF directory, .gguf file, 'smollm2', or 'tiny'")
+    p.add_argument("--target", required=True,
+                   help="HF directory, .gguf file, 'smollm2', a JSON TargetSpec (as `dflash2 eval --target`), or "
+                        "'tiny' (a random embedding and head of the draft's geometry)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="fp32", choices=sorted(TORCH_DTYPES), help="graph precision (default fp32)")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"default-domain opset (default {DEFAULT_OPSET})")
@@ -73,6 +74,28 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python export/to_onnx.py``: one-line errors (exit 2) as every dflash2 command; ``--debug`` for tracebacks."""
+    from dflash2_lightning.errors import run_command
+
+    quiet_export_warnings()
+    return run_command(_main, sys.argv[1:] if argv is None else argv) or 0
+
+
+def quiet_export_warnings() -> None:
+    """Drop torch.onnx's "torchvision is not installed. Skipping torchvision::nms" lines (eight per export):
+    this project exports no torchvision op."""
+    import logging
+
+    class _NoTorchvision(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "torchvision" not in record.getMessage()
+
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    if not any(type(f).__name__ == "_NoTorchvision" for f in logger.filters):
+        logger.addFilter(_NoTorchvision())
+
+
+def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     draft = load_draft(args.draft, device="cpu").eval()
     embed, head = resolve_target(args.target, draft, args.seed)

@@ -27,10 +27,11 @@ def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[list
     Trailing assistant turns are dropped: what remains is what the target answers. A plain ``text``
     record becomes a single user turn. ``limit`` keeps the first ``limit`` prompts.
     """
+    from dflash2_lightning.config import ConfigError
     from dflash2_lightning.data import DataError, parse_record, read_jsonl
 
     if limit is not None and limit < 1:
-        raise ValueError(f"limit={limit} is invalid: must be >= 1 (or None for all prompts)")
+        raise ConfigError(f"limit={limit} is invalid: must be >= 1 (or None for all prompts)")
     prompts: list[list[dict[str, str]]] = []
     for where, record in read_jsonl(path):
         parsed = parse_record(record, where)
@@ -42,6 +43,8 @@ def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[list
         prompts.append(messages)
         if limit is not None and len(prompts) >= limit:
             break
+    if not prompts:
+        raise DataError(f"{path} holds no prompts (empty file): give a chat jsonl with one prompt per line")
     return prompts
 
 
@@ -51,7 +54,9 @@ def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     Rendered and tokenised exactly as :func:`dflash2_lightning.data.encode_chat` does for training
     (template text, no extra special tokens), so prompts look the same at training and at eval time.
     """
+    from dflash2_lightning.target import TargetError
+
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the target's tokenizer has no chat template: chat prompts cannot be rendered")
+        raise TargetError("the target's tokenizer has no chat template: chat prompts cannot be rendered")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,49 @@
+"""How many torch CPU threads to run, and whether a timing taken on this machine can be trusted.
+
+Shared by ``dflash2 quickstart`` (before every step) and ``dflash2 eval`` (whose speed-up figures are
+only as good as the machine was quiet).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (rounded), or None where the platform has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on every platform
+        return None
+
+
+def auto_threads(available: int, own: int = 0) -> int:
+    """Torch threads for the next step: ``available`` cores minus those other processes keep busy (>= 1).
+
+    Other processes' load is the 1-minute load average less ``own`` (the threads this process has
+    been running). Why not simply all cores: torch's CPU threads wait on each other at every
+    operation, so one thread sharing its core with a busy process stalls them all; on a 2-core
+    machine with one other busy process, two threads run several times slower than one.
+    """
+    load = load_average()
+    others = max(0.0, load[0] - own) if load else 0.0
+    return max(1, available - int(others + 0.25))
+
+
+def timing_warning(threads: int, cores: int, load_start: list[float] | None,
+                   load_end: list[float] | None) -> str | None:
+    """Why timings taken with ``threads`` torch threads on ``cores`` cores may not hold, or None.
+
+    ``load_start`` is the load average before the timed work (this process idle), ``load_end`` after
+    it (this process's ``threads`` included). Other processes' load is the larger of the start and
+    the end less our threads; the timing is suspect when our threads and theirs exceed the cores.
+    """
+    if load_start is None and load_end is None:
+        return None
+    others = max(load_start[0] if load_start else 0.0, (load_end[0] - threads) if load_end else 0.0, 0.0)
+    if threads + others <= cores + 0.5:
+        return None
+    return (f"timings may not be trusted: {threads} torch thread(s) on {cores} core(s) while other processes kept "
+            f"about {others:.1f} core(s) busy (load average {load_start} -> {load_end}); speed-ups measured on a "
+            "busy machine can be far off either way, rerun on an idle machine"
+            + (" (or with --threads 1)" if threads > 1 else ""))

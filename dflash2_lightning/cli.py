@@ -53,16 +53,10 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from dflash2_lightning import tempfiles
 from dflash2_lightning.callbacks import AtomicCheckpointIO
-from dflash2_lightning.checkpoint import CheckpointError
 from dflash2_lightning.config import ConfigError
 from dflash2_lightning.data import DataError, DraftDataModule
-from dflash2_lightning.errors import print_error, run_command
+from dflash2_lightning.errors import run_command
 from dflash2_lightning.module import MISSING_TARGET, DFlash2Module
-from dflash2_lightning.objective import ObjectiveError
-from dflash2_lightning.target import TargetError
-
-#: Errors that mean "the config or the data is wrong": reported as one ``error:`` line, no traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, TargetError, DataError, ObjectiveError, CheckpointError)
 
 #: Subcommands handled outside LightningCLI: name -> ``"package.module:function"`` (imported lazily,
 #: called with the remaining arguments, its return value is the exit status).
@@ -115,7 +109,8 @@ def replace_target_overrides(args: Sequence[str]) -> list[str]:
                 parsed = None
             spec = {kind: parsed} if kind is not None else parsed
             if isinstance(spec, dict) and any(spec.get(k) is not None for k in TARGET_KINDS):
-                spec = {**{k: None for k in TARGET_KINDS}, **spec}
+                out += [f"--{TARGET_KEY}", json.dumps({**{k: None for k in TARGET_KINDS}, **spec})]
+            elif kind is not None:  # `--...target.tiny null`: one whole-spec value (a nested null fails to parse)
                 out += [f"--{TARGET_KEY}", json.dumps(spec)]
             else:
                 out += [key, value]
@@ -233,6 +228,7 @@ class DFlash2CLI(LightningCLI):
                           "--ckpt_path last starts a fresh run", file=sys.stderr, flush=True)
                 self.config[self.subcommand]["ckpt_path"] = None
                 self.config_init[self.subcommand]["ckpt_path"] = None
+                self._forget_rows_of_unsaved_runs()
             return
         if ckpt_path is not None:
             return
@@ -243,6 +239,14 @@ class DFlash2CLI(LightningCLI):
                     f"run directory {directory.parent} already holds checkpoints ({', '.join(found[:3])}"
                     f"{' ...' if len(found) > 3 else ''}): resume it with --ckpt_path last, or start a new run "
                     "under another logger `version` (or delete that directory)")
+        self._forget_rows_of_unsaved_runs()
+
+    def _forget_rows_of_unsaved_runs(self) -> None:
+        # A fresh run in a directory without checkpoints: rows there come from a run killed before its
+        # first checkpoint, and this run logs those steps again.
+        for logger in self.trainer.loggers:
+            if hasattr(logger, "drop_rows_from"):
+                logger.drop_rows_from(0)
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -275,18 +279,10 @@ def fit_summary(trainer: Trainer, model: Any) -> str:
 
 
 def user_error(error: BaseException) -> BaseException | None:
-    """The first configuration / data error (ours: ``ConfigError`` and friends) in ``error``'s chain."""
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [error]
-    while stack:
-        current = stack.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, USER_ERRORS):
-            return current
-        stack += [current.__cause__, current.__context__]
-    return None
+    """The first user error (``ConfigError`` and friends, a bad path) in ``error``'s chain."""
+    from dflash2_lightning.errors import find_user_error
+
+    return find_user_error(error)
 
 
 def checkpoint_dirs(trainer: Trainer) -> list[str]:

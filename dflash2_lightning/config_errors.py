@@ -123,6 +123,10 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
         return (f"{full}={value!r} is invalid ({_where(message, config_files)}): expected "
                 f"{_type_name(expected.group(1))}; {help_hint}")
 
+    # One of our own errors raised while jsonargparse built a value (a TargetSpec): its message alone.
+    own = re.match(r"(?:\w+\.)*(?:Config|Target|Data|Objective|Checkpoint)Error: (.*)", message.strip(), re.S)
+    if own:
+        return own.group(1).strip()
     # Anything else: the report without its bookkeeping lines, on one line.
     keep = [line.strip() for line in message.splitlines()
             if line.strip() and not re.match(r"(Given value|Subtypes|Errors:|- Expected a <class 'NoneType'>|"

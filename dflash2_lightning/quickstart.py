@@ -465,7 +465,9 @@ def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: P
             shutil.rmtree(run.hf_dir, ignore_errors=True)
         stamps.write("train", settings)
     with _bare_argv():
-        cli_main(argv)
+        status = cli_main(argv)
+    if status:  # the fit has printed its one-line error already: stop with its exit status
+        raise SystemExit(status)
     if not (run.hf_dir / "model.safetensors").is_file():
         raise QuickstartError(f"training finished without writing the draft checkpoint to {run.hf_dir}")
     step.done(f"draft checkpoint written to {run.hf_dir}")

@@ -113,7 +113,7 @@ def untouched(base):
     (["--data.init_args.seq_len", "60"], ["seq_len=60", "multiple of block_size=8"]),
     (["--model.init_args.target", "null"], ["model.init_args.target is missing"]),
     (["--model.init_args.target.path", "/nonexistent/model"], ["/nonexistent/model", "not a Hugging Face model"]),
-    (["--model.init_args.target.tiny", "null"], ["exactly one of path, gguf, tiny"]),
+    (["--model.init_args.target.tiny", "null"], ["model.init_args.target is missing"]),
     (["--data.init_args.train_files", "[missing.jsonl]"], ["train_files", "missing.jsonl", "does not exist"]),
 ])
 def test_fit_config_errors(tmp_path, base, untouched, override, needles):

@@ -284,5 +284,7 @@ def test_bad_arguments_name_the_field(tmp_path):
         export_drafter(draft, embed, head, tmp_path, graphs=("head",))
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["--draft", "d", "--target", "tiny", "--out", "o", "--verify-cases", "2x"])
-    with pytest.raises(SystemExit, match="--target 'nowhere'"):
+    from dflash2_lightning.target import TargetError
+
+    with pytest.raises(TargetError, match="path='nowhere' is not a Hugging Face model directory"):
         cli.resolve_target("nowhere", draft)

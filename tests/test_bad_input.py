@@ -278,7 +278,7 @@ def test_eval_and_regen_errors(tmp_path, base, untouched):
         (["eval", "--draft", hf, "--target", '{"tiny": {"hidden_size": 32, "head_dim": 8}}', "--out", out],
          ["hidden_size 64", "32"]),
         (["eval", "--draft", str(tmp_path / "none"), "--target", "tiny", "--out", out], ["none/config.json"]),
-        (["eval", "--draft", str(broken), "--target", "tiny", "--out", out], ["model.safetensors", "cannot be read"]),
+        (["eval", "--draft", str(broken), "--target", "tiny", "--out", out], ["model.safetensors", "truncated"]),
         (["eval", "--draft", hf, "--target", '{"tiny": {}', "--out", out], ["--target", "not valid JSON"]),
         (["eval", "--draft", hf, "--target", '{"tni": {}}', "--out", out], ["unknown field", "tni"]),
         (["eval", "--draft", hf, "--target", "tiny", "--out", out, "--prompts", "nope.jsonl"],

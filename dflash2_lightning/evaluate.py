@@ -357,6 +357,7 @@ def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]
                 [s.histogram for s in per_prompt], [s.tokens for s in per_prompt], [s.seconds for s in per_prompt],
                 [sum(len(r.tokens) for r in refs) for refs in references],
                 [sum(r.seconds for r in refs) for refs in references], resamples=resamples, seed=seed),
+            "per_prompt_accepted": [int(sum(sum(r.accepted) for r in rs)) for rs in run.by_prompt],
         }
     block["tau"] = {x: v["measured"]["tau"] for x, v in block["paths"].items()}
     return block
@@ -366,7 +367,8 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
              out_dir: str | os.PathLike, max_new_tokens: int = 128, paths: Sequence[DraftPath] = PATHS,
              max_prompts: int | None = None, estimate: bool = True, progress: bool = True,
              temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             samples: int = 1, resamples: int = RESAMPLES) -> dict[str, Any]:
+             samples: int = 1, resamples: int = RESAMPLES,
+             llama_cpp: dict[str, Any] | None = None) -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
     Args:
@@ -380,6 +382,9 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
         temperatures, top_p, top_k: the sampling settings measured (0 = greedy); seed: seeds every
             sampled generation and the bootstrap; samples: generations per prompt at temperature > 0;
             resamples: bootstrap draws for the intervals.
+        llama_cpp: also measure in llama.cpp (keyword arguments of
+            :func:`~dflash2_lightning.llamacpp_eval.evaluate_llama_cpp`, e.g. ``{"target_gguf": "f32"}``);
+            the report gains a ``"llama.cpp"`` section.
 
     Returns the report dict (also written to ``out_dir/eval.json``). Its ``machine`` entry records the
     torch threads, the cores and the load average before and after; when other processes' load and
@@ -409,6 +414,10 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     report = {"draft": str(draft_dir), "target": _describe(target), "prompts_file": str(prompts_file), **report}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if llama_cpp is not None:
+        from dflash2_lightning.llamacpp_eval import attach_llama_cpp
+
+        attach_llama_cpp(report, draft_dir, target, prompts, max_new_tokens, out / "llama.cpp", **llama_cpp)
     atomic_write_text(out / "eval.json", json.dumps(report, indent=2) + "\n")
     plot_eval(report, out / "acceptance.png")
     return report
@@ -473,6 +482,10 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
         total = max(sum(hist), 1)
         xs = [a + (j - (len(names) - 1) / 2) * width for a in range(len(hist))]
         right.bar(xs, [h / total for h in hist], width=width, color=colors.get(name), label=name)
+    if report.get("llama.cpp"):
+        spec = report["llama.cpp"]["speculative"]
+        left.plot(range(1, len(spec["accept"]) + 1), spec["accept"], "-s", ms=4, color="tab:green",
+                  label=f"llama.cpp measured (τ {spec['tau']:.2f})")
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     middle.set_xticks(range(len(blocks)), [f"T={b['temperature']:g}" for b in blocks])
     left.set(xlabel="block offset k", ylabel="P(offsets 1..k accepted)", ylim=(0, 1.02),
@@ -523,6 +536,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                     f"{a:.2f}{_iv(b)}" for a, b in zip(m["accept"], iv["accept"])))
     if any("interval" in r for blk in blocks.values() for r in blk["paths"].values()):
         lines.append("[lo, hi]: 95% bootstrap interval over prompts")
+    if report.get("llama.cpp"):
+        from dflash2_lightning.llamacpp_eval import summary_line
+
+        lines.append(summary_line(report["llama.cpp"]))
     return lines + list(report.get("notes", []))
 
 
@@ -562,6 +579,9 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                         help="torch CPU threads: a number, or 'auto' (default: the cores other processes leave free "
                              "by the 1-minute load average, as the quickstart chooses; the report records it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from dflash2_lightning.llamacpp_eval import add_engine_arguments, llama_cpp_options
+
+    add_engine_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
         parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
@@ -571,7 +591,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     report = run_eval(args.draft, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
                       args.paths, args.max_prompts, not args.no_estimate, not args.no_progress,
                       temperatures=args.temperature or [0.0], top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                      samples=args.samples, resamples=args.resamples)
+                      samples=args.samples, resamples=args.resamples, llama_cpp=llama_cpp_options(args))
     print("\n".join(summary_lines(report)))
     print(f"report: {Path(args.out) / 'eval.json'}  plot: {Path(args.out) / 'acceptance.png'}")
     lossy = [r for blk in report["temperatures"].values() for r in blk["paths"].values() if r["lossless"] is False]

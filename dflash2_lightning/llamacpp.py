@@ -52,6 +52,7 @@ TOOLS: tuple[str, ...] = ("llama-server", "llama-speculative-simple")
 CMAKE_OPTIONS: tuple[str, ...] = (
     "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
     "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # no web UI download at configure time (the server is used through its API)
 )
 
 
@@ -339,6 +340,31 @@ def convert_hf_to_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, out
         raise LlamaCppError(f"convert_hf_to_gguf.py failed (exit {done.returncode}): {' '.join(cmd)}\n"
                             f"{done.stderr[-3000:]}")
     os.replace(tmp, out)
+    return out
+
+
+def target_gguf(target_spec: Any, outtype: str = "f32", cache_dir: str | os.PathLike | None = None) -> Path:
+    """The target as a GGUF for llama.cpp: its HF weights converted once by llama.cpp's converter.
+
+    ``outtype="shipped"`` returns the target's own GGUF file (e.g. the quantised SmolLM2 GGUF) as it
+    is, for a GGUF target. Otherwise the target's HF directory (for a GGUF target: the cached
+    conversion the project trains against) goes through ``convert_hf_to_gguf.py --outtype`` into
+    ``<cache>/llama.cpp/<version>/targets/<dir name>-<outtype>.gguf``, reused afterwards.
+    """
+    from dflash2_lightning.target import TargetSpec, _hf_dir_of, resolve_gguf
+
+    spec = target_spec if isinstance(target_spec, TargetSpec) else TargetSpec(**target_spec)
+    if outtype == "shipped":
+        if spec.gguf is None:
+            raise LlamaCppError(f"target {spec.key()} is not a GGUF: there is no shipped GGUF, use outtype f32")
+        return resolve_gguf(spec.gguf)
+    if spec.tiny is not None:
+        raise LlamaCppError("the tiny random target has no llama.cpp vocabulary (its BPE pre-tokenizer is not one "
+                            "llama.cpp knows); use a real target such as smollm2")
+    hf_dir = _hf_dir_of(spec)
+    out = build_root(cache_dir) / "targets" / f"{hf_dir.name}-{outtype}.gguf"
+    if not out.is_file():
+        convert_hf_to_gguf(hf_dir, out, outtype, cache_dir=cache_dir)
     return out
 
 

@@ -275,6 +275,17 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
 
 
 # ----------------------------------------------------------------------------- command line
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--server`` and its sampling options (see :mod:`dflash2_lightning.server_regen`)."""
+    group = parser.add_argument_group("OpenAI-compatible server (vLLM, SGLang, llama-server)")
+    group.add_argument("--server", default=None, metavar="URL",
+                       help="generate through this server's completions endpoint, e.g. http://127.0.0.1:8080/v1 "
+                            "(prompts rendered with the target's chat template here, sent as token ids)")
+    group.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    group.add_argument("--server-temperature", type=float, default=0.0,
+                       help="0 = greedy (default); > 0 samples on the server with --top-p, prompt i with seed + i")
+
+
 def regen_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 regen``: generate the target's own responses for a prompts file (resumable)."""
     parser = argparse.ArgumentParser(
@@ -298,15 +309,26 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled responses (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_server_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.threads:
         torch.set_num_threads(args.threads)
     from dflash2_lightning.generate import Sampling
 
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    path = regen(target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens, args.batch_size,
-                 args.max_prompts, args.overwrite, not args.no_progress, sampled=args.sampled, sampling=sampling,
-                 seed=args.seed)
+    if args.server:
+        from dflash2_lightning.server_regen import regen_server
+
+        if args.sampled:
+            parser.error("--sampled is not supported with --server: give --server-temperature for sampled "
+                         "responses from the server (with --top-p and --seed)")
+        path = regen_server(args.server, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
+                            args.concurrency, args.server_temperature, args.top_p if args.server_temperature else 1.0,
+                            args.seed, args.max_prompts, args.overwrite, not args.no_progress)
+    else:
+        sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        path = regen(target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens, args.batch_size,
+                     args.max_prompts, args.overwrite, not args.no_progress, sampled=args.sampled, sampling=sampling,
+                     seed=args.seed)
     with open(path, encoding="utf-8") as f:
         count = sum(1 for line in f if line.strip())
     print(f"{count} responses in {path}")

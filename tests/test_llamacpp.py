@@ -84,6 +84,5 @@ def test_speculative_simple_loads_the_exported_draft_and_drafts(tmp_path):
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]
     assert "block_size=4, mask_token_id=4, n_extract=1" in log  # our metadata, as llama.cpp read it
-    assert "DFlash2 conv kernel = 2, group = 16, selector rank = 32, top-k = 8" in log
     drafted = int(re.search(r"n_drafted = (\d+)", log).group(1))
     assert drafted > 0

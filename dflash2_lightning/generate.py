@@ -4,8 +4,9 @@ One batch::
 
     prompts (token ids) -> left-padded [B, P] + attention mask, positions from the mask
       prefill   one forward over the prompts -> KV cache, last logits
-      decode    per step: logits [b, V] -> greedy argmax, or temperature / top-k / top-p then one
-                draw per row from that row's own generator -> next tokens [b]
+      decode    per step: logits [b, V] -> greedy argmax, or temperature / top-k / top-p
+                (:func:`~dflash2_lightning.sampling.probabilities`, the speculative loop's processing)
+                then one draw per row from that row's own generator -> next tokens [b]
                 rows that emitted an eos (or hit max_new_tokens) leave the batch, cache rows too
     -> responses (token ids, up to and including the first eos)
 
@@ -20,60 +21,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen: ``temperature == 0`` is greedy (the others are then ignored).
-
-    Args:
-        temperature: softmax temperature (> 0 samples, 0 is greedy).
-        top_k: keep the ``top_k`` most likely tokens (0 keeps all).
-        top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p`` (1 keeps all).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        from dflash2_lightning.config import ConfigError  # a ValueError: the user's setting, one-line error
-
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature={self.temperature} is invalid: must be >= 0 (0 is greedy)")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k={self.top_k} is invalid: must be >= 0 (0 keeps every token)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p} is invalid: must be in (0, 1]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def probabilities(self, logits: Tensor) -> Tensor:
-        """``[b, V]`` logits -> ``[b, V]`` float32 probabilities after temperature, top-k and top-p."""
-        logits = logits.float() / self.temperature
-        if self.top_k and self.top_k < logits.shape[-1]:
-            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if self.top_p < 1:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # Keep a token while the mass before it is below top_p: the most likely token always stays.
-            drop_sorted = sorted_p.cumsum(-1) - sorted_p >= self.top_p
-            probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
+from dflash2_lightning.sampling import Sampling, probabilities
 
 
 def _next_tokens(logits: Tensor, sampling: Sampling, generators: Sequence[torch.Generator | None]) -> Tensor:
     if sampling.greedy:
         return logits.float().argmax(-1)
-    probs = sampling.probabilities(logits)
+    probs = probabilities(logits, sampling)
     return torch.stack([torch.multinomial(probs[i], 1, generator=g).squeeze(0) for i, g in enumerate(generators)])
 
 

@@ -361,7 +361,7 @@ def step_responses(rep: Reporter, opts: QuickstartOptions, out: Path, target: An
     from dflash2_lightning.prompts import SEED_PROMPTS
     from dflash2_lightning.regen import regen
 
-    from dflash2_lightning.generate import Sampling
+    from dflash2_lightning.sampling import Sampling
     from dflash2_lightning.target import load_target
 
     path = out / "data" / "responses.jsonl"

@@ -102,7 +102,8 @@ def generate_batch(target: Any, prompts: list[list[int]], max_new_tokens: int, s
     Greedy unless ``sampling`` (a :class:`~dflash2_lightning.generate.Sampling`) samples; then ``seeds``
     gives each prompt its own generator. See :mod:`dflash2_lightning.generate`.
     """
-    from dflash2_lightning.generate import Sampling, generate
+    from dflash2_lightning.generate import generate
+    from dflash2_lightning.sampling import Sampling
 
     eos = list(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
@@ -192,7 +193,7 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     from tqdm.auto import tqdm
 
     from dflash2_lightning.checkpoint import atomic_write_text
-    from dflash2_lightning.generate import Sampling
+    from dflash2_lightning.sampling import Sampling
     from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target import load_target
 
@@ -313,7 +314,7 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dflash2_lightning.generate import Sampling
+    from dflash2_lightning.sampling import Sampling
 
     if args.server:
         from dflash2_lightning.server_regen import regen_server

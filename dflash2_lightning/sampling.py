@@ -66,13 +66,15 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self) -> None:
+        from dflash2_lightning.config import ConfigError  # a ValueError: the user's setting, a one-line error
+
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature!r} is invalid: must be a finite number >= 0")
+            raise ConfigError(f"temperature={self.temperature!r} is invalid: must be a finite number >= 0")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p={self.top_p!r} is invalid: must be in (0, 1]")
+            raise ConfigError(f"top_p={self.top_p!r} is invalid: must be in (0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} is invalid: must be an integer >= 0 (0 = no top-k)")
+            raise ConfigError(f"top_k={self.top_k!r} is invalid: must be an integer >= 0 (0 = no top-k)")
 
     @property
     def greedy(self) -> bool:

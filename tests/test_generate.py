@@ -10,7 +10,8 @@ import pytest
 import torch
 from speculative_helpers import tiny_target
 
-from dflash2_lightning.generate import Sampling, generate
+from dflash2_lightning.generate import generate
+from dflash2_lightning.sampling import Sampling, probabilities
 from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.regen import regen
 from dflash2_lightning.speculative import target_greedy
@@ -66,16 +67,16 @@ def test_eos_rows_leave_the_batch_without_changing_the_rest() -> None:
 
 def test_filters_keep_the_right_tokens() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-    assert torch.allclose(Sampling(temperature=1.0).probabilities(logits), logits.exp())
-    top2 = Sampling(temperature=1.0, top_k=2).probabilities(logits)
+    assert torch.allclose(probabilities(logits, Sampling(temperature=1.0)), logits.exp())
+    top2 = probabilities(logits, Sampling(temperature=1.0, top_k=2))
     assert torch.allclose(top2, torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
     # top-p 0.8: 0.5 + 0.2 = 0.7 < 0.8, so the third token (mass before it 0.7) stays; the fourth does not.
-    nucleus = Sampling(temperature=1.0, top_p=0.8).probabilities(logits)
+    nucleus = probabilities(logits, Sampling(temperature=1.0, top_p=0.8))
     assert torch.allclose(nucleus, torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
     # The most likely token always survives, however small top_p.
-    assert torch.equal(Sampling(temperature=1.0, top_p=0.01).probabilities(logits) > 0,
+    assert torch.equal(probabilities(logits, Sampling(temperature=1.0, top_p=0.01)) > 0,
                        torch.tensor([[True, False, False, False, False]]))
-    cold = Sampling(temperature=0.5).probabilities(logits)
+    cold = probabilities(logits, Sampling(temperature=0.5))
     assert torch.allclose(cold, torch.softmax(logits / 0.5, -1))
 
 

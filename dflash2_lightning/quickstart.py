@@ -94,8 +94,8 @@ class QuickstartOptions:
     sample_temperature: float = 0.8
     regen_dtype: str | None = None
     regen_batch_size: int = 64  # on 2 CPU cores: 84 tok/s vs 75 at 32 and 52 at 16
-    eval_prompts: int = 16
-    eval_max_new_tokens: int = 64
+    eval_prompts: int = 12
+    eval_max_new_tokens: int = 48
     eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     eval_top_p: float = 1.0
     eval_top_k: int = 0

@@ -25,7 +25,7 @@ import json
 import os
 import urllib.error
 import urllib.request
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,8 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
     try:
         pending: set[Future] = {pool.submit(one, i) for i in todo}
         while pending:
-            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            # As each response arrives (not when all have): every finished one is durable at once.
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             lines, error = [], None
             for f in finished:
                 if f.exception() is not None:

@@ -149,6 +149,29 @@ def _append(path: Path, lines: list[str]) -> None:
         os.fsync(f.fileno())
 
 
+def open_log(log: Path, settings: dict[str, Any], hashes: list[str], per_prompt: int = 1) -> dict[int, dict[str, Any]]:
+    """The finished records of ``log`` (job ``j`` answers prompt ``j // per_prompt``), or a new log with its header.
+
+    A log started with other ``settings``, or whose records answer prompts that changed or are no longer
+    among ``hashes``, is refused (:class:`RegenError`): two generations are never mixed in one file.
+    """
+    header, done = _read_log(log) if log.exists() else (None, {})
+    if header is None:  # a fresh run (or a kill before the header was complete)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
+        _append(log, [json.dumps({"regen": settings})])
+        return {}
+    if header != settings:
+        raise RegenError(f"{log} was started with other settings ({header}), not {settings}: finish it with "
+                         "the same settings, or pass --overwrite to start over")
+    for j, rec in done.items():
+        if j >= len(hashes) * per_prompt or rec["hash"] != hashes[j // per_prompt]:
+            raise RegenError(f"{log}: prompt {j // per_prompt} differs from the one already generated, or is not "
+                             f"among the {len(hashes)} prompts of this run (the prompts file or --max-prompts "
+                             "changed since the interrupted run); pass --overwrite to start over")
+    return done
+
+
 def _settings(target: Any, max_new_tokens: int, sampled: int, sampling: Any, seed: int) -> dict[str, Any]:
     spec = getattr(target, "spec", None)
     settings: dict[str, Any] = {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
@@ -223,23 +246,7 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     hashes = [prompt_hash(m) for m in chats]
     jobs = len(chats) * per_prompt  # job j: prompt j // per_prompt, response j % per_prompt (0 = greedy)
     settings = _settings(target, max_new_tokens, sampled, sampling, seed)
-    done: dict[int, dict[str, Any]] = {}
-    header = None
-    if log.exists():
-        header, done = _read_log(log)
-    if header is not None:
-        if header != settings:
-            raise RegenError(f"{log} was started with other settings ({header}), not {settings}: finish it with "
-                             "the same settings, or pass --overwrite to start over")
-        for j, rec in done.items():
-            if j >= jobs or rec["hash"] != hashes[j // per_prompt]:
-                raise RegenError(f"{log}: prompt {j // per_prompt} differs from the one already generated, or is not "
-                                 f"among the {len(chats)} prompts of this run (the prompts file or --max-prompts "
-                                 "changed since the interrupted run); pass --overwrite to start over")
-    else:  # a fresh run (or a kill before the header was complete)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        log.unlink(missing_ok=True)
-        _append(log, [json.dumps({"regen": settings})])
+    done = open_log(log, settings, hashes, per_prompt)
 
     tokenised = {i: encode_prompt(target.tokenizer, chats[i]) for i in range(len(chats))
                  if any(i * per_prompt + s not in done for s in range(per_prompt))}

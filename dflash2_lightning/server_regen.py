@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.regen import LOG_FORMAT, LOG_SUFFIX, RegenError, _append, _read_log, prompt_hash
+from dflash2_lightning.regen import LOG_FORMAT, LOG_SUFFIX, _append, open_log, prompt_hash
 
 
 class ServerError(RuntimeError):
@@ -136,22 +136,7 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
     settings = {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
                 "max_new_tokens": max_new_tokens, "engine": "openai-completions", "served_model": model,
                 "temperature": temperature, "top_p": top_p, "seed": seed}
-    done: dict[int, dict[str, Any]] = {}
-    header = None
-    if log.exists():
-        header, done = _read_log(log)
-    if header is not None:
-        if header != settings:
-            raise RegenError(f"{log} was started with other settings ({header}), not {settings}: finish it with "
-                             "the same settings and server model, or pass --overwrite to start over")
-        for i, rec in done.items():
-            if i >= len(chats) or rec["hash"] != hashes[i]:
-                raise RegenError(f"{log}: prompt {i} differs from the one already generated, or is not among the "
-                                 f"{len(chats)} prompts of this run; pass --overwrite to start over")
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        log.unlink(missing_ok=True)
-        _append(log, [json.dumps({"regen": settings})])
+    done = open_log(log, settings, hashes)
 
     todo = [i for i in range(len(chats)) if i not in done]
     bar = tqdm(total=len(chats), initial=len(done), desc="regen (server)", unit="prompt", disable=not progress)

@@ -33,8 +33,8 @@ from torch import nn
 from dflash2_lightning import tempfiles
 from dflash2_lightning.config import ConfigError, DraftConfig, default_target_layer_ids, rope_theta_of
 
-# Target.head's CPU fast path covers up to this many rows (a drafted block, a few sequences of one).
-SMALL_HEAD_ROWS = 64
+# The CPU rows-first matmul covers up to this many rows (a verified or drafted block, a few sequences).
+SMALL_ROWS = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 # Geometry of the tiny random target (Qwen3); ``TargetSpec.tiny`` entries override these.
@@ -100,6 +100,50 @@ class TargetSpec:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
 
 
+def rows_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, computed as ``(weight @ x.T).T`` for 2..:data:`SMALL_ROWS` rows on CPU.
+
+    With a few rows, CPU BLAS packs the whole weight for ``x @ W.T`` and barely uses a second thread,
+    while ``W @ x.T`` streams the weight once, split over the threads. Measured on SmolLM2-135M, 2 cores:
+    its 49152 x 576 head on 4 rows 18 -> 5 ms; a whole 4-token verify pass 86-93 -> 54-69 ms, about the
+    cost of a 1-token step, which is what makes speculative decoding pay off on a CPU (1 thread: no
+    change). ``W @ x.T`` with a row count that is not a multiple of 8 falls off BLAS's fast kernels above
+    8 rows (15 rows: 50 vs 28 ms on the head), so 9..64 rows are padded with zero rows to a multiple of 8.
+    One row (a GEMV either way) and training's hundreds take the stock path. Differentiable.
+    """
+    rows = x.numel() // max(x.shape[-1], 1)
+    if x.device.type != "cpu" or not 1 < rows <= SMALL_ROWS:
+        return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(rows, -1)
+    pad = -rows % 8 if rows > 8 else 0
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    out = (weight @ flat.T).T[:rows]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class RowsFirstLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward is :func:`rows_first_linear` (same parameters, same state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rows_first_linear(x, self.weight, self.bias)
+
+
+def use_rows_first_linears(model: nn.Module) -> nn.Module:
+    """Give every plain ``nn.Linear`` of ``model`` the :class:`RowsFirstLinear` forward, in place.
+
+    The target's verify pass (block_size tokens), its head on a drafted block and the last rows of a
+    batched regeneration are all few-row matmuls; subclasses of ``nn.Linear`` (quantised layers) are
+    left alone.
+    """
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = RowsFirstLinear
+    return model
+
+
 class TargetOutput(NamedTuple):
     """What the target computes for the draft: features ``[B,S,n_t*H]`` and logits ``[B,S,V]`` (or None)."""
 
@@ -120,6 +164,7 @@ class Target(nn.Module):
         self.tokenizer = tokenizer
         self.spec = spec
         self.hf.requires_grad_(False)
+        use_rows_first_linears(self.hf)
         super().train(False)
 
     def train(self, mode: bool = True) -> "Target":
@@ -196,24 +241,8 @@ class Target(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's frozen ``lm_head``: ``[..., H] -> [..., V]`` (no final norm: the draft has its own)."""
-        lm_head = self.hf.get_output_embeddings()
         # contiguous: a sliced view (e.g. a block's mask slots) sends the matmul down a slow batched path on CPU.
-        x = hidden.contiguous()
-        rows = x.numel() // max(x.shape[-1], 1)
-        if x.device.type == "cpu" and 1 < rows <= SMALL_HEAD_ROWS and isinstance(lm_head, nn.Linear) \
-                and lm_head.bias is None:
-            # A few rows (a drafted block) against a vocab-sized weight: CPU BLAS packs the whole weight
-            # for x @ W.T, while W @ x.T streams it once: 2-4x faster for 2-8 rows (SmolLM2's 49152 x 576
-            # head, 4 rows: 12 vs 45 ms on 2 cores). But W @ x.T with a row count that is not a multiple
-            # of 8 falls off BLAS's fast kernels (15 rows, a 16-token block's drafts: 50 ms vs 28 ms for
-            # x @ W.T on one core), so more than 8 rows are padded with zero rows to a multiple of 8
-            # (16 rows: 26-30 ms, as fast as or faster than x @ W.T). Training's hundreds gain nothing.
-            flat = x.reshape(rows, -1)
-            pad = -rows % 8 if rows > 8 else 0
-            if pad:
-                flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-            return (lm_head.weight @ flat.T).T[:rows].reshape(*x.shape[:-1], -1)
-        return lm_head(x)
+        return self.hf.get_output_embeddings()(hidden.contiguous())
 
     def check_layer_ids(self, layer_ids: list[int] | tuple[int, ...]) -> list[int]:
         """Validate feature layer ids against the target depth; return them as a list of ints."""

@@ -7,10 +7,12 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 from dflash2_lightning.config import ConfigError, DraftConfig
 from dflash2_lightning.target import (
-    Target, TargetError, TargetSpec, build_target, load_target, resolve_gguf, tiny_tokenizer, tokenizer_fingerprint,
+    RowsFirstLinear, Target, TargetError, TargetSpec, build_target, load_target, resolve_gguf, rows_first_linear,
+    tiny_tokenizer, tokenizer_fingerprint, use_rows_first_linears,
 )
 import dflash2_lightning.target as target_mod
 
@@ -122,6 +124,34 @@ def test_head_equals_the_lm_head_for_any_row_count(tiny, shape):
     torch.testing.assert_close(logits, hidden @ weight.T, rtol=1e-5, atol=1e-5)
     logits.sum().backward()  # the draft trains through the head
     torch.testing.assert_close(hidden.grad, weight.sum(0).expand_as(hidden), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 15, 64, 65, 300])  # stock, rows-first, padded, stock
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_first_linear_equals_linear(rows, bias):
+    torch.manual_seed(rows)
+    layer = nn.Linear(24, 40, bias=bias)
+    x = torch.randn(1, rows, 24, requires_grad=True)
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    got = rows_first_linear(x, layer.weight, layer.bias)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (grad,) = torch.autograd.grad(got.sum(), x)
+    torch.testing.assert_close(grad, layer.weight.sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
+
+
+def test_every_target_linear_takes_the_rows_first_path(tiny):
+    linears = [m for m in tiny.hf.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is RowsFirstLinear for m in linears)
+    # Same parameters, same outputs: a 4-token forward through the swapped model equals the stock one.
+    ids = torch.arange(4).view(1, 4)
+    got = tiny.hf(input_ids=ids).logits
+    for m in linears:
+        m.__class__ = nn.Linear
+    try:
+        torch.testing.assert_close(got, tiny.hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    finally:
+        use_rows_first_linears(tiny.hf)
 
 
 def test_draft_config_takes_the_target_geometry():

@@ -116,7 +116,7 @@ def run_variant(name: str, flags: list[str], common: list[str], out: Path, first
                             "interval": r.get("interval"), "speedup": r.get("speedup"),
                             "lossless": r.get("lossless")} for p, r in summary["eval"]["paths"].items()}
         row["draft"] = summary["draft"]
-    from dflash2_lightning.quickstart import last_validation
+    from dflash2_lightning.quickstart_report import last_validation
 
     row["validation"] = last_validation(target / "train" / "metrics.csv")  # incl. selector coverage/accuracy
     return row

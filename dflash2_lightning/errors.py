@@ -40,7 +40,7 @@ _USER_ERROR_NAMES = (
     "dflash2_lightning.checkpoint:CheckpointError",
     "dflash2_lightning.module:NonFiniteLossError",
     "dflash2_lightning.regen:RegenError",
-    "dflash2_lightning.quickstart:QuickstartError",
+    "dflash2_lightning.quickstart_config:QuickstartError",
 )
 
 

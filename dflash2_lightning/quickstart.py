@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import json
@@ -44,16 +43,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.threads import auto_threads, load_average
+from dflash2_lightning.quickstart_config import QuickstartError, find_config, fit_config, write_yaml
+from dflash2_lightning.quickstart_report import Reporter, last_validation, summary_text
+from dflash2_lightning.threads import load_average
 
 DEFAULT_OUT = "runs/quickstart"
-CONFIG_NAME = "quickstart.yaml"
-RUN_VERSION = "train"  # the training run directory is OUT/train
 STEPS = 5
-
-
-class QuickstartError(RuntimeError):
-    """The quickstart cannot proceed (the message says what to change)."""
 
 
 @dataclass
@@ -134,17 +129,6 @@ class QuickstartOptions:
 
 
 # ----------------------------------------------------------------------------- small helpers
-def find_config(path: str | None) -> Path:
-    """``path``, else ``configs/quickstart.yaml`` in the working directory, else the one in the repository."""
-    candidates = [Path(path)] if path else [Path("configs") / CONFIG_NAME,
-                                            Path(__file__).resolve().parents[1] / "configs" / CONFIG_NAME]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise QuickstartError(f"config not found: tried {', '.join(str(c) for c in candidates)}; "
-                          "pass --config path/to/quickstart.yaml")
-
-
 @contextlib.contextmanager
 def _bare_argv() -> Iterator[None]:
     """LightningCLI warns when given ``args`` while ``sys.argv`` has arguments (``quickstart ...``): hide them."""
@@ -189,156 +173,6 @@ class Stamps:
 
     def clear(self, step: str) -> None:
         self.path(step).unlink(missing_ok=True)
-
-
-def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
-    """``config[a][b][c] = value`` for ``key = "a.b.c"``; integer parts index lists; missing dicts are made."""
-    parts = key.split(".")
-    node: Any = config
-    for i, part in enumerate(parts[:-1]):
-        if isinstance(node, list):
-            node = node[int(part)]
-            continue
-        if part not in node or node[part] is None:
-            node[part] = {}
-        node = node[part]
-        if not isinstance(node, (dict, list)):
-            raise QuickstartError(f"--set {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
-    if isinstance(node, list):
-        node[int(parts[-1])] = value
-    else:
-        node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"trainer.max_steps=200"`` -> ``("trainer.max_steps", 200)`` (the value is parsed as YAML)."""
-    import yaml
-
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise QuickstartError(f"--set {text!r} is invalid: must be KEY=VALUE, e.g. trainer.max_steps=200")
-    return key.strip(), yaml.safe_load(value)
-
-
-# ----------------------------------------------------------------------------- the fit config
-def fit_config(base: dict[str, Any], out: Path, target: dict[str, Any] | None, max_steps: int | None,
-               overrides: Sequence[str]) -> dict[str, Any]:
-    """The LightningCLI config the quickstart trains with: ``base`` pointed at ``out``.
-
-    The target (when given) replaces ``model.init_args.target`` and drops the config's explicit
-    ``target_layer_ids`` (they number that target's layers); the training data is
-    ``out/data/responses.jsonl``; every logger writes to ``out/train`` (``save_dir = out.parent``,
-    ``name = out.name``, ``version = train``); ``max_steps`` also caps the validation interval so the
-    run validates (and plots) at least once. ``overrides`` come last and win.
-    """
-    cfg = copy.deepcopy(base)
-    model_args = cfg.setdefault("model", {}).setdefault("init_args", {})
-    data_args = cfg.setdefault("data", {}).setdefault("init_args", {})
-    trainer = cfg.setdefault("trainer", {})
-    if target is not None and target != model_args.get("target"):
-        model_args["target"] = target
-        # Layer ids count the config's own target's layers; another target gets the default rule.
-        model_args.pop("target_layer_ids", None)
-    data_args["train_files"] = [str(out / "data" / "responses.jsonl")]
-    loggers = trainer.get("logger")
-    for logger in loggers if isinstance(loggers, list) else [loggers] if isinstance(loggers, dict) else []:
-        args = logger.setdefault("init_args", {})
-        args.update(save_dir=str(out.parent), name=out.name, version=RUN_VERSION)
-    if max_steps is not None:
-        trainer["max_steps"] = max_steps
-        interval = trainer.get("val_check_interval")
-        if isinstance(interval, int) and interval > max_steps:
-            trainer["val_check_interval"] = max_steps
-        for callback in trainer.get("callbacks") or []:
-            args = callback.get("init_args") or {}
-            if isinstance(args.get("every_n_train_steps"), int) and args["every_n_train_steps"] > max_steps:
-                args["every_n_train_steps"] = max_steps
-    for text in overrides:
-        set_dotted(cfg, *parse_override(text))
-    return cfg
-
-
-def write_yaml(path: Path, config: dict[str, Any], header: str) -> None:
-    """Write ``config`` as YAML (atomically) with a comment header."""
-    import yaml
-
-    from dflash2_lightning.checkpoint import atomic_write_text
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, header + yaml.safe_dump(config, sort_keys=False, default_flow_style=None))
-
-
-# ----------------------------------------------------------------------------- reporting
-class Reporter:
-    """Numbered one-line status messages and the wall time of every step.
-
-    ``threads`` (a fixed count, or None for :func:`auto_threads`) is applied as each step starts, so an
-    automatic choice follows the machine's load through a long run.
-    """
-
-    def __init__(self, total: int, stream: Any = None, threads: int | None = None) -> None:
-        self.total, self.stream, self.threads = total, stream, threads
-        self.timings: dict[str, dict[str, Any]] = {}
-        self._n = 0
-        self._cores: int | None = None
-
-    def say(self, text: str) -> None:
-        print(text, file=self.stream or sys.stdout, flush=True)
-
-    def set_threads(self, running: bool) -> int:
-        """Apply the thread count for the next step; ``running``: this process has been busy until now."""
-        import torch
-
-        if self._cores is None:
-            self._cores = torch.get_num_threads()  # torch's own default: the physical cores
-        own = torch.get_num_threads() if running else 0
-        n = self.threads if self.threads is not None else auto_threads(self._cores, own)
-        torch.set_num_threads(n)
-        return n
-
-    def step(self, name: str, text: str) -> "_Step":
-        self._n += 1
-        threads = self.set_threads(running=self._n > 1)
-        self.say(f"[{self._n}/{self.total}] {name} ({threads} thread{'s' if threads > 1 else ''}): {text}")
-        return _Step(self, name, threads)
-
-
-class _Step:
-    def __init__(self, reporter: Reporter, name: str, threads: int) -> None:
-        self.reporter, self.name, self.threads = reporter, name, threads
-        self.start, self.cpu_start = time.perf_counter(), time.process_time()
-
-    def done(self, text: str, reused: bool = False) -> float:
-        seconds = time.perf_counter() - self.start
-        # CPU seconds of all this process's threads: on a shared machine, wall time alone overstates the cost.
-        cpu = time.process_time() - self.cpu_start
-        self.reporter.timings[self.name] = {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
-                                            "threads": self.threads, "reused": reused}
-        self.reporter.say(f"      {self.name}: {text} ({format_seconds(seconds)}{', reused' if reused else ''})")
-        return seconds
-
-
-def format_seconds(seconds: float) -> str:
-    """``73.2`` -> ``"1m13s"``; under a minute ``"12.3s"``."""
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, rest = divmod(int(round(seconds)), 60)
-    return f"{minutes}m{rest:02d}s"
-
-
-def last_validation(metrics_csv: Path) -> dict[str, float]:
-    """The last logged ``val/*`` values of a Lightning CSVLogger ``metrics.csv`` ({} if none)."""
-    import csv
-
-    if not metrics_csv.is_file():
-        return {}
-    values: dict[str, float] = {}
-    with open(metrics_csv, newline="") as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if key and key.startswith("val/") and value not in ("", None):
-                    values[key] = float(value)
-    return values
 
 
 # ----------------------------------------------------------------------------- the steps
@@ -514,49 +348,6 @@ def _llama_cpp_options(target: Any) -> dict[str, Any] | None:
     if spec is None or spec.gguf is None or find_llama_cpp() is None:
         return None
     return {"target_gguf": "shipped", "threads": 2}
-
-
-# ----------------------------------------------------------------------------- the summary
-def summary_text(s: dict[str, Any]) -> str:
-    """The human-readable summary of a finished quickstart (from the ``summary.json`` dict)."""
-    r, a = s["eval"], s["artifacts"]
-    lines = ["", f"DFlash2 quickstart: {s['draft']['architecture']} draft ({s['draft']['parameters'] / 1e6:.1f}M "
-                 f"parameters, block {s['draft']['block_size']}) for {s['target']}"]
-    for t, blk in (r.get("temperatures") or {"0": r}).items():
-        base = blk["target_only"]["tokens_per_second"]
-        for name, res in blk["paths"].items():
-            m, e = res["measured"], res.get("estimated") or {}
-            iv = (res.get("interval") or {}).get("tau") or [None, None]
-            ci = f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv[0] is not None else ""
-            est = f"trainer estimate {e['tau']:.2f}" if e.get("tau") is not None else "no estimate"
-            speed = (f"{m['tokens_per_second']:.1f} tok/s vs target alone {base:.1f} tok/s ({res['speedup']:.2f}x)"
-                     if m.get("tokens_per_second") and base else "")
-            lines.append(f"  T={t:<4} tau {name:<8} measured {m['tau']:.2f}{ci}   {est:<22} {speed}")
-    if r.get("temperatures"):
-        lines.append("  [lo, hi]: 95% bootstrap interval over the evaluation prompts")
-    val = s.get("validation_tau")
-    if val:
-        lines.append("  training validation tau: " + ", ".join(f"{k} {v:.2f}" for k, v in val.items()))
-    checked = [res["lossless"] for blk in (r.get("temperatures") or {"0": r}).values() for res in blk["paths"].values()
-               if res["lossless"] is not None]  # greedy runs only: sampled outputs are not compared token by token
-    verdict = ("NO" if not all(checked) else "yes, every greedy speculative output equals the target greedy output"
-               if checked else "not checked (no greedy run)")
-    lines.append(f"  lossless: {verdict} ({r['prompts']} prompts, {r['generated_tokens']} tokens)")
-    if r.get("llama.cpp"):
-        from dflash2_lightning.llamacpp_eval import summary_line
-
-        lines.append("  " + summary_line(r["llama.cpp"]))
-    timing = ", ".join(f"{k} {format_seconds(v['seconds'])}{'*' if v['reused'] else ''}"
-                       for k, v in s["timings"].items())
-    lines.append(f"  time: {timing}; total {format_seconds(s['total_seconds'])}"
-                 + ("  (* reused)" if any(v["reused"] for v in s["timings"].values()) else ""))
-    lines += ["", "Artifacts"]
-    width = max(len(k) for k in a)
-    lines += [f"  {k:<{width}}  {v}" for k, v in a.items()]
-    lines += ["", f"Train again: dflash2 fit --config {a['fit config']}",
-              f"Evaluate again: dflash2 eval --draft {a['draft checkpoint (HF)']} --target {s['target_arg']} "
-              f"--out {Path(a['eval report']).parent}"]
-    return "\n".join(lines)
 
 
 def _spec_fields(spec: Any) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from dflash2_lightning import cli as cli_module
 from dflash2_lightning import regen as regen_module
 from dflash2_lightning import threads
 from dflash2_lightning.checkpoint import load_draft
-from dflash2_lightning.quickstart import QuickstartError, fit_config, find_config, parse_override, quickstart_main
+from dflash2_lightning.quickstart import quickstart_main
+from dflash2_lightning.quickstart_config import QuickstartError, find_config, fit_config, parse_override
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,109 @@
+"""The LightningCLI config a quickstart trains with: ``configs/quickstart.yaml`` pointed at the run's directory.
+
+:func:`fit_config` takes the shipped config (a plain LightningCLI file), points its data, loggers and
+(optionally) target at ``OUT``, caps the validation and checkpoint intervals to ``--max-steps`` and
+applies ``--set KEY=VALUE`` overrides last; :func:`write_yaml` writes the result to ``OUT/fit.yaml``,
+which ``dflash2 fit --config`` then runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CONFIG_NAME = "quickstart.yaml"
+RUN_VERSION = "train"  # the training run directory is OUT/train
+
+
+class QuickstartError(RuntimeError):
+    """The quickstart cannot proceed (the message says what to change)."""
+
+
+def find_config(path: str | None) -> Path:
+    """``path``, else ``configs/quickstart.yaml`` in the working directory, else the one in the repository."""
+    candidates = [Path(path)] if path else [Path("configs") / CONFIG_NAME,
+                                            Path(__file__).resolve().parents[1] / "configs" / CONFIG_NAME]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise QuickstartError(f"config not found: tried {', '.join(str(c) for c in candidates)}; "
+                          "pass --config path/to/quickstart.yaml")
+
+
+def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
+    """``config[a][b][c] = value`` for ``key = "a.b.c"``; integer parts index lists; missing dicts are made."""
+    parts = key.split(".")
+    node: Any = config
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = node[int(part)]
+            continue
+        if part not in node or node[part] is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, (dict, list)):
+            raise QuickstartError(f"--set {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+    if isinstance(node, list):
+        node[int(parts[-1])] = value
+    else:
+        node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"trainer.max_steps=200"`` -> ``("trainer.max_steps", 200)`` (the value is parsed as YAML)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise QuickstartError(f"--set {text!r} is invalid: must be KEY=VALUE, e.g. trainer.max_steps=200")
+    return key.strip(), yaml.safe_load(value)
+
+
+# ----------------------------------------------------------------------------- the fit config
+def fit_config(base: dict[str, Any], out: Path, target: dict[str, Any] | None, max_steps: int | None,
+               overrides: Sequence[str]) -> dict[str, Any]:
+    """The LightningCLI config the quickstart trains with: ``base`` pointed at ``out``.
+
+    The target (when given) replaces ``model.init_args.target`` and drops the config's explicit
+    ``target_layer_ids`` (they number that target's layers); the training data is
+    ``out/data/responses.jsonl``; every logger writes to ``out/train`` (``save_dir = out.parent``,
+    ``name = out.name``, ``version = train``); ``max_steps`` also caps the validation interval so the
+    run validates (and plots) at least once. ``overrides`` come last and win.
+    """
+    cfg = copy.deepcopy(base)
+    model_args = cfg.setdefault("model", {}).setdefault("init_args", {})
+    data_args = cfg.setdefault("data", {}).setdefault("init_args", {})
+    trainer = cfg.setdefault("trainer", {})
+    if target is not None and target != model_args.get("target"):
+        model_args["target"] = target
+        # Layer ids count the config's own target's layers; another target gets the default rule.
+        model_args.pop("target_layer_ids", None)
+    data_args["train_files"] = [str(out / "data" / "responses.jsonl")]
+    loggers = trainer.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers] if isinstance(loggers, dict) else []:
+        args = logger.setdefault("init_args", {})
+        args.update(save_dir=str(out.parent), name=out.name, version=RUN_VERSION)
+    if max_steps is not None:
+        trainer["max_steps"] = max_steps
+        interval = trainer.get("val_check_interval")
+        if isinstance(interval, int) and interval > max_steps:
+            trainer["val_check_interval"] = max_steps
+        for callback in trainer.get("callbacks") or []:
+            args = callback.get("init_args") or {}
+            if isinstance(args.get("every_n_train_steps"), int) and args["every_n_train_steps"] > max_steps:
+                args["every_n_train_steps"] = max_steps
+    for text in overrides:
+        set_dotted(cfg, *parse_override(text))
+    return cfg
+
+
+def write_yaml(path: Path, config: dict[str, Any], header: str) -> None:
+    """Write ``config`` as YAML (atomically) with a comment header."""
+    import yaml
+
+    from dflash2_lightning.checkpoint import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, header + yaml.safe_dump(config, sort_keys=False, default_flow_style=None))

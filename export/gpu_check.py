@@ -31,9 +31,11 @@ from typing import Callable
 
 import torch
 
-from dflash2_lightning import ops
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # a checkout works without installing
 
-HERE = Path(__file__).resolve().parent  # run as a script, so plugins.py and to_trt.py import as top-level modules
+from dflash2_lightning import ops  # noqa: E402
+
 
 # SmolLM2-135M drafting geometry (hidden 576, vocab 49152) with the DFlash2 defaults.
 H, V, BS, TAPS, GROUPS, TOP_K, RANK = 576, 49152, 16, 2, 36, 16, 256
@@ -216,7 +218,7 @@ class _Driver:
 
 @guarded
 def check_ptx_launch() -> None:
-    import plugins
+    from dflash2_lightning.tensorrt import plugins
 
     from dflash2_lightning.kernels.aot import compile_block_conv, compile_lattice_walk
 
@@ -295,11 +297,12 @@ def check_tensorrt(out: Path, onnx_dir: Path | None, runs: int) -> dict:
     import importlib.util
 
     if importlib.util.find_spec("tensorrt") is None:
-        record("TensorRT", None, reason="tensorrt is not installed (see export/to_trt.py for how)")
+        record("TensorRT", None, reason="tensorrt is not installed (see dflash2_lightning/tensorrt/build.py for how)")
         return {}
-    import plugins
     import tensorrt as trt
-    import to_trt
+
+    from dflash2_lightning.tensorrt import build as to_trt
+    from dflash2_lightning.tensorrt import plugins
 
     plugins.register_plugins()
     registry = trt.get_plugin_registry()
@@ -339,13 +342,13 @@ def check_tensorrt(out: Path, onnx_dir: Path | None, runs: int) -> dict:
 
 
 def check_engine_without_python_plugins(engine_path: Path, feed: dict, want: torch.Tensor, name: str) -> None:
-    """Run the serialized engine in a new process that never imports plugins.py (AOT: no Python needed)."""
+    """Run the serialized engine in a new process that never imports the plugin module (AOT: no Python needed)."""
     feed_path = engine_path.with_suffix(".inputs.pt")
     torch.save(feed, feed_path)
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import to_trt; "
-            "out = to_trt.run_engine(open(sys.argv[2], 'rb').read(), torch.load(sys.argv[3])); "
-            "assert 'plugins' not in sys.modules; torch.save(out, sys.argv[3] + '.out')")
-    proc = subprocess.run([sys.executable, "-c", code, str(HERE), str(engine_path), str(feed_path)],
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from dflash2_lightning.tensorrt import build; "
+            "out = build.run_engine(open(sys.argv[2], 'rb').read(), torch.load(sys.argv[3])); "
+            "assert 'dflash2_lightning.tensorrt.plugins' not in sys.modules; torch.save(out, sys.argv[3] + '.out')")
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO), str(engine_path), str(feed_path)],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         record(f"engine {name} in a process without the plugin code", False, stderr=proc.stderr[-2000:])

@@ -8,7 +8,6 @@ in the parent process. Running ``TRITON_INTERPRET=1 pytest tests/test_kernels.py
 directly runs the interpreter tests in-process.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -194,18 +193,12 @@ def test_lattice_walk_tiles():
 
 
 # ----------------------------------------------------------------------------- TensorRT launch layout
-def _load_export_module(name):
-    spec = importlib.util.spec_from_file_location(f"dflash2_export_{name}", REPO / "export" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @interp
 def test_plugin_launch_arguments_drive_the_kernels():
     # Launch both kernels the way TensorRT's AOT plugin does: inputs, the plugin's scalar arguments,
-    # output, on the plugin's grid (export/plugins.py computes both from the input shapes).
-    plugins = _load_export_module("plugins")
+    # output, on the plugin's grid (dflash2_lightning/tensorrt/plugins.py computes both from the input shapes).
+    from dflash2_lightning.tensorrt import plugins
+
     x, base, both = _conv_inputs(2, 8, 20, 2, 4, seed=7)
     delta = both[:, :, 0].contiguous()  # TensorRT tensors are dense
     y = torch.empty_like(x)

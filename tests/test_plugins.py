@@ -1,21 +1,10 @@
 """TensorRT plugin logic that runs without TensorRT: ids, shapes, attributes, type combinations, launch args."""
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"dflash2_export_{name}", REPO / "export" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-plugins = _load("plugins")
+from dflash2_lightning.tensorrt import plugins
 
 
 def _has_tensorrt_and_gpu() -> bool:

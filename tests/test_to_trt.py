@@ -1,4 +1,4 @@
-"""``export/to_trt.py``: refuses cleanly without TensorRT/GPU; graph discovery and profiles; engine on a GPU."""
+"""``export/to_trt.py`` (``dflash2_lightning.tensorrt.build``): refuses cleanly without TensorRT/GPU; graph discovery and profiles; engine on a GPU."""
 
 import importlib.util
 import subprocess
@@ -19,7 +19,7 @@ def _load(name: str):
     return module
 
 
-to_trt = _load("to_trt")
+from dflash2_lightning.tensorrt import build as to_trt  # noqa: E402
 HAS_TRT_AND_GPU = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
 
 
@@ -123,7 +123,8 @@ def test_compare_outputs():
 def test_engine_from_single_op_graphs_matches_reference(tmp_path):
     from dflash2_lightning import ops
 
-    plugins = _load("plugins")
+    from dflash2_lightning.tensorrt import plugins
+
     plugins.register_plugins()
     gpu_check = _load("gpu_check")
     for name, path in gpu_check.single_op_graphs(tmp_path, "float32").items():

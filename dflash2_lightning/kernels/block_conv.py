@@ -11,7 +11,7 @@ Because ``S`` is a multiple of ``block_size``, the flattened row index ``b * S +
 position inside its block as ``i``, and a tap never reaches into the previous batch row.
 
 Argument order is inputs, integer scalars, output: the order TensorRT's ahead-of-time plugin launcher
-uses (``export/plugins.py`` launches this same kernel from PTX).
+uses (``dflash2_lightning/tensorrt/plugins.py`` launches this same kernel from PTX).
 """
 
 from __future__ import annotations

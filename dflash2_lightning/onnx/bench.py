@@ -190,17 +190,10 @@ def ctx_config(engines: Path) -> DraftConfig:
 
 
 def _register_trt_plugins() -> None:
-    """Register the repository's TensorRT plugins (``export/plugins.py``) when it is there."""
-    import importlib.util
+    """Register the ``dflash::`` TensorRT plugins (:mod:`dflash2_lightning.tensorrt.plugins`) before deserializing."""
+    from dflash2_lightning.tensorrt import plugins
 
-    path = Path(__file__).resolve().parents[2] / "export" / "plugins.py"
-    spec = importlib.util.spec_from_file_location("dflash2_trt_plugins", path) if path.is_file() else None
-    if spec is None or spec.loader is None:
-        return
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if hasattr(module, "register_plugins"):
-        module.register_plugins()
+    plugins.register_plugins()
 
 
 class TrtGraph:

@@ -1,0 +1,138 @@
+"""DFlash vs DFlash2 at the same budget: train both with the shipped recipe, measure both by real decoding.
+
+    python benchmarks/bench_dflash_vs_dflash2.py --out runs/recipe [--eval-prompts 32] [--eval-tokens 96]
+    python benchmarks/bench_dflash_vs_dflash2.py --out runs/recipe --skip-train --skip-eval   # re-summarise
+
+1. trains the ``shipped`` (DFlash2) and ``shipped_dflash`` (DFlash: no convolution, no selector) variants of
+   ``benchmarks/bench_recipe.py``: the same regenerated responses, steps, seed and recipe;
+2. measures both with ``dflash2 eval`` at T=0 on the same held-out prompts (DFlash2 with the selector
+   walk and the backbone argmax), every output checked against the target's greedy decoding;
+3. writes ``benchmarks/results/dflash_vs_dflash2.json``: τ with its 95% interval, per-position acceptance,
+   tokens/s, and a *paired* bootstrap over prompts of DFlash2's accepted drafted tokens over DFlash's
+   (the same prompts and the same target outputs on both sides, so the pairing removes prompt
+   difficulty), plus the plot ``dflash_vs_dflash2.png`` (τ with intervals, acceptance per offset).
+
+Not a test: training and evaluating both takes ~30 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = {"shipped": "DFlash2", "shipped_dflash": "DFlash"}
+
+
+def paired_ratio(ours: list[int], base: list[int], resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """``sum(ours) / sum(base)`` over prompts and its 95% paired bootstrap interval (prompts resampled together)."""
+    if len(ours) != len(base) or not ours:
+        raise ValueError(f"paired_ratio needs two equal, non-empty per-prompt lists (got {len(ours)} and {len(base)})")
+    rng, n, ratios = random.Random(seed), len(ours), []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(ours[i] for i in idx) / max(sum(base[i] for i in idx), 1))
+    ratios.sort()
+    lo, hi = ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+    return {"ratio": round(sum(ours) / max(sum(base), 1), 3), "interval": [round(lo, 3), round(hi, 3)],
+            "prompts_better": sum(o > b for o, b in zip(ours, base)),
+            "prompts_worse": sum(o < b for o, b in zip(ours, base))}
+
+
+def summarise(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Rows per (draft, path) and DFlash2's paired ratios over the DFlash baseline."""
+    rows = []
+    for variant, report in reports.items():
+        for path, res in report["paths"].items():
+            m = res["measured"]
+            rows.append(dict(draft=VARIANTS[variant], variant=variant, path=path, tau=round(m["tau"], 4),
+                             tau_interval=[round(x, 4) for x in res["interval"]["tau"]],
+                             accept=[round(x, 4) for x in m["accept"]],
+                             accept_interval=[[round(x, 4) for x in iv] for iv in res["interval"]["accept"]],
+                             cycles=m["cycles"], tokens=m["tokens"], accepted_drafts=sum(res["per_prompt_accepted"]),
+                             per_prompt_accepted=res["per_prompt_accepted"],
+                             tokens_per_second=round(m["tokens_per_second"], 2), speedup=round(res["speedup"], 3),
+                             lossless=res["lossless"], torch_threads=report["machine"]["torch_threads"],
+                             load_average_start=report["machine"]["load_average_start"]))
+    base = next(r for r in rows if r["draft"] == "DFlash")
+    paired = {}
+    for r in rows:
+        if r["draft"] == "DFlash2":
+            paired[r["path"]] = {"tau_ratio": round(r["tau"] / base["tau"], 3),
+                                 "accepted_drafts": paired_ratio(r["per_prompt_accepted"], base["per_prompt_accepted"])}
+    return {"rows": rows, "dflash2_over_dflash": paired}
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    labels = [f"{r['draft']}\n{r['path']}" for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    taus = [r["tau"] for r in rows]
+    errs = [[r["tau"] - r["tau_interval"][0] for r in rows], [r["tau_interval"][1] - r["tau"] for r in rows]]
+    left.bar(labels, taus, yerr=errs, capsize=4, color=["C1" if r["draft"] == "DFlash" else "C0" for r in rows])
+    left.set_ylim(1.0, max(r["tau_interval"][1] for r in rows) + 0.05)
+    left.set_ylabel("measured τ (95% interval over prompts)")
+    for r in rows:
+        offsets = range(1, len(r["accept"]) + 1)
+        right.plot(offsets, r["accept"], marker="o", label=f"{r['draft']} {r['path']}")
+    right.set_xticks(list(range(1, len(rows[0]["accept"]) + 1)))
+    right.set_xlabel("draft offset k")
+    right.set_ylabel("P(offsets 1..k accepted)")
+    right.legend()
+    fig.suptitle("DFlash vs DFlash2, same data / steps / seed (T=0, real speculative decoding)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/recipe", help="bench_recipe output directory (default runs/recipe)")
+    p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--eval-tokens", type=int, default=96)
+    p.add_argument("--threads", default="auto", help="torch threads of the evaluation (default auto)")
+    p.add_argument("--skip-train", action="store_true", help="reuse the trained variants under --out")
+    p.add_argument("--skip-eval", action="store_true", help="reuse OUT/<variant>/cmp_eval/eval.json")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    here = Path(__file__).resolve().parent
+    if not args.skip_train:
+        subprocess.run([sys.executable, str(here / "bench_recipe.py"), "--out", str(out), "--variants",
+                        ",".join(VARIANTS)], check=True)
+    reports, commands = {}, []
+    for variant in VARIANTS:
+        eval_dir = out / variant / "cmp_eval"
+        cmd = ["dflash2", "eval", "--draft", str(out / variant / "train" / "hf"), "--target", "smollm2",
+               "--out", str(eval_dir), "--max-prompts", str(args.eval_prompts), "--max-new-tokens",
+               str(args.eval_tokens), "--temperature", "0", "--threads", args.threads, "--no-progress"]
+        commands.append(" ".join(cmd))
+        if not args.skip_eval:
+            subprocess.run(cmd, check=True)
+        reports[variant] = json.loads((eval_dir / "eval.json").read_text())
+    summary = summarise(reports)
+    summary.update(eval_commands=commands, prompts=args.eval_prompts, max_new_tokens=args.eval_tokens)
+    (RESULTS / "dflash_vs_dflash2.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(summary, RESULTS / "dflash_vs_dflash2.png")
+    for r in summary["rows"]:
+        lo, hi = r["tau_interval"]
+        print(f"{r['draft']:8} {r['path']:9} tau {r['tau']:.3f} [{lo:.3f}, {hi:.3f}]  accept "
+              + " / ".join(f"{a:.3f}" for a in r["accept"]) + f"  {r['tokens_per_second']:.1f} tok/s")
+    for path, v in summary["dflash2_over_dflash"].items():
+        a = v["accepted_drafts"]
+        print(f"DFlash2 {path} / DFlash: tau {v['tau_ratio']:.3f}x, accepted drafts {a['ratio']:.3f}x "
+              f"[{a['interval'][0]:.3f}, {a['interval'][1]:.3f}] (paired; better on {a['prompts_better']} prompts, "
+              f"worse on {a['prompts_worse']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

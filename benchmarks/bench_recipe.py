@@ -33,6 +33,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "bench_recipe.json"
 # all seed prompts x 160 tokens, 16-position context window, lr 1e-3, 540 steps, bf16 autocast).
 PREVIOUS = ["--max-steps", "360", "--set", "trainer.precision=32", "--set", "model.init_args.sliding_window=null",
             "--set", "model.init_args.lr=3.0e-3", "--eval-prompts", "8", "--eval-temperature", "0"]
+BUDGET_EVAL = ["--eval-prompts", "32", "--eval-max-new-tokens", "96", "--eval-temperature", "0"]
 VARIANTS: dict[str, tuple[list[str], str]] = {
     "shipped": (["--eval-temperature", "0"], "configs/quickstart.yaml as shipped"),
     "shipped_dflash": (["--set", "model.init_args.projector_type=dflash", "--eval-temperature", "0"],
@@ -53,6 +54,13 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "dpace": (["--set", "model.init_args.position_weighting=dpace"], "D-PACE position weights (alpha 0.5)"),
     "two_layers": (["--set", "model.init_args.num_hidden_layers=2", "--set", "model.init_args.target_layer_ids=[15]"],
                    "two draft layers (same feature layer)"),
+    # The ceiling (tau against budget): the shipped recipe with N x the data (N-1 sampled responses per prompt
+    # beside the greedy one, T=0.8, hard CE on the target's own greedy token) and N x the steps, measured on
+    # 32 x 96 tokens at T=0 like the DFlash/DFlash2 comparison. They regenerate their own responses.
+    **{f"budget_{n}x": ([*BUDGET_EVAL, "--sampled", str(n - 1), "--max-steps", str(540 * n),
+                         "--set", "model.init_args.labels=target"],
+                        f"{n}x the data ({n - 1} sampled responses per prompt beside the greedy one) and {n}x the steps")
+       for n in (2, 4, 16)},
 }
 
 

@@ -19,29 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from dflash2_lightning.intervals import paired_ratio_interval
+
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {"shipped": "DFlash2", "shipped_dflash": "DFlash"}
-
-
-def paired_ratio(ours: list[int], base: list[int], resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """``sum(ours) / sum(base)`` over prompts and its 95% paired bootstrap interval (prompts resampled together)."""
-    if len(ours) != len(base) or not ours:
-        raise ValueError(f"paired_ratio needs two equal, non-empty per-prompt lists (got {len(ours)} and {len(base)})")
-    rng, n, ratios = random.Random(seed), len(ours), []
-    for _ in range(resamples):
-        idx = [rng.randrange(n) for _ in range(n)]
-        ratios.append(sum(ours[i] for i in idx) / max(sum(base[i] for i in idx), 1))
-    ratios.sort()
-    lo, hi = ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
-    return {"ratio": round(sum(ours) / max(sum(base), 1), 3), "interval": [round(lo, 3), round(hi, 3)],
-            "prompts_better": sum(o > b for o, b in zip(ours, base)),
-            "prompts_worse": sum(o < b for o, b in zip(ours, base))}
 
 
 def summarise(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -64,7 +50,8 @@ def summarise(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         if r["draft"] == "DFlash2":
             paired[r["path"]] = {"tau_ratio": round(r["tau"] / base["tau"], 3),
-                                 "accepted_drafts": paired_ratio(r["per_prompt_accepted"], base["per_prompt_accepted"])}
+                                 "accepted_drafts": paired_ratio_interval(r["per_prompt_accepted"],
+                                                                        base["per_prompt_accepted"])}
     return {"rows": rows, "dflash2_over_dflash": paired}
 
 

@@ -21,6 +21,21 @@ RESAMPLES = 2000
 LEVEL = 0.95
 
 
+def resample_weights(n: int, resamples: int, seed: int) -> np.ndarray:
+    """``[resamples, n]``: how often each of ``n`` prompts is drawn in each resample (with replacement)."""
+    picks = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    weights = np.zeros((resamples, n))
+    np.add.at(weights, (np.arange(resamples)[:, None], picks), 1.0)
+    return weights
+
+
+def percentile_bounds(x: np.ndarray, level: float = LEVEL) -> list[float | None]:
+    """The central ``level`` percentile interval of the finite values of ``x`` (``[None, None]`` if none)."""
+    x = x[np.isfinite(x)]
+    lo, hi = 100 * (1 - level) / 2, 100 * (1 + level) / 2
+    return [float(np.percentile(x, lo)), float(np.percentile(x, hi))] if x.size else [None, None]
+
+
 def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[float], seconds: Sequence[float],
                         base_tokens: Sequence[float] | None = None, base_seconds: Sequence[float] | None = None,
                         resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> dict[str, Any]:
@@ -44,10 +59,7 @@ def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[fl
     n = hist.shape[0]
     if n == 0:
         raise ValueError("histograms is empty: need at least one prompt")
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, n, size=(resamples, n))
-    weights = np.zeros((resamples, n))
-    np.add.at(weights, (np.arange(resamples)[:, None], picks), 1.0)
+    weights = resample_weights(n, resamples, seed)
 
     pooled = weights @ hist                                   # [R, bs]
     full = pooled.sum(1, keepdims=True)
@@ -61,12 +73,29 @@ def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[fl
             base = (weights @ np.asarray(base_tokens, dtype=np.float64)) / \
                 (weights @ np.asarray(base_seconds, dtype=np.float64))
             speedup = tps / base
-    lo, hi = 100 * (1 - level) / 2, 100 * (1 + level) / 2
-
     def bounds(x: np.ndarray) -> list[float | None]:
-        x = x[np.isfinite(x)]
-        return [float(np.percentile(x, lo)), float(np.percentile(x, hi))] if x.size else [None, None]
+        return percentile_bounds(x, level)
 
     return {"tau": bounds(tau), "accept": [bounds(accept[:, k]) for k in range(accept.shape[1])],
             "tokens_per_second": bounds(tps), "speedup": bounds(speedup) if speedup is not None else None,
+            "level": level, "resamples": resamples, "seed": seed, "unit": "prompt"}
+
+
+def paired_ratio_interval(ours: Sequence[float], base: Sequence[float], resamples: int = RESAMPLES,
+                          level: float = LEVEL, seed: int = 0) -> dict[str, Any]:
+    """``sum(ours) / sum(base)`` over prompts with its percentile interval, prompts resampled *together*.
+
+    For two drafts measured on the same prompts (e.g. accepted drafted tokens per prompt): pairing
+    removes the prompts' own difficulty from the interval. Returns ``{"ratio", "interval": [lo, hi],
+    "prompts_better", "prompts_worse", "level", "resamples", "seed", "unit": "prompt"}``.
+    """
+    a, b = np.asarray(ours, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"paired_ratio_interval needs two equal, non-empty per-prompt lists "
+                         f"(got {a.size} and {b.size})")
+    weights = resample_weights(a.size, resamples, seed)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = (weights @ a) / (weights @ b)
+    return {"ratio": float(a.sum() / b.sum()) if b.sum() else None, "interval": percentile_bounds(ratios, level),
+            "prompts_better": int((a > b).sum()), "prompts_worse": int((a < b).sum()),
             "level": level, "resamples": resamples, "seed": seed, "unit": "prompt"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash2_lightning.intervals import bootstrap_intervals
+from dflash2_lightning.intervals import bootstrap_intervals, paired_ratio_interval
 
 
 def _prompts(n: int, seed: int) -> tuple[list[list[int]], list[float], list[float]]:
@@ -54,3 +54,17 @@ def test_interval_arguments_are_checked() -> None:
         bootstrap_intervals([[1, 0]], [1.0], [1.0], level=1)
     with pytest.raises(ValueError, match="histograms is empty"):
         bootstrap_intervals([], [], [])
+
+
+def test_paired_ratio_interval():
+    base = [3, 10, 1, 7, 5, 2]
+    same = paired_ratio_interval(base, base)
+    assert same["ratio"] == 1.0 and same["interval"] == [1.0, 1.0]  # pairing: every resample gives exactly 1
+    assert same["prompts_better"] == same["prompts_worse"] == 0
+    doubled = paired_ratio_interval([2 * x for x in base], base)
+    assert doubled["ratio"] == 2.0 and doubled["interval"] == [2.0, 2.0] and doubled["prompts_better"] == 6
+    mixed = paired_ratio_interval([4, 9, 3, 7, 8, 2], base)
+    lo, hi = mixed["interval"]
+    assert lo < mixed["ratio"] < hi and mixed["prompts_better"] == 3 and mixed["prompts_worse"] == 1
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_ratio_interval([1, 2], [1])

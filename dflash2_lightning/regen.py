@@ -149,6 +149,23 @@ def _append(path: Path, lines: list[str]) -> None:
         os.fsync(f.fileno())
 
 
+def output_paths(out_file: str | Path, overwrite: bool) -> tuple[Path, Path, bool]:
+    """``(out, its resumable log, finished)``: ``overwrite`` removes both; a finished output drops a stale log.
+
+    Only a finished run leaves both files (the output is renamed into place before the log is removed),
+    so an existing output means there is nothing left to generate.
+    """
+    out = Path(out_file)
+    log = out.with_name(out.name + LOG_SUFFIX)
+    if overwrite:
+        out.unlink(missing_ok=True)
+        log.unlink(missing_ok=True)
+    if out.exists():
+        log.unlink(missing_ok=True)
+        return out, log, True
+    return out, log, False
+
+
 def open_log(log: Path, settings: dict[str, Any], hashes: list[str], per_prompt: int = 1) -> dict[int, dict[str, Any]]:
     """The finished records of ``log`` (job ``j`` answers prompt ``j // per_prompt``), or a new log with its header.
 
@@ -232,13 +249,8 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     if sampled and sampling.greedy:
         raise ConfigError("sampled responses need a temperature > 0 (temperature=0 would repeat the greedy one)")
     per_prompt = 1 + sampled
-    out = Path(out_file)
-    log = out.with_name(out.name + LOG_SUFFIX)
-    if overwrite:
-        out.unlink(missing_ok=True)
-        log.unlink(missing_ok=True)
-    if out.exists():
-        log.unlink(missing_ok=True)  # only a finished run leaves both: the output was renamed into place first
+    out, log, finished = output_paths(out_file, overwrite)
+    if finished:
         return out
 
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)

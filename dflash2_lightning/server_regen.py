@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.regen import LOG_FORMAT, LOG_SUFFIX, _append, open_log, prompt_hash
+from dflash2_lightning.regen import LOG_FORMAT, _append, open_log, output_paths, prompt_hash
 
 
 class ServerError(RuntimeError):
@@ -120,13 +120,8 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
             raise ValueError(f"{name}={value} is invalid: must be >= {low}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature={temperature}, top_p={top_p} are invalid: need temperature >= 0, 0 < top_p <= 1")
-    out = Path(out_file)
-    log = out.with_name(out.name + LOG_SUFFIX)
-    if overwrite:
-        out.unlink(missing_ok=True)
-        log.unlink(missing_ok=True)
-    if out.exists():
-        log.unlink(missing_ok=True)
+    out, log, finished = output_paths(out_file, overwrite)
+    if finished:
         return out
 
     tokenizer, spec = _tokenizer(target_spec)

@@ -49,6 +49,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "previous_init29": (PREVIOUS + ["--set", "model.init_args.init_from_target=true",
                                     "--set", "model.init_args.target_layer_ids=[28]", "--set", "model.init_args.lr=1.0e-3"],
                         "previous recipe + draft layer starting as target layer 29 (features of layer 28), lr 1e-3"),
+    "selector_drop": (["--set", "model.init_args.gold_outside_topk=drop", *BUDGET_EVAL],
+                      "selector loss only where the target's token is in the top-k (no inserted gold)"),
     "kd32": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32"],
              "soft distillation from the target's cached top-32 logits"),
     "dpace": (["--set", "model.init_args.position_weighting=dpace"], "D-PACE position weights (alpha 0.5)"),
@@ -66,6 +68,21 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
 
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def save_row(path: Path, name: str, row: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``row`` into the results file under ``name`` (atomically) and return the file's rows.
+
+    The file is re-read just before the write, so two benchmark runs going at once keep each other's rows.
+    """
+    results = _load(path)
+    results[name] = {**results.get(name, {}), **row}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return results
 
 
 def share_responses(source: Path, dest: Path) -> None:
@@ -193,17 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
     results_path = Path(args.results)
-    results = _load(results_path)
+    results: dict[str, Any] = {}
     first: Path | None = Path(args.responses_from) if args.responses_from else None
     for name in names:
         flags, what = VARIANTS[name]
         print(f"== {name}: {what}", flush=True)
         row = run_variant(name, flags, common, out, first, args.collect)
         row["what"] = what
-        results[name] = {**results.get(name, {}), **row}
         first = first or out / name
-        results_path.parent.mkdir(parents=True, exist_ok=True)
-        results_path.write_text(json.dumps(results, indent=2) + "\n")
+        results = save_row(results_path, name, row)
         print(f"   tau {row.get('tau')} val {row.get('validation_tau')} ({row.get('wall_seconds')} s, "
               f"rc {row.get('returncode')})", flush=True)
     print(table({n: results[n] for n in names}))

@@ -14,8 +14,6 @@ writes ``benchmarks/results/bench_cache_verify.json`` with the load average besi
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -25,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash2_lightning import data
+from record import load_average, loaded_label, machine, write_json
 
 
 def build(root: Path, megabytes: int, seq_len: int = 512, width: int = 1024) -> dict:
@@ -54,6 +53,7 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    load_before = load_average()
     root = Path(tempfile.mkdtemp(prefix="cache-verify-"))
     try:
         manifest = build(root, args.megabytes)
@@ -71,15 +71,16 @@ def main() -> None:
 
         results = {"bytes": size, "read_s": timed(read, args.repeats), "full_sha256_s": timed(full, args.repeats),
                    "sampled_s": timed(lambda: data.verify_cache(root, manifest, "sampled"), args.repeats),
-                   "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
+                   "machine": machine(None, load_before)}
     finally:
         shutil.rmtree(root)
     gb = size / 1e9
     print(f"cache of {gb:.2f} GB: read {results['read_s']:.3f} s, full sha256 {results['full_sha256_s']:.3f} s "
           f"({gb / results['full_sha256_s']:.2f} GB/s), sampled blocks {results['sampled_s'] * 1e3:.1f} ms "
-          f"(load average {results['load_average']})")
+          f"(load average {load_before[0]:.2f} -> "
+          f"{results['machine']['load_average_after'][0]:.2f}{loaded_label(results['machine'])})")
     out = Path(__file__).resolve().parent / "results" / "bench_cache_verify.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results)
 
 
 if __name__ == "__main__":

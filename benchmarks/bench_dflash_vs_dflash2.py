@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_lightning.intervals import paired_ratio_interval
+from record import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {"shipped": "DFlash2", "shipped_dflash": "DFlash"}
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         reports[variant] = json.loads((eval_dir / "eval.json").read_text())
     summary = summarise(reports)
     summary.update(eval_commands=commands, prompts=args.eval_prompts, max_new_tokens=args.eval_tokens)
-    (RESULTS / "dflash_vs_dflash2.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_json(RESULTS / "dflash_vs_dflash2.json", summary)
     plot(summary, RESULTS / "dflash_vs_dflash2.png")
     for r in summary["rows"]:
         lo, hi = r["tau_interval"]

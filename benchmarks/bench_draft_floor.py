@@ -23,9 +23,6 @@ Writes ``benchmarks/results/bench_draft_floor.json`` with the load average. Not 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,6 +39,7 @@ from dflash2_lightning.model import DraftCache
 from dflash2_lightning.speculative import low_precision_head
 from dflash2_lightning.onnx.bench import bench_config, random_draft
 from dflash2_lightning.onnx.export import export_drafter, random_embedding_and_head
+from record import load_average, loaded_label, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -166,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=str(RESULTS / "bench_draft_floor.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
+    load_before = load_average()
     peak, bandwidth = measured_peaks()
     scratch = None if args.onnx_dir else tempfile.TemporaryDirectory(prefix="dflash2-floor-")
     workdir = Path(args.onnx_dir or scratch.name)  # type: ignore[union-attr]
@@ -177,28 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if scratch is not None:
             scratch.cleanup()
-    load_after = os.getloadavg()
+    info = machine(args.threads, load_before)
     lines = ["| layers | what | wall (ms) | CPU (ms) | floor (ms) | CPU / floor |", "|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['layers']} | {r['what']} | {r['wall_ms']:.2f} | {r['cpu_ms']:.2f} | {r['floor_ms']:.2f} | "
                      f"{r['x_floor_cpu']:.2f}x |")
-    loaded = max(load_before[0], load_after[0]) >= 1.0
     print(f"batch 1, context {args.context}, {args.threads} thread(s); measured peak {peak / 1e9:.1f} GFLOP/s, "
-          f"stream {bandwidth / 1e9:.1f} GB/s; load average {load_before[0]:.2f} -> {load_after[0]:.2f}"
-          + (" (LOADED MACHINE: re-take on a quiet one)" if loaded else ""))
+          f"stream {bandwidth / 1e9:.1f} GB/s; load average {load_before[0]:.2f} -> "
+          f"{info['load_average_after'][0]:.2f}" + loaded_label(info))
     print("\n".join(lines))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/bench_draft_floor.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = dict(command=command,
                   peak_gflops=round(peak / 1e9, 2), stream_gbps=round(bandwidth / 1e9, 2), rows=rows,
-                  machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=args.threads,
-                               torch=torch.__version__, load_average_before=load_before,
-                               load_average_after=load_after, loaded=loaded),
-                  table="\n".join(lines))
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+                  machine=info, table="\n".join(lines))
+    write_json(Path(args.json), result)
     return 0
 
 

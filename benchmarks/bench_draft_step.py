@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -48,6 +45,7 @@ from transformers import DynamicCache
 from dflash2_lightning.checkpoint import save_draft
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
+from record import load_average, loaded_label, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -166,6 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_before = load_average()
     if importlib.util.find_spec("dflash") is None:
         raise SystemExit("bench_draft_step compares against the z-lab reference: pip install --no-deps dflash==0.1.0")
     torch.manual_seed(0)
@@ -181,17 +180,15 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['model']} | {r['layers']} | {r['setting']} | {r['ours_ms']:.2f} | {r['zlab_ms']:.2f} "
                      f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {'yes' if r['same_tokens'] else 'no'} |")
-    load = os.getloadavg()[0]
+    info = machine(torch.get_num_threads(), load_before)
     print(f"draft step, batch 1, block 16, context {args.context}, float32, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats} after {args.warmup} warm-up, "
-          f"{os.cpu_count()} CPUs, load average {load:.1f}")
+          f"{info['cpus']} CPUs, load average {load_before[0]:.1f} -> {info['load_average_after'][0]:.1f}"
+          + loaded_label(info))
     print("\n".join(lines))
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), machine=platform.processor() or
-                platform.machine(), python=platform.python_version(), repeats=args.repeats, warmup=args.warmup,
-                dtype="float32", batch=1, cpus=os.cpu_count(), load_average=load, geometry=GEOMETRY)
-    (RESULTS / "bench_draft_step.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+    meta = dict(**info, repeats=args.repeats, warmup=args.warmup, dtype="float32", batch=1, geometry=GEOMETRY)
+    write_json(RESULTS / "bench_draft_step.json", dict(meta=meta, rows=rows))
 
 
 if __name__ == "__main__":

@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -50,6 +48,7 @@ from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.speculative import (AcceptanceStats, TorchDrafter, low_precision_head, speculative_generate,
                                            target_greedy)
 from dflash2_lightning.target import TargetSpec, load_target
+from record import load_average, loaded_label, machine, write_json
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_loop.json"
 LOOPS = ("torch", "onnxruntime", "zlab", "torch-bf16-head")
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     seconds: dict[str, list[float]] = {name: [] for name in runners}
     cpu: dict[str, list[float]] = {name: [] for name in runners}
-    load_before = os.getloadavg()
+    load_before = load_average()
     for _ in range(args.repeats):
         wall_total, cpu_total = dict.fromkeys(runners, 0.0), dict.fromkeys(runners, 0.0)
         for q in prompts:
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in runners:
             seconds[name].append(wall_total[name])
             cpu[name].append(cpu_total[name])
-    load_after = os.getloadavg()
+    info = machine(threads, load_before)
 
     rows = []
     for name in runners:
@@ -199,25 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['loop']} | {t} | {r['cycles']} | {r['seconds']:.2f} | {per} | {ratio} | "
                      f"{r['cpu_seconds']:.2f} | {cpu_ratio} |")
     generated = sum(len(t) for t in reference)
-    loaded = max(load_before[0], load_after[0]) >= 1.0
     header = (f"{len(prompts)} prompts x {args.max_new_tokens} tokens ({generated} generated), "
               f"target {args.target}, {threads} threads, median of {args.repeats}; load average "
-              f"{load_before[0]:.2f} -> {load_after[0]:.2f}" + (" (LOADED MACHINE: re-take on a quiet one)"
-                                                                 if loaded else ""))
+              f"{load_before[0]:.2f} -> {info['load_average_after'][0]:.2f}" + loaded_label(info))
     print(header)
     print("\n".join(lines))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(command="python benchmarks/bench_loop.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   draft=str(args.draft), target=args.target, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                   generated_tokens=generated, identical_outputs=True, rows=rows,
-                  machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=threads,
-                               torch=torch.__version__, load_average_before=load_before,
-                               load_average_after=load_after, loaded=loaded),
-                  table="\n".join(lines))
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+                  machine=info, table="\n".join(lines))
+    write_json(Path(args.json), result)
     if scratch is not None:
         scratch.cleanup()
     return 0

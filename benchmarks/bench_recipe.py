@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from record import write_json
+
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_recipe.json"
 
 # name -> (extra quickstart flags, what it tests). Every variant starts from configs/quickstart.yaml (as shipped:
@@ -77,11 +79,7 @@ def save_row(path: Path, name: str, row: dict[str, Any]) -> dict[str, Any]:
     """
     results = _load(path)
     results[name] = {**results.get(name, {}), **row}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_json(path, results)
     return results
 
 

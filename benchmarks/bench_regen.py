@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from record import load_average, machine, write_json
+
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_regen.json"
 CONFIGS = [("hf-generate", "float32"), ("project", "float32"), ("project", "bfloat16")]
 
@@ -103,7 +105,7 @@ def main() -> None:
     if args.one:
         print("RESULT " + json.dumps(run_one(*args.one, args.target, args.prompts, args.new)), flush=True)
         return
-    load = [round(x, 2) for x in os.getloadavg()]
+    load = load_average()
     rows = []
     for loop, dtype in CONFIGS:
         cmd = [sys.executable, __file__, "--one", loop, dtype, "--target", args.target, "--prompts",
@@ -120,10 +122,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['loop']} | {r['dtype']} | {r['tokens']} | {r['wall_s']} | {r['tokens_per_s']} | "
               f"{r['tokens_per_cpu_s']} | {r['achieved_gflop_per_s']} | {floors[r['dtype']]} |")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": "python benchmarks/bench_regen.py " + " ".join(sys.argv[1:]),
-                                   "load_average_start": load, "load_average_end": [round(x, 2) for x in os.getloadavg()],
-                                   "matmul_gflop_per_s": floors, "results": rows}, indent=2) + "\n")
+    write_json(RESULTS, {"command": "python benchmarks/bench_regen.py " + " ".join(sys.argv[1:]),
+                         "machine": machine(args.threads, load), "matmul_gflop_per_s": floors, "results": rows})
     print(f"wrote {RESULTS}")
 
 

@@ -22,9 +22,6 @@ markdown table and writes ``benchmarks/results/bench_selector_walk.json``. Not a
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +30,7 @@ import torch
 
 from dflash2_lightning.model import CandidateSelector
 from dflash2_lightning.ops import lattice_walk, lattice_walk_per_position
+from record import load_average, loaded_label, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, VOCAB, RANK, TOP_K, LENGTH = 576, 49152, 256, 16, 15
@@ -68,6 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_before = load_average()
 
     gen = torch.Generator().manual_seed(0)
     selector = CandidateSelector(HIDDEN, VOCAB, RANK, TOP_K, std=0.02).eval()
@@ -119,10 +118,11 @@ def main() -> None:
                                  speedup=round(t[theirs]["wall_us"] / t[mine]["wall_us"], 2),
                                  speedup_cpu=round(t[theirs]["cpu_us"] / t[mine]["cpu_us"], 2), same_tokens=same))
 
-    load = os.getloadavg()[0]
+    info = machine(torch.get_num_threads(), load_before)
     print(f"selector walk, L={LENGTH}, K={TOP_K}, r={RANK}, V={VOCAB}, float32, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats} after {args.warmup} warm-up, "
-          f"{os.cpu_count()} CPUs, load average {load:.1f}")
+          f"{info['cpus']} CPUs, load average {load_before[0]:.1f} -> {info['load_average_after'][0]:.1f}"
+          + loaded_label(info))
     print("| batch | measured | ours (us) | baseline | baseline (us) | baseline / ours | baseline / ours (CPU time) "
           "| same tokens |")
     print("|---|---|---|---|---|---|---|---|")
@@ -130,12 +130,9 @@ def main() -> None:
         print(f"| {r['batch']} | {r['what']} | {r['ours_us']:.0f} | {r['baseline']} | {r['baseline_us']:.0f} "
               f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {'yes' if r['same_tokens'] else 'no'} |")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), python=platform.python_version(),
-                machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), load_average=load,
-                repeats=args.repeats, warmup=args.warmup, length=LENGTH, top_k=TOP_K, rank=RANK, vocab=VOCAB,
-                hidden=HIDDEN, dtype="float32")
-    (RESULTS / "bench_selector_walk.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+    meta = dict(**info, repeats=args.repeats, warmup=args.warmup, length=LENGTH, top_k=TOP_K, rank=RANK,
+                vocab=VOCAB, hidden=HIDDEN, dtype="float32")
+    write_json(RESULTS / "bench_selector_walk.json", dict(meta=meta, rows=rows))
 
 
 if __name__ == "__main__":

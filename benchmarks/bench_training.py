@@ -29,13 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from record import load_average, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -129,6 +130,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(name, mode, args.steps, args.warmup, args.cache, precision)), flush=True)
         return
 
+    load_before = load_average()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-training-") as cache:
         for name in [args.only] if args.only else list(TARGETS):
@@ -151,15 +153,12 @@ def main() -> None:
         print(f"| {r['target']} | {r['mode']} | {r['precision']} | {r['batch']} x {r['seq_len']} | "
               f"{r['supervised_tokens_per_step']:.0f} | {r['step_s']:.3f} | {r['step_cpu_s']:.3f} | "
               f"{r['supervised_tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} |")
-    RESULTS.mkdir(exist_ok=True)
     out = {"command": "python benchmarks/bench_training.py " + " ".join(sys.argv[1:]),
-           "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                       "cpu_count": os.cpu_count(), "python": platform.python_version()},
-           "load_average_end": [round(x, 2) for x in os.getloadavg()],
+           "machine": machine(args.threads, load_before),
            "note": "CPU; step CPU (s) is the process's CPU time per step, less sensitive to other load",
            "results": rows}
     path = RESULTS / "bench_training.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(path, out)
     print(f"\nwrote {path}")
 
 

@@ -1,0 +1,47 @@
+"""What every benchmark records beside its figures: the machine, its load, and a whole-file write.
+
+A timing taken on a shared machine means little without the load average beside it, so each result file
+carries :func:`machine` (load before and after the run, and whether it counts as loaded), and is written
+by :func:`write_json`: atomically (a crash never leaves half a file) and readable by other users.
+Imported by the ``bench_*.py`` scripts, which run from this folder (``python benchmarks/bench_X.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# A 1-minute load average at or above this (on 2 cores: one other busy thread) labels a timing as loaded.
+LOADED_AT = 1.0
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages, rounded for the record."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine(threads: int | None, load_before: list[float], load_after: list[float] | None = None) -> dict[str, Any]:
+    """The machine a figure was taken on: platform, CPUs, threads used, versions and the load around the run."""
+    after = load_after if load_after is not None else load_average()
+    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                cpus=os.cpu_count(), threads=threads, python=platform.python_version(),
+                torch=metadata.version("torch"), load_average_before=list(load_before), load_average_after=after,
+                loaded=max(load_before[0], after[0]) >= LOADED_AT)
+
+
+def loaded_label(info: dict[str, Any]) -> str:
+    """The warning printed beside a header whose figures were taken on a loaded machine ('' when quiet)."""
+    return " (LOADED MACHINE: re-take on a quiet one)" if info["loaded"] else ""
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    """Write ``result`` to ``path`` whole or not at all (temporary file + rename), mode 0644."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)

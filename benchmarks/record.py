@@ -15,22 +15,26 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dflash2_lightning.threads import load_average
+
+__all__ = ["load_average", "machine", "loaded_label", "write_json"]
+
 # A 1-minute load average at or above this (on 2 cores: one other busy thread) labels a timing as loaded.
 LOADED_AT = 1.0
 
 
-def load_average() -> list[float]:
-    """The 1, 5 and 15 minute load averages, rounded for the record."""
-    return [round(x, 2) for x in os.getloadavg()]
+def machine(threads: int | None, load_before: list[float] | None,
+            load_after: list[float] | None = None) -> dict[str, Any]:
+    """The machine a figure was taken on: platform, CPUs, threads used, versions and the load around the run.
 
-
-def machine(threads: int | None, load_before: list[float], load_after: list[float] | None = None) -> dict[str, Any]:
-    """The machine a figure was taken on: platform, CPUs, threads used, versions and the load around the run."""
+    ``load_after`` defaults to the load now; ``loaded`` is None where the platform reports no load.
+    """
     after = load_after if load_after is not None else load_average()
+    loads = [x[0] for x in (load_before, after) if x]
     return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                 cpus=os.cpu_count(), threads=threads, python=platform.python_version(),
-                torch=metadata.version("torch"), load_average_before=list(load_before), load_average_after=after,
-                loaded=max(load_before[0], after[0]) >= LOADED_AT)
+                torch=metadata.version("torch"), load_average_before=load_before, load_average_after=after,
+                loaded=max(loads) >= LOADED_AT if loads else None)
 
 
 def loaded_label(info: dict[str, Any]) -> str:

@@ -53,6 +53,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                         "previous recipe + draft layer starting as target layer 29 (features of layer 28), lr 1e-3"),
     "selector_drop": (["--set", "model.init_args.gold_outside_topk=drop", *BUDGET_EVAL],
                       "selector loss only where the target's token is in the top-k (no inserted gold)"),
+    "selector_lr0.25": (["--set", "model.init_args.selector_lr_scale=0.25", *BUDGET_EVAL],
+                        "the selector's codebooks and projection at 0.25 x the learning rate"),
     "kd32": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32"],
              "soft distillation from the target's cached top-32 logits"),
     "dpace": (["--set", "model.init_args.position_weighting=dpace"], "D-PACE position weights (alpha 0.5)"),
@@ -64,6 +66,13 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     **{f"budget_{n}x": ([*BUDGET_EVAL, "--sampled", str(n - 1), "--max-steps", str(540 * n),
                          "--set", "model.init_args.labels=target"],
                         f"{n}x the data ({n - 1} sampled responses per prompt beside the greedy one) and {n}x the steps")
+       for n in (2, 4, 16)},
+    # The DFlash baseline at the same N x budget (run with --responses-from runs/recipe/budget_Nx): does
+    # DFlash2's lead grow with the budget?
+    **{f"budget_{n}x_dflash": ([*BUDGET_EVAL, "--sampled", str(n - 1), "--max-steps", str(540 * n),
+                                "--set", "model.init_args.labels=target",
+                                "--set", "model.init_args.projector_type=dflash"],
+                               f"the DFlash baseline at {n}x the data and steps")
        for n in (2, 4, 16)},
 }
 

@@ -86,6 +86,11 @@ class DFlash2Module(pl.LightningModule):
             greedy token after the data prefix; see :class:`~dflash2_lightning.objective.DraftObjective`).
         anchor_seed: seed of the anchor sampling.
         lr, weight_decay, betas: AdamW. Norm weights and the conv base kernels are not decayed.
+        selector_lr_scale: the candidate selector's parameters train at ``selector_lr_scale * lr``. Its
+            codebooks hold one row per vocabulary token and a batch updates only the rows of the tokens it
+            contains; Adam moves a rarely seen row as far per step as a common one, so on little data the
+            codebooks (not their loss weight, which Adam's normalisation cancels) are what a lower rate
+            calms. 1.0 keeps the selector in the other parameters' groups.
         warmup_ratio: linear warmup as a share of all optimizer steps (``warmup_steps`` wins if set).
         min_lr_ratio: the cosine schedule ends at ``min_lr_ratio * lr``.
         export_dir: where the HF checkpoint goes at the end of fit (default ``<trainer.log_dir>/hf``).
@@ -134,6 +139,7 @@ class DFlash2Module(pl.LightningModule):
         lr: float = 6e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
+        selector_lr_scale: float = 1.0,
         warmup_ratio: float = 0.04,
         warmup_steps: int | None = None,
         min_lr_ratio: float = 0.0,
@@ -151,6 +157,7 @@ class DFlash2Module(pl.LightningModule):
         self.target_spec = target if isinstance(target, TargetSpec) else TargetSpec(**target)
         _check(lr > 0, "lr", lr, "> 0")
         _check(weight_decay >= 0, "weight_decay", weight_decay, ">= 0")
+        _check(selector_lr_scale > 0, "selector_lr_scale", selector_lr_scale, "> 0")
         _check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas", betas, "two values in [0, 1)")
         _check(0 <= warmup_ratio < 1, "warmup_ratio", warmup_ratio, "0 <= warmup_ratio < 1")
         _check(warmup_steps is None or warmup_steps >= 0, "warmup_steps", warmup_steps, "None or >= 0")
@@ -374,14 +381,23 @@ class DFlash2Module(pl.LightningModule):
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        decay, no_decay = [], []
+        selector_scale = hp.get("selector_lr_scale", 1.0)
+        decay, no_decay, selector = [], [], []
         for name, p in self.draft.named_parameters():
             if not p.requires_grad:
                 continue
+            if selector_scale != 1.0 and name.startswith("candidate_selector."):
+                selector.append(p)
             # Norm gains and the conv base kernels are scales around 1 / the identity: do not pull them to 0.
-            (no_decay if p.dim() < 2 or name.endswith("base_kernel") else decay).append(p)
+            elif p.dim() < 2 or name.endswith("base_kernel"):
+                no_decay.append(p)
+            else:
+                decay.append(p)
         groups = [{"params": decay, "weight_decay": hp.weight_decay, "name": "decay"},
                   {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+        if selector:  # a third group only when scaled, so checkpoints of two-group runs still resume
+            groups.append({"params": selector, "weight_decay": hp.weight_decay, "lr": hp.lr * selector_scale,
+                           "name": "selector"})
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = hp.warmup_steps if hp.warmup_steps is not None else int(round(hp.warmup_ratio * total))

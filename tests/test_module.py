@@ -86,6 +86,7 @@ def test_bad_batches_fail_with_clear_messages(module):
     ({"conv_kernel_size": 5}, "conv_kernel_size"), ({"conv_group_size": 5}, "conv_group_size"),
     ({"selector_top_k": 0}, "selector_top_k"), ({"target_layer_ids": [9]}, "target_layer_ids"),
     ({"lr": 0.0}, "lr"), ({"warmup_ratio": 1.5}, "warmup_ratio"), ({"dpace_alpha": 2.0}, "dpace_alpha"),
+    ({"selector_lr_scale": 0.0}, "selector_lr_scale"),
 ])
 def test_bad_geometry_and_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -148,6 +149,25 @@ def test_training_steps_then_export(tmp_path):
     assert exported.config == model.draft_config
     assert all(torch.equal(exported.state_dict()[k], state[k]) for k in state)
     assert any(not torch.equal(before[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_selector_lr_scale_gives_the_selector_its_own_rate(tmp_path, scale):
+    """Scaled: the selector's parameters (and only they) train at scale x lr through the schedule."""
+    model = DFlash2Module(target=SPEC, lr=1e-2, warmup_ratio=0.0, selector_lr_scale=scale, **SMALL)
+    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    trainer = _trainer(tmp_path, max_steps=2)
+    trainer.fit(model, train_dataloaders=loader)
+    groups = {g["name"]: g for g in trainer.optimizers[0].param_groups}
+    selector = {id(p) for p in model.draft.candidate_selector.parameters()}
+    if scale == 1.0:
+        assert set(groups) == {"decay", "no_decay"}
+        return
+    assert set(groups) == {"decay", "no_decay", "selector"}
+    assert {id(p) for p in groups["selector"]["params"]} == selector
+    assert not selector & {id(p) for g in ("decay", "no_decay") for p in groups[g]["params"]}
+    assert groups["decay"]["lr"] < 1e-2  # the cosine schedule moved both rates, keeping their ratio
+    assert math.isclose(groups["selector"]["lr"], scale * groups["decay"]["lr"])
 
 
 @pytest.mark.parametrize("warm", [False, True])

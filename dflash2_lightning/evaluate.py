@@ -368,7 +368,7 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
              max_prompts: int | None = None, estimate: bool = True, progress: bool = True,
              temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              samples: int = 1, resamples: int = RESAMPLES,
-             llama_cpp: dict[str, Any] | None = None) -> dict[str, Any]:
+             llama_cpp: dict[str, Any] | None = None, own_load: float = 0.0) -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
     Args:
@@ -385,6 +385,8 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
         llama_cpp: also measure in llama.cpp (keyword arguments of
             :func:`~dflash2_lightning.llamacpp_eval.evaluate_llama_cpp`, e.g. ``{"target_gguf": "f32"}``);
             the report gains a ``"llama.cpp"`` section.
+        own_load: how much of the load average at the start is this process's own earlier work (the
+            quickstart's training step; :func:`~dflash2_lightning.threads.own_load`), not other processes'.
 
     Returns the report dict (also written to ``out_dir/eval.json``). Its ``machine`` entry records the
     torch threads, the cores and the load average before and after; when other processes' load and
@@ -407,7 +409,8 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
                             resamples=resamples)
     cores = os.cpu_count() or 1
     report["machine"].update(cpus=cores, load_average_start=load_start, load_average_end=load_average())
-    warning = timing_warning(torch.get_num_threads(), cores, load_start, report["machine"]["load_average_end"])
+    warning = timing_warning(torch.get_num_threads(), cores, load_start, report["machine"]["load_average_end"],
+                             own_start=own_load)
     report["machine"]["timing_trusted"] = warning is None
     if warning is not None:
         report.setdefault("notes", []).append(warning)

@@ -332,7 +332,7 @@ def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf
     report = run_eval(hf_dir, target, EVAL_PROMPTS, eval_dir, max_new_tokens=opts.eval_max_new_tokens,
                       max_prompts=opts.eval_prompts, progress=opts.progress, temperatures=opts.eval_temperatures,
                       top_p=opts.eval_top_p, top_k=opts.eval_top_k, samples=opts.eval_samples, seed=opts.eval_seed,
-                      llama_cpp=llama_cpp)
+                      llama_cpp=llama_cpp, own_load=rep.own_load)
     stamps.write("eval", settings)
     taus = "; ".join(f"T={t} " + ", ".join(f"{k} {v:.2f}" for k, v in blk["tau"].items())
                      for t, blk in report.get("temperatures", {"0": report}).items())

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.threads import auto_threads
+from dflash2_lightning.threads import auto_threads, own_load
 
 
 class Reporter:
@@ -22,24 +22,25 @@ class Reporter:
         self.timings: dict[str, dict[str, Any]] = {}
         self._n = 0
         self._cores: int | None = None
+        # This process's share of the 1-minute load average (threads.own_load), updated as each step ends.
+        self.own_load = 0.0
 
     def say(self, text: str) -> None:
         print(text, file=self.stream or sys.stdout, flush=True)
 
-    def set_threads(self, running: bool) -> int:
-        """Apply the thread count for the next step; ``running``: this process has been busy until now."""
+    def set_threads(self) -> int:
+        """Apply the thread count for the next step (the cores other processes leave free, when automatic)."""
         import torch
 
         if self._cores is None:
             self._cores = torch.get_num_threads()  # torch's own default: the physical cores
-        own = torch.get_num_threads() if running else 0
-        n = self.threads if self.threads is not None else auto_threads(self._cores, own)
+        n = self.threads if self.threads is not None else auto_threads(self._cores, self.own_load)
         torch.set_num_threads(n)
         return n
 
     def step(self, name: str, text: str) -> "_Step":
         self._n += 1
-        threads = self.set_threads(running=self._n > 1)
+        threads = self.set_threads()
         self.say(f"[{self._n}/{self.total}] {name} ({threads} thread{'s' if threads > 1 else ''}): {text}")
         return _Step(self, name, threads)
 
@@ -53,6 +54,7 @@ class _Step:
         seconds = time.perf_counter() - self.start
         # CPU seconds of all this process's threads: on a shared machine, wall time alone overstates the cost.
         cpu = time.process_time() - self.cpu_start
+        self.reporter.own_load = own_load(self.reporter.own_load, self.threads, seconds)
         self.reporter.timings[self.name] = {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
                                             "threads": self.threads, "reused": reused}
         self.reporter.say(f"      {self.name}: {text} ({format_seconds(seconds)}{', reused' if reused else ''})")

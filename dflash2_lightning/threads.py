@@ -6,6 +6,7 @@ only as good as the machine was quiet).
 
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -17,11 +18,22 @@ def load_average() -> list[float] | None:
         return None
 
 
-def auto_threads(available: int, own: int = 0) -> int:
+def own_load(previous: float, threads: int, seconds: float) -> float:
+    """This process's share of the 1-minute load average after running ``threads`` busy threads for ``seconds``.
+
+    The kernel's 1-minute average is an exponential moving average with a 60 s time constant, so
+    what this process has put into it decays by ``exp(-seconds / 60)`` and the threads it ran fill the rest.
+    A 1-second step (a reused result) adds almost nothing; 5 minutes of two threads add ~2.
+    """
+    decay = math.exp(-max(0.0, seconds) / 60.0)
+    return previous * decay + threads * (1.0 - decay)
+
+
+def auto_threads(available: int, own: float = 0.0) -> int:
     """Torch threads for the next step: ``available`` cores minus those other processes keep busy (>= 1).
 
-    Other processes' load is the 1-minute load average less ``own`` (the threads this process has
-    been running). Why not simply all cores: torch's CPU threads wait on each other at every
+    Other processes' load is the 1-minute load average less ``own`` (this process's own share of it,
+    :func:`own_load`). Why not simply all cores: torch's CPU threads wait on each other at every
     operation, so one thread sharing its core with a busy process stalls them all; on a 2-core
     machine with one other busy process, two threads run several times slower than one.
     """
@@ -31,16 +43,17 @@ def auto_threads(available: int, own: int = 0) -> int:
 
 
 def timing_warning(threads: int, cores: int, load_start: list[float] | None,
-                   load_end: list[float] | None) -> str | None:
+                   load_end: list[float] | None, own_start: float = 0.0) -> str | None:
     """Why timings taken with ``threads`` torch threads on ``cores`` cores may not hold, or None.
 
-    ``load_start`` is the load average before the timed work (this process idle), ``load_end`` after
-    it (this process's ``threads`` included). Other processes' load is the larger of the start and
+    ``load_start`` is the load average before the timed work (``own_start`` of it this process's own,
+    e.g. the quickstart's training step just before), ``load_end`` after it (this process's ``threads``
+    included). Other processes' load is the larger of the start and
     the end less our threads; the timing is suspect when our threads and theirs exceed the cores.
     """
     if load_start is None and load_end is None:
         return None
-    others = max(load_start[0] if load_start else 0.0, (load_end[0] - threads) if load_end else 0.0, 0.0)
+    others = max((load_start[0] - own_start) if load_start else 0.0, (load_end[0] - threads) if load_end else 0.0, 0.0)
     if threads + others <= cores + 0.5:
         return None
     return (f"timings may not be trusted: {threads} torch thread(s) on {cores} core(s) while other processes kept "

@@ -150,3 +150,6 @@ def test_timing_warning_when_threads_and_other_load_exceed_the_cores():
     text = timing_warning(2, 2, [1.0, 1.0, 1.0], [3.0, 2.0, 1.0])
     assert text is not None and "2 torch thread(s) on 2 core(s)" in text and "--threads 1" in text
     assert timing_warning(1, 2, None, None) is None
+    # The start load is this process's own training step just before (the quickstart's eval): quiet.
+    assert timing_warning(2, 2, [1.98, 2.0, 2.0], [2.01, 2.0, 2.0], own_start=1.95) is None
+    assert timing_warning(2, 2, [1.98, 2.0, 2.0], [2.01, 2.0, 2.0]) is not None

@@ -8,6 +8,8 @@ finished work instead of regenerating or retraining.
 
 from __future__ import annotations
 
+import math
+
 import csv
 import json
 import sys
@@ -161,6 +163,12 @@ def test_shipped_quickstart_config_is_a_valid_fit_config(capsys, monkeypatch):
 def test_auto_threads_leaves_cores_that_other_processes_use(monkeypatch, load, own, expected):
     monkeypatch.setattr(threads, "load_average", lambda: None if load is None else [load, load, load])
     assert threads.auto_threads(2, own) == expected
+
+
+def test_own_load_follows_the_kernels_one_minute_average():
+    assert threads.own_load(0.0, 2, 1.0) < 0.05  # a reused, one-second step adds almost nothing
+    assert 1.9 < threads.own_load(0.0, 2, 300.0) <= 2.0  # five busy minutes of two threads
+    assert math.isclose(threads.own_load(2.0, 1, 60.0), 2.0 / math.e + 1 - 1 / math.e)  # decays toward the new count
 
 
 def test_eval_sampling_options_are_checked_before_any_work():

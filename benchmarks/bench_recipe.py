@@ -38,6 +38,9 @@ PREVIOUS = ["--max-steps", "360", "--set", "trainer.precision=32", "--set", "mod
 BUDGET_EVAL = ["--eval-prompts", "32", "--eval-max-new-tokens", "96", "--eval-temperature", "0"]
 VARIANTS: dict[str, tuple[list[str], str]] = {
     "shipped": (["--eval-temperature", "0"], "configs/quickstart.yaml as shipped"),
+    "shipped_insert_last": (["--set", "model.init_args.gold_outside_topk=insert_last", "--eval-temperature", "0"],
+                            "the shipped recipe with ModelOpt's insert_last selector loss (shipped until the "
+                            "selector_drop row)"),
     "shipped_dflash": (["--set", "model.init_args.projector_type=dflash", "--eval-temperature", "0"],
                        "the DFlash baseline (no conv, no selector) with the shipped recipe"),
     "lr3e-3": (["--set", "model.init_args.lr=3.0e-3"], "learning rate 3e-3 instead of 1e-3"),

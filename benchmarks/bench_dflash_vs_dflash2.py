@@ -53,7 +53,7 @@ def summarise(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         if r["draft"] != "DFlash":
             key = r["path"] if r["draft"] == "DFlash2" else f"{r['draft']} {r['path']}"
-            paired[key] = {"tau_ratio": round(r["tau"] / base["tau"], 3),
+            paired[key] = {"draft": r["draft"], "path": r["path"], "tau_ratio": round(r["tau"] / base["tau"], 3),
                            "accepted_drafts": paired_ratio_interval(r["per_prompt_accepted"],
                                                                   base["per_prompt_accepted"])}
     return {"rows": rows, "dflash2_over_dflash": paired}
@@ -117,10 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = r["tau_interval"]
         print(f"{r['draft']:8} {r['path']:9} tau {r['tau']:.3f} [{lo:.3f}, {hi:.3f}]  accept "
               + " / ".join(f"{a:.3f}" for a in r["accept"]) + f"  {r['tokens_per_second']:.1f} tok/s")
-    for path, v in summary["dflash2_over_dflash"].items():
+    for v in summary["dflash2_over_dflash"].values():
         a = v["accepted_drafts"]
-        name = path if " " in path else f"DFlash2 {path}"  # the other DFlash2 rows' keys carry their label
-        print(f"{name} / DFlash: tau {v['tau_ratio']:.3f}x, accepted drafts {a['ratio']:.3f}x "
+        print(f"{v['draft']} {v['path']} / DFlash: tau {v['tau_ratio']:.3f}x, accepted drafts {a['ratio']:.3f}x "
               f"[{a['interval'][0]:.3f}, {a['interval'][1]:.3f}] (paired; better on {a['prompts_better']} prompts, "
               f"worse on {a['prompts_worse']})")
     return 0

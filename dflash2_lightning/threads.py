@@ -53,7 +53,8 @@ def timing_warning(threads: int, cores: int, load_start: list[float] | None,
     """
     if load_start is None and load_end is None:
         return None
-    others = max((load_start[0] - own_start) if load_start else 0.0, (load_end[0] - threads) if load_end else 0.0, 0.0)
+    others = max((load_start[0] - own_start) if load_start else 0.0,
+                 (load_end[0] - threads) if load_end else 0.0, 0.0)
     if threads + others <= cores + 0.5:
         return None
     return (f"timings may not be trusted: {threads} torch thread(s) on {cores} core(s) while other processes kept "

@@ -70,7 +70,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     taus = [r["tau"] for r in rows]
     errs = [[r["tau"] - r["tau_interval"][0] for r in rows], [r["tau_interval"][1] - r["tau"] for r in rows]]
-    left.bar(labels, taus, yerr=errs, capsize=4, color=[{"DFlash": "C1", "DFlash2": "C0"}.get(r["draft"], "C2") for r in rows])
+    colours = [{"DFlash": "C1", "DFlash2": "C0"}.get(r["draft"], "C2") for r in rows]
+    left.bar(labels, taus, yerr=errs, capsize=4, color=colours)
     left.set_ylim(1.0, max(r["tau_interval"][1] for r in rows) + 0.05)
     left.set_ylabel("measured τ (95% interval over prompts)")
     for r in rows:

@@ -58,11 +58,16 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                       "selector loss only where the target's token is in the top-k (no inserted gold)"),
     "selector_lr0.25": (["--set", "model.init_args.selector_lr_scale=0.25", *BUDGET_EVAL],
                         "the selector's codebooks and projection at 0.25 x the learning rate"),
-    "kd32": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32"],
+    "selector_top16": (["--set", "model.init_args.selector_top_k=16", *BUDGET_EVAL],
+                       "16 selector candidates per position instead of 8 (the trainer's default)"),
+    "kd32": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32", *BUDGET_EVAL],
              "soft distillation from the target's cached top-32 logits"),
-    "dpace": (["--set", "model.init_args.position_weighting=dpace"], "D-PACE position weights (alpha 0.5)"),
-    "two_layers": (["--set", "model.init_args.num_hidden_layers=2", "--set", "model.init_args.target_layer_ids=[15]"],
-                   "two draft layers (same feature layer)"),
+    "kd32_dflash": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32",
+                     "--set", "model.init_args.projector_type=dflash", *BUDGET_EVAL],
+                    "the DFlash baseline with soft distillation from the cached top-32 logits"),
+    "dpace": (["--set", "model.init_args.position_weighting=dpace", *BUDGET_EVAL], "D-PACE position weights (alpha 0.5)"),
+    "two_layers": (["--set", "model.init_args.num_hidden_layers=2", "--set", "model.init_args.target_layer_ids=[15]",
+                    *BUDGET_EVAL], "two draft layers (same feature layer)"),
     # The ceiling (tau against budget): the shipped recipe with N x the data (N-1 sampled responses per prompt
     # beside the greedy one, T=0.8, hard CE on the target's own greedy token) and N x the steps, measured on
     # 32 x 96 tokens at T=0 like the DFlash/DFlash2 comparison. They regenerate their own responses.
@@ -70,6 +75,12 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                          "--set", "model.init_args.labels=target"],
                         f"{n}x the data ({n - 1} sampled responses per prompt beside the greedy one) and {n}x the steps")
        for n in (2, 4, 16)},
+    # The 2x and 4x rows first ran with ModelOpt's insert_last selector loss (shipped then).
+    **{f"budget_{n}x_insert_last": ([*BUDGET_EVAL, "--sampled", str(n - 1), "--max-steps", str(540 * n),
+                                     "--set", "model.init_args.labels=target",
+                                     "--set", "model.init_args.gold_outside_topk=insert_last"],
+                                    f"{n}x the data and steps with the insert_last selector loss")
+       for n in (2, 4)},
     # The DFlash baseline at the same N x budget (run with --responses-from runs/recipe/budget_Nx): does
     # DFlash2's lead grow with the budget?
     **{f"budget_{n}x_dflash": ([*BUDGET_EVAL, "--sampled", str(n - 1), "--max-steps", str(540 * n),

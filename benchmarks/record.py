@@ -15,26 +15,27 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.threads import load_average
+from dflash2_lightning.threads import load_average, timing_warning
 
 __all__ = ["load_average", "machine", "loaded_label", "write_json"]
-
-# A 1-minute load average at or above this (on 2 cores: one other busy thread) labels a timing as loaded.
-LOADED_AT = 1.0
 
 
 def machine(threads: int | None, load_before: list[float] | None,
             load_after: list[float] | None = None) -> dict[str, Any]:
     """The machine a figure was taken on: platform, CPUs, threads used, versions and the load around the run.
 
-    ``load_after`` defaults to the load now; ``loaded`` is None where the platform reports no load.
+    ``load_after`` defaults to the load now. ``loaded`` is the quickstart's rule
+    (:func:`dflash2_lightning.threads.timing_warning`): the benchmark's own threads plus what other processes
+    kept busy exceed the cores (a 2-thread benchmark's own load of 2 is not "loaded"); None where the
+    platform reports no load. ``threads`` None (a benchmark that does not set them) counts as one.
     """
     after = load_after if load_after is not None else load_average()
-    loads = [x[0] for x in (load_before, after) if x]
+    cpus = os.cpu_count() or 1
+    warning = timing_warning(threads or 1, cpus, load_before, after)
     return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpus=os.cpu_count(), threads=threads, python=platform.python_version(),
+                cpus=cpus, threads=threads, python=platform.python_version(),
                 torch=metadata.version("torch"), load_average_before=load_before, load_average_after=after,
-                loaded=max(loads) >= LOADED_AT if loads else None)
+                loaded=None if load_before is None and after is None else warning is not None)
 
 
 def loaded_label(info: dict[str, Any]) -> str:

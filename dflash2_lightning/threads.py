@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 
 def load_average() -> list[float] | None:
@@ -29,16 +30,51 @@ def own_load(previous: float, threads: int, seconds: float) -> float:
     return previous * decay + threads * (1.0 - decay)
 
 
-def auto_threads(available: int, own: float = 0.0) -> int:
+def _cpu_times() -> tuple[float, float] | None:
+    """``(all, idle)`` jiffies of all CPUs from ``/proc/stat`` (idle includes iowait), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:9]]  # user..steal; guest is inside user
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    return sum(fields), fields[3] + fields[4]
+
+
+def busy_cores(window: float = 1.0) -> float | None:
+    """How many cores were busy over the next ``window`` seconds (all processes), or None off Linux.
+
+    The load average lags: a job that ended a minute ago still counts ~1/e of its threads in it, so
+    a step started right after ``pip install`` or another run would give up a core it could use.
+    """
+    before = _cpu_times()
+    if before is None:
+        return None
+    time.sleep(window)
+    after = _cpu_times()
+    if after is None or after[0] <= before[0]:
+        return None
+    share = 1.0 - (after[1] - before[1]) / (after[0] - before[0])
+    return max(0.0, share) * (os.cpu_count() or 1)
+
+
+def auto_threads(available: int, own: float = 0.0, window: float = 1.0) -> int:
     """Torch threads for the next step: ``available`` cores minus those other processes keep busy (>= 1).
 
     Other processes' load is the 1-minute load average less ``own`` (this process's own share of it,
-    :func:`own_load`). Why not simply all cores: torch's CPU threads wait on each other at every
-    operation, so one thread sharing its core with a busy process stalls them all; on a 2-core
-    machine with one other busy process, two threads run several times slower than one.
+    :func:`own_load`), or what a ``window``-second sample of the CPUs shows busy now (:func:`busy_cores`;
+    this process is idle between steps) where that is less: the average still remembers jobs that have
+    ended. Why not simply all cores: torch's CPU threads wait on each other at every operation, so one
+    thread sharing its core with a busy process stalls them all; on a 2-core machine with one other busy
+    process, two threads run several times slower than one.
     """
     load = load_average()
     others = max(0.0, load[0] - own) if load else 0.0
+    if others >= 0.75 and window > 0:  # only sample when the average would take a core away
+        now = busy_cores(window)
+        if now is not None:
+            others = min(others, now)
     return max(1, available - int(others + 0.25))
 
 

@@ -162,7 +162,31 @@ def test_shipped_quickstart_config_is_a_valid_fit_config(capsys, monkeypatch):
 ])
 def test_auto_threads_leaves_cores_that_other_processes_use(monkeypatch, load, own, expected):
     monkeypatch.setattr(threads, "load_average", lambda: None if load is None else [load, load, load])
+    monkeypatch.setattr(threads, "busy_cores", lambda window: None)  # no /proc/stat: the load average alone
     assert threads.auto_threads(2, own) == expected
+
+
+@pytest.mark.parametrize("busy_now, expected", [
+    (0.05, 2),  # the job behind the load average has ended: take both cores
+    (1.0, 1),   # it is still running
+    (1.9, 1),   # busier now than the average says: the average (1.0) rules, never fewer than it allows
+])
+def test_auto_threads_trusts_a_fresh_sample_over_the_lagging_average(monkeypatch, busy_now, expected):
+    monkeypatch.setattr(threads, "load_average", lambda: [1.0, 1.0, 1.0])
+    monkeypatch.setattr(threads, "busy_cores", lambda window: busy_now)
+    assert threads.auto_threads(2, 0.0) == expected
+
+
+def test_busy_cores_from_proc_stat(monkeypatch):
+    samples = iter([(1000.0, 800.0), (1200.0, 900.0)])  # 200 jiffies, 100 of them idle: half the CPUs busy
+    monkeypatch.setattr(threads, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    assert threads.busy_cores(0.0) == pytest.approx(1.0)
+    monkeypatch.setattr(threads, "_cpu_times", lambda: None)
+    assert threads.busy_cores(0.0) is None
+    if Path("/proc/stat").is_file():  # the real file parses
+        monkeypatch.undo()
+        assert 0.0 <= threads.busy_cores(0.05) <= (threads.os.cpu_count() or 1)
 
 
 def test_own_load_follows_the_kernels_one_minute_average():

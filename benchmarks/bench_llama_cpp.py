@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
+    load_before = load_average()  # before this script's own setup (tokenizer, imports) adds to it
     width = load_config(args.draft).block_size - 1
     n_maxes = [int(n) for n in args.n_max.split(",")] if args.n_max else list(range(1, width + 1))
     prompts, stop = held_out_prompts(args.prompts)
-    load_before = load_average()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-llama-cpp-") as work:
         for outtype in args.outtypes.split(","):

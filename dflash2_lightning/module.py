@@ -98,6 +98,10 @@ class DFlash2Module(pl.LightningModule):
             declares it, because the engines run the draft beside the target; not the training dtype).
         init_from_target: start the draft layers as copies of the target layers that follow the last
             feature layer (see :mod:`dflash2_lightning.warm_start`) instead of random weights.
+        selector_init: ``"random"`` (ModelOpt's: random predecessor codebook, zero successor codebook) or
+            ``"target_embedding"``: both codebooks start at the tokens' principal coordinates in the target's
+            token embedding, so tokens a run rarely sees start near the tokens they resemble (see
+            :func:`dflash2_lightning.warm_start.init_selector_from_embedding`). DFlash2 only.
         normalize_features: train ``fc`` on target features scaled to unit RMS per dimension (the scale
             is measured on the first training batch and folded into ``fc.weight`` at export, so the
             checkpoint computes exactly ``hidden_norm(fc(features))`` on raw features). LLM hidden
@@ -146,6 +150,7 @@ class DFlash2Module(pl.LightningModule):
         export_dir: str | None = None,
         export_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         init_from_target: bool = False,
+        selector_init: Literal["random", "target_embedding"] = "random",
         normalize_features: bool = False,
         val_temperature: float | None = 1.0,
         val_top_p: float = 1.0,
@@ -158,6 +163,8 @@ class DFlash2Module(pl.LightningModule):
         _check(lr > 0, "lr", lr, "> 0")
         _check(weight_decay >= 0, "weight_decay", weight_decay, ">= 0")
         _check(selector_lr_scale > 0, "selector_lr_scale", selector_lr_scale, "> 0")
+        _check(selector_init in ("random", "target_embedding"), "selector_init", selector_init,
+               "'random' or 'target_embedding'")
         _check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas", betas, "two values in [0, 1)")
         _check(0 <= warmup_ratio < 1, "warmup_ratio", warmup_ratio, "0 <= warmup_ratio < 1")
         _check(warmup_steps is None or warmup_steps >= 0, "warmup_steps", warmup_steps, "None or >= 0")
@@ -184,6 +191,17 @@ class DFlash2Module(pl.LightningModule):
 
             layers = warm_start(self.draft, self.target.hf)
             rank_zero_info(f"draft layers initialised from target layers {layers}")
+        if selector_init == "target_embedding":  # a resumed run then loads its own weights over these
+            if self.draft.candidate_selector is None:
+                raise ConfigError("selector_init='target_embedding' needs projector_type='dflash2' (the DFlash "
+                                  "baseline has no candidate selector)")
+            from dflash2_lightning.warm_start import init_selector_from_embedding
+
+            share = init_selector_from_embedding(self.draft.candidate_selector,
+                                                 self.target.hf.get_input_embeddings().weight,
+                                                 self.draft_config.initializer_range)
+            rank_zero_info(f"selector codebooks initialised from the target embedding's top "
+                           f"{self.draft_config.selector_rank} principal directions ({share:.0%} of its variance)")
         if normalize_features:  # buffers, so a resumed run keeps the scale it trained with
             width = self.draft_config.num_target_features * self.draft_config.hidden_size
             self.register_buffer("feature_scale", torch.ones(width))

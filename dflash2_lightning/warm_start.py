@@ -15,6 +15,12 @@ way the target's last hidden state is. The block convolution and the selector ke
 What the draft still has to learn is to run those layers on the block's tokens (the anchor and mask
 embeddings) instead of the target's deep residual stream, which is far less than learning them from
 random weights on a few thousand sequences.
+
+The candidate selector can start from the target's token embedding (:func:`init_selector_from_embedding`):
+its codebooks hold one row per vocabulary token, and a batch trains only the rows of the tokens in it, so
+on a CPU budget most rows never move from their random init. Starting both codebooks at each token's
+coordinates on the embedding's top-``r`` principal directions gives a rarely seen token the vector of
+the tokens it resembles, and what the selector learns about one token carries over to its neighbours.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import nn
 
 from dflash2_lightning.config import ConfigError
 from dflash2_lightning.model import DraftModel
+from dflash2_lightning.model.selector import CandidateSelector
 
 
 def _target_layers(hf: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
@@ -65,3 +72,30 @@ def init_from_target(draft: DraftModel, hf: nn.Module) -> list[int]:
     fc[:, -h:] = torch.eye(h, dtype=fc.dtype)  # features are concatenated in target_layer_ids order
     draft.fc.weight.copy_(fc)
     return source
+
+
+@torch.no_grad()
+def init_selector_from_embedding(selector: CandidateSelector, embedding: torch.Tensor, std: float) -> float:
+    """Start ``selector``'s codebooks at the tokens' principal coordinates in ``embedding [V, H]`` (in place).
+
+    Both codebooks get the centred embedding projected on its top-``rank`` principal directions, scaled so
+    their entries have RMS ``std`` (the random init's scale, so Adam moves them as fast relative to their
+    size); ``hidden_projection`` starts at zero, so the fresh selector still reproduces the backbone's own
+    ranking exactly and the first step trains the projection. Returns the share of the embedding's
+    variance the ``rank`` directions hold.
+    """
+    vocab, rank = selector.predecessor_codebook.shape
+    if embedding.dim() != 2 or embedding.shape[0] != vocab:
+        raise ConfigError(f"selector_init=target_embedding: the target's embedding has shape {tuple(embedding.shape)}, "
+                          f"the selector needs [{vocab}, hidden]")
+    if rank > embedding.shape[1]:
+        raise ConfigError(f"selector_init=target_embedding: selector_rank={rank} must be <= the embedding width "
+                          f"{embedding.shape[1]} (it takes that many principal directions); use selector_init=random")
+    centred = embedding.double() - embedding.double().mean(0)
+    variances, directions = torch.linalg.eigh(centred.T @ centred)  # ascending
+    coords = centred @ directions[:, -rank:].flip(-1)
+    coords *= std / coords.pow(2).mean().sqrt().clamp(min=1e-12)
+    for codebook in (selector.predecessor_codebook, selector.successor_codebook):
+        codebook.copy_(coords.to(codebook.dtype))
+    selector.hidden_projection.weight.zero_()
+    return float(variances[-rank:].sum() / variances.sum().clamp(min=1e-12))

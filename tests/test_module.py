@@ -197,3 +197,14 @@ def test_normalized_features_are_folded_into_fc_at_export(tmp_path, warm):
         with torch.no_grad():
             after = fresh.draft.context_kv(raw * fresh.feature_scale, pos).layers[0].keys
         torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+
+
+def test_selector_init_target_embedding() -> None:
+    module = DFlash2Module(target=SPEC, selector_init="target_embedding", **SMALL)
+    selector = module.draft.candidate_selector
+    assert torch.equal(selector.predecessor_codebook, selector.successor_codebook)
+    assert selector.successor_codebook.abs().sum() > 0 and selector.hidden_projection.weight.abs().sum() == 0
+    with pytest.raises(ConfigError, match="needs projector_type='dflash2'"):
+        DFlash2Module(target=SPEC, selector_init="target_embedding", projector_type="dflash", **SMALL)
+    with pytest.raises(ConfigError, match="selector_init.*'bigram'"):
+        DFlash2Module(target=SPEC, selector_init="bigram", **SMALL)

@@ -9,7 +9,7 @@ from speculative_helpers import tiny_target
 
 from dflash2_lightning.config import ConfigError
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.warm_start import init_from_target
+from dflash2_lightning.warm_start import init_from_target, init_selector_from_embedding
 
 
 def test_context_kv_is_the_target_layer_after_the_features() -> None:
@@ -49,3 +49,40 @@ def test_too_few_target_layers_is_a_clear_error() -> None:
     draft = DraftModel(target.draft_config(num_hidden_layers=2, target_layer_ids=[2], block_size=4))
     with pytest.raises(ConfigError, match=r"target layers \[3, 4\].*has 4"):
         init_from_target(draft, target.hf)
+
+
+def test_selector_from_embedding_keeps_the_backbone_ranking_and_the_embedding_geometry() -> None:
+    target = tiny_target()
+    draft = DraftModel(target.draft_config(block_size=4, selector_rank=8, selector_top_k=4))
+    selector = draft.candidate_selector
+    embedding = target.hf.get_input_embeddings().weight
+    share = init_selector_from_embedding(selector, embedding, std=0.02)
+    assert 0 < share <= 1
+    # Entries at the random init's scale; both codebooks the same principal coordinates.
+    assert torch.equal(selector.predecessor_codebook, selector.successor_codebook)
+    torch.testing.assert_close(selector.successor_codebook.pow(2).mean().sqrt(), torch.tensor(0.02))
+    # The coordinates' Gram matrix is the centred embedding's projected on the top directions: the
+    # closest pair of tokens in the embedding stays close in the codebook.
+    centred = embedding.double() - embedding.double().mean(0)
+    code = selector.successor_codebook.double()
+    top = torch.linalg.eigh(centred.T @ centred).eigenvectors[:, -8:]
+    projected = centred @ top
+    scale = code.norm() / projected.norm()
+    torch.testing.assert_close(code @ code.T, (projected @ projected.T) * scale**2, rtol=1e-4, atol=1e-9)
+    # A fresh selector still walks the backbone's argmax: the transition term is exactly zero.
+    hidden = torch.randn(2, 3, target.hidden_size)
+    unary, cand = torch.randn(2, 3, 4).sort(-1, descending=True)[0], torch.randint(0, target.vocab_size, (2, 3, 4))
+    path = selector.greedy_path(cand, unary, hidden, torch.tensor([1, 2]))
+    assert torch.equal(path, cand[..., 0])
+    # ... and one step of the selector loss reaches the projection (the codebooks follow a step later).
+    score = selector.score_candidates(cand, unary, hidden, torch.randint(0, target.vocab_size, (2, 3)))
+    torch.nn.functional.cross_entropy(score.flatten(0, 1), torch.tensor([1, 2, 3, 0, 1, 2])).backward()
+    assert selector.hidden_projection.weight.grad.abs().sum() > 0
+
+
+def test_selector_from_embedding_rank_above_the_width_is_a_clear_error() -> None:
+    target = tiny_target()
+    width = target.hidden_size
+    draft = DraftModel(target.draft_config(block_size=4, selector_rank=width + 1, selector_top_k=4))
+    with pytest.raises(ConfigError, match=rf"selector_rank={width + 1} must be <= the embedding width {width}"):
+        init_selector_from_embedding(draft.candidate_selector, target.hf.get_input_embeddings().weight, std=0.02)

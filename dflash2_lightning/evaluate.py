@@ -18,6 +18,12 @@ computed from the draft's *training* forward on the target's own continuations:
     cycle (``a_0`` = first generated token, ``a_{i+1} = a_i + accepted_i + 1``). Up to floating-point
     ties it equals the measured τ exactly, which shows the draft computes the same thing in both.
 
+At T=0 the report also gives the **top-k oracle** (``oracle``): the same replay where a slot counts when
+the target's token is anywhere among the draft's top-k candidates (``k`` = the selector's ``top_k``; 8
+for a DFlash draft unless ``oracle_top_k`` says otherwise). It is the τ of a selector that always
+picked right among the candidates it is given: how much of the gap between the backbone argmax and
+that ceiling the selector walk closes says whether the selector or the candidates limit DFlash2.
+
 Why the estimate and the measurement differ (and the replay does not):
 
 * anchors: the loop starts a cycle only right after a rejection (or a fully accepted block), the
@@ -61,6 +67,7 @@ from dflash2_lightning.speculative import (AcceptanceStats, DraftPath, GreedyRes
                                            target_sample)
 
 PATHS: tuple[DraftPath, ...] = ("selector", "backbone")
+ORACLE_TOP_K = 8  # the top-k oracle's candidates for a draft without a selector (the quickstart's selector_top_k)
 
 
 # ----------------------------------------------------------------------------- teacher-forced estimate
@@ -108,7 +115,7 @@ class TeacherForced:
 @torch.no_grad()
 def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], continuation: Sequence[int],
                    paths: Sequence[DraftPath] = PATHS, chunk: int = 32,
-                   sampling: Sampling | None = None) -> dict[str, TeacherForced]:
+                   sampling: Sampling | None = None, oracle_top_k: int | None = None) -> dict[str, TeacherForced]:
     """Run the trainer's objective (:class:`~dflash2_lightning.objective.DraftObjective`) on
     ``prompt + continuation`` with an anchor at every continuation position.
 
@@ -117,6 +124,8 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
     selector path uses the objective's greedy walk (``walk=True``). Anchors go ``chunk`` at a time.
     With a sampling ``sampling`` each slot also gets its acceptance probability under speculative
     sampling (:func:`~dflash2_lightning.metrics.sampled_alpha`, the trainer's ``val/t<T>`` metric).
+    With ``oracle_top_k`` (greedy only) the result also has an ``"oracle"`` entry: a slot is right when
+    the target's token is among the draft's top ``oracle_top_k`` logits.
     """
     from dflash2_lightning.metrics import sampled_alpha
     from dflash2_lightning.objective import DraftObjective, Teacher
@@ -136,7 +145,8 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
     head = lambda h: t.head(h.to(head_dtype))  # noqa: E731
     objective = DraftObjective(token_loss="ce", selector_loss_alpha=0.0)
     want = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
-    rights: dict[str, list[Tensor]] = {x: [] for x in want}
+    oracle = bool(oracle_top_k) and not sampled
+    rights: dict[str, list[Tensor]] = {x: [] for x in want + (["oracle"] if oracle else [])}
     alphas: dict[str, list[Tensor]] = {x: [] for x in want}
     valids = []
     anchors = torch.arange(p, s, device=device)
@@ -148,13 +158,16 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
         for x in want:
             tokens = res.draft_tokens if x == "backbone" else res.selector_tokens
             rights[x].append((tokens == res.reference)[0])
+        if oracle:
+            top = res.logits.topk(min(oracle_top_k, res.logits.shape[-1]), dim=-1).indices
+            rights["oracle"].append((top == res.reference[..., None]).any(-1)[0])
         if sampled:
             for x, alpha in sampled_alpha(res, sampling).items():
                 if x in alphas:
                     alphas[x].append(alpha[0])
     valid = torch.cat(valids) if valids else torch.zeros(0, bs - 1, dtype=torch.bool)
     return {x: TeacherForced(anchors.cpu(), (torch.cat(r) if r else valid).cpu(), valid.cpu(), s, bs,
-                             torch.cat(alphas[x]).cpu() if alphas[x] else None)
+                             torch.cat(alphas.get(x, [])).cpu() if alphas.get(x) else None)
             for x, r in rights.items()}
 
 
@@ -220,7 +233,7 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
                    paths: Sequence[DraftPath] = PATHS, stop_token_ids: Sequence[int] | None = None,
                    estimate: bool = True, warmup: bool = True, progress: bool = True,
                    temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                   samples: int = 1, resamples: int = RESAMPLES) -> dict[str, Any]:
+                   samples: int = 1, resamples: int = RESAMPLES, oracle_top_k: int | None = None) -> dict[str, Any]:
     """Measure ``draft`` against ``target`` on tokenised ``prompts``; the report as a dict (see :func:`run_eval`).
 
     ``paths`` not available to the draft (the selector of a DFlash baseline) are skipped and noted.
@@ -229,6 +242,8 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     ``top_p``/``top_k``, ``samples`` generations per prompt, each seeded from ``seed``, the prompt and
     the sample). The top-level ``paths``/``tau``/``target_only`` are those of the first temperature;
     ``temperatures`` holds every one. Intervals: bootstrap over prompts (:mod:`~dflash2_lightning.intervals`).
+    ``oracle_top_k``: candidates of the T=0 top-k oracle (default: the selector's ``top_k``, or
+    :data:`ORACLE_TOP_K` for a DFlash draft).
     """
     from dflash2_lightning.config import ConfigError
 
@@ -238,6 +253,8 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
         raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
     if samples < 1:
         raise ConfigError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
+    if oracle_top_k is not None and oracle_top_k < 1:
+        raise ConfigError(f"oracle_top_k={oracle_top_k} is invalid: must be >= 1 (candidates per position)")
     temps = [float(t) for t in temperatures]
     if not temps or len(set(temps)) != len(temps):
         raise ConfigError(f"temperatures={temps} is invalid: need at least one, without repeats")
@@ -262,11 +279,13 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
                      "(lossless: null); the loop's output law is proven equal to the target's in "
                      "tests/test_sampling.py")
 
+    if oracle_top_k is None:
+        oracle_top_k = draft.config.selector_top_k if draft.candidate_selector is not None else ORACLE_TOP_K
     blocks = {}
     for ti, st in enumerate(settings):
         blocks[_temperature_key(st.temperature)] = _evaluate_at(
             draft, target, prompts, max_new_tokens, usable, stop, estimate, progress, st,
-            seed, ti, samples if not st.greedy else 1, resamples)
+            seed, ti, samples if not st.greedy else 1, resamples, oracle_top_k)
     first = next(iter(blocks.values()))
     report: dict[str, Any] = {
         "architecture": draft.config.architecture,
@@ -302,7 +321,7 @@ def _run_seed(seed: int, *parts: int) -> int:
 
 def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  usable: Sequence[DraftPath], stop: list[int], estimate: bool, progress: bool, st: Sampling,
-                 seed: int, ti: int, samples: int, resamples: int) -> dict[str, Any]:
+                 seed: int, ti: int, samples: int, resamples: int, oracle_top_k: int) -> dict[str, Any]:
     """One temperature: target-only and speculative runs of every prompt, the per-path figures and intervals."""
     from tqdm.auto import tqdm
 
@@ -310,6 +329,7 @@ def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]
     references: list[list[GreedyResult]] = []
     runs = {x: PathRun([], EstimateStats.empty(draft.config.block_size, not st.greedy) if estimate else None, [])
             for x in usable}
+    oracle = EstimateStats.empty(draft.config.block_size) if estimate and st.greedy else None
     desc = "eval" if st.greedy else f"eval T={st.temperature:g}"
     for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
         refs = []
@@ -330,8 +350,9 @@ def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]
         references.append(refs)
         if estimate:
             # At temperature > 0 on the target's first sampled continuation, with the sampled estimate.
-            for x, tf in teacher_forced(draft, target, prompt, refs[0].tokens, usable, sampling=st).items():
-                runs[x].estimate.add(tf)
+            for x, tf in teacher_forced(draft, target, prompt, refs[0].tokens, usable, sampling=st,
+                                        oracle_top_k=oracle_top_k).items():
+                (oracle if x == "oracle" else runs[x].estimate).add(tf)
 
     flat = [r for refs in references for r in refs]
     base_tokens = sum(len(r.tokens) for r in flat)
@@ -360,6 +381,8 @@ def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]
             "per_prompt_accepted": [int(sum(sum(r.accepted) for r in rs)) for rs in run.by_prompt],
         }
     block["tau"] = {x: v["measured"]["tau"] for x, v in block["paths"].items()}
+    if oracle is not None:
+        block["oracle"] = {"top_k": oracle_top_k, **oracle.summary()}
     return block
 
 
@@ -368,7 +391,8 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
              max_prompts: int | None = None, estimate: bool = True, progress: bool = True,
              temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              samples: int = 1, resamples: int = RESAMPLES,
-             llama_cpp: dict[str, Any] | None = None, own_load: float = 0.0) -> dict[str, Any]:
+             llama_cpp: dict[str, Any] | None = None, own_load: float = 0.0,
+             oracle_top_k: int | None = None) -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
     Args:
@@ -387,6 +411,7 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
             the report gains a ``"llama.cpp"`` section.
         own_load: how much of the load average at the start is this process's own earlier work (the
             quickstart's training step; :func:`~dflash2_lightning.threads.own_load`), not other processes'.
+        oracle_top_k: candidates of the T=0 top-k oracle (see :func:`evaluate_draft`).
 
     Returns the report dict (also written to ``out_dir/eval.json``). Its ``machine`` entry records the
     torch threads, the cores and the load average before and after; when other processes' load and
@@ -406,7 +431,7 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     load_start = load_average()
     report = evaluate_draft(draft, target, prompts, max_new_tokens, paths, estimate=estimate, progress=progress,
                             temperatures=temperatures, top_p=top_p, top_k=top_k, seed=seed, samples=samples,
-                            resamples=resamples)
+                            resamples=resamples, oracle_top_k=oracle_top_k)
     cores = os.cpu_count() or 1
     report["machine"].update(cpus=cores, load_average_start=load_start, load_average_end=load_average())
     warning = timing_warning(torch.get_num_threads(), cores, load_start, report["machine"]["load_average_end"],
@@ -537,6 +562,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             if iv.get("accept"):
                 lines.append(" " * 10 + "accept_k " + "  ".join(
                     f"{a:.2f}{_iv(b)}" for a, b in zip(m["accept"], iv["accept"])))
+        orc = blk.get("oracle") or {}
+        if orc.get("replayed_tau"):
+            lines.append(f"{'oracle':>8}: tau {orc['replayed_tau']:.2f} if every pick were right whenever the "
+                         f"target's token is in the draft's top-{orc['top_k']} (teacher-forced replay; the "
+                         "selector's ceiling)")
     if any("interval" in r for blk in blocks.values() for r in blk["paths"].values()):
         lines.append("[lo, hi]: 95% bootstrap interval over prompts")
     if report.get("llama.cpp"):
@@ -577,7 +607,11 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                         help="generations per prompt at temperature > 0 (default 1; T=0 is deterministic: one)")
     parser.add_argument("--resamples", type=int, default=RESAMPLES,
                         help=f"bootstrap resamples over prompts for the 95%% intervals (default {RESAMPLES})")
-    parser.add_argument("--no-estimate", action="store_true", help="skip the trainer's teacher-forced estimate")
+    parser.add_argument("--no-estimate", action="store_true",
+                        help="skip the trainer's teacher-forced estimate (and the top-k oracle)")
+    parser.add_argument("--oracle-top-k", type=int, default=None,
+                        help="candidates per position of the T=0 top-k oracle (default: the selector's top_k; "
+                             f"{ORACLE_TOP_K} for a DFlash draft)")
     parser.add_argument("--threads", default="auto",
                         help="torch CPU threads: a number, or 'auto' (default: the cores other processes leave free "
                              "by the 1-minute load average, as the quickstart chooses; the report records it)")
@@ -594,7 +628,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     report = run_eval(args.draft, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
                       args.paths, args.max_prompts, not args.no_estimate, not args.no_progress,
                       temperatures=args.temperature or [0.0], top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                      samples=args.samples, resamples=args.resamples, llama_cpp=llama_cpp_options(args))
+                      samples=args.samples, resamples=args.resamples, llama_cpp=llama_cpp_options(args),
+                      oracle_top_k=args.oracle_top_k)
     print("\n".join(summary_lines(report)))
     print(f"report: {Path(args.out) / 'eval.json'}  plot: {Path(args.out) / 'acceptance.png'}")
     lossy = [r for blk in report["temperatures"].values() for r in blk["paths"].values() if r["lossless"] is False]

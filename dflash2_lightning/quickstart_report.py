@@ -99,6 +99,10 @@ def summary_text(s: dict[str, Any]) -> str:
             speed = (f"{m['tokens_per_second']:.1f} tok/s vs target alone {base:.1f} tok/s ({res['speedup']:.2f}x)"
                      if m.get("tokens_per_second") and base else "")
             lines.append(f"  T={t:<4} tau {name:<8} measured {m['tau']:.2f}{ci}   {est:<22} {speed}")
+        orc = blk.get("oracle") or {}
+        if orc.get("replayed_tau"):
+            lines.append(f"  T={t:<4} tau top-{orc['top_k']} oracle {orc['replayed_tau']:.2f} (teacher-forced: right whenever the "
+                         f"target's token is among the draft's top-{orc['top_k']}; the selector's ceiling)")
     if r.get("temperatures"):
         lines.append("  [lo, hi]: 95% bootstrap interval over the evaluation prompts")
     val = s.get("validation_tau")

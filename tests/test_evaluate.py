@@ -72,6 +72,26 @@ def test_eval_report_and_plot(tmp_path) -> None:
     assert any("tau" in line for line in summary_lines(report))
 
 
+def test_top_k_oracle_bounds_both_paths() -> None:
+    """The oracle counts a slot when the target's token is among the draft's top-k: with k = 1 it is the
+    backbone argmax, with the selector's k it is right wherever the walk is (the walk picks among those)."""
+    target, draft = tiny_target(), trained_draft("dflash2")
+    k = draft.config.selector_top_k
+    for prompt, cont in list(zip(prompts(), continuations()))[:3]:
+        one = teacher_forced(draft, target, prompt, cont, oracle_top_k=1)
+        assert torch.equal(one["oracle"].right, one["backbone"].right)
+        tf = teacher_forced(draft, target, prompt, cont, oracle_top_k=k)
+        assert not (tf["selector"].right & ~tf["oracle"].right).any()
+        assert not (tf["backbone"].right & ~tf["oracle"].right).any()
+    report = evaluate_draft(draft, target, prompts()[:3], NEW_TOKENS, progress=False)
+    orc = report["temperatures"]["0"]["oracle"]
+    assert orc["top_k"] == k
+    assert orc["replayed_tau"] >= max(r["measured"]["tau"] for r in report["paths"].values()) - 1e-12
+    assert any(line.strip().startswith("oracle: tau") for line in summary_lines(report))
+    with pytest.raises(Exception, match="oracle_top_k=0 is invalid"):
+        evaluate_draft(draft, target, prompts()[:1], 4, progress=False, oracle_top_k=0)
+
+
 def test_dflash_baseline_skips_the_selector_path() -> None:
     target = tiny_target()
     report = evaluate_draft(trained_draft("dflash"), target, prompts()[:2], 8, estimate=False, progress=False)

@@ -94,6 +94,9 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
 
     # the summary was printed, with the paths a user needs
     assert "DFlash2 quickstart" in printed and "tau selector" in printed and "tau backbone" in printed
+    oracle = report["temperatures"]["0"]["oracle"]  # the selector's ceiling, at T=0 only
+    assert oracle["top_k"] == shipped_model["selector_top_k"] and "oracle" not in report["temperatures"]["1"]
+    assert f"top-{oracle['top_k']} oracle {oracle['replayed_tau']:.2f}" in printed
     assert str(hf) in printed and str(artifacts["eval report"]) in printed
 
     # A re-run with the same settings regenerates nothing and trains nothing: it reuses the finished steps.

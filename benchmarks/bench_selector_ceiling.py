@@ -1,0 +1,123 @@
+"""The selector's ceiling: how much of the top-k oracle's lead over the backbone argmax the walk takes.
+
+    python benchmarks/bench_selector_ceiling.py --drafts runs/recipe/selector_drop/train/hf,runs/recipe/shipped_dflash/train/hf
+        [--base runs/recipe/shipped_dflash/train/hf] [--prompts 32] [--max-new-tokens 96] [--threads 2]
+
+For every trained draft, on the same held-out prompts and the target's own greedy outputs (decoded once
+for all drafts), the teacher-forced replay of :func:`dflash2_lightning.evaluate.teacher_forced` at the
+cycle starts of the speculative loop, for three ways to pick the drafted tokens:
+
+- ``backbone``: the draft's argmax; ``selector``: DFlash2's greedy walk (the two paths the loop runs; at
+  T=0 the replay equals the measured τ exactly, ``tests/test_evaluate.py``);
+- ``oracle``: a slot counts whenever the target's token is among the draft's top-k (k = the selector's
+  ``top_k``, 8 for a DFlash draft): the τ a perfect selector over these candidates would reach.
+
+Each τ has a 95% bootstrap interval over prompts; ``gap_closed`` is (selector - backbone) / (oracle -
+backbone); with ``--base``, every path's accepted drafts are paired per prompt against the base draft's
+best path. A draft costs one target-and-draft forward per prompt, about a minute on 2 cores, against ~10
+for the measured evaluation of both paths. Results merge by draft into
+``benchmarks/results/selector_ceiling.json``. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash2_lightning.intervals import RESAMPLES, paired_ratio_interval, percentile_bounds, resample_weights
+from record import load_average, machine, write_json
+
+RESULTS = Path(__file__).resolve().parent / "results" / "selector_ceiling.json"
+
+
+def replay_per_prompt(draft: Any, target: Any, prompts: list[list[int]], outputs: list[list[int]]
+                      ) -> dict[str, tuple[list[int], list[int]]]:
+    """Per path: (accepted drafted tokens, cycles) of every prompt, replayed along the target's outputs."""
+    from dflash2_lightning.evaluate import ORACLE_TOP_K, teacher_forced
+
+    k = draft.config.selector_top_k if draft.candidate_selector is not None else ORACLE_TOP_K
+    per_path: dict[str, tuple[list[int], list[int]]] = {}
+    for prompt, output in zip(prompts, outputs):
+        for path, tf in teacher_forced(draft, target, prompt, output, oracle_top_k=k).items():
+            lengths = tf.replay()
+            accepted, cycles = per_path.setdefault(path, ([], []))
+            accepted.append(sum(lengths))
+            cycles.append(len(lengths))
+    return per_path
+
+
+def tau_with_interval(accepted: list[int], cycles: list[int], resamples: int = RESAMPLES) -> dict[str, Any]:
+    """τ = 1 + accepted / cycles over all prompts, with its percentile interval (prompts resampled)."""
+    a, c = np.asarray(accepted, float), np.asarray(cycles, float)
+    w = resample_weights(len(a), resamples, seed=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        taus = 1.0 + (w @ a) / (w @ c)
+    return {"tau": 1.0 + a.sum() / c.sum(), "interval": percentile_bounds(taus), "accepted": int(a.sum()),
+            "cycles": int(c.sum())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--drafts", required=True, help="comma-separated draft checkpoint directories")
+    p.add_argument("--base", default=None, help="a draft to pair every path against (e.g. the DFlash baseline)")
+    p.add_argument("--target", default="smollm2", help="the target, as `dflash2 eval --target` takes it")
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="target tokens per prompt (default 96)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--results", type=Path, default=RESULTS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from dflash2_lightning.checkpoint import load_draft
+    from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.regen import target_spec_from_arg
+    from dflash2_lightning.speculative import target_greedy
+    from dflash2_lightning.target import load_target
+
+    load_before = load_average()
+    target = load_target(target_spec_from_arg(args.target))
+    prompts = [encode_prompt(target.tokenizer, m) for m in read_prompts(EVAL_PROMPTS, args.prompts)]
+    stop = list(getattr(target, "eos_token_ids", []))
+    outputs = [target_greedy(target, q, args.max_new_tokens, stop).tokens for q in prompts]
+    drafts = [d for d in args.drafts.split(",") if d]
+    if args.base and args.base not in drafts:
+        drafts.append(args.base)
+    replays: dict[str, dict[str, tuple[list[int], list[int]]]] = {}
+    rows: dict[str, Any] = {}
+    for d in drafts:
+        t0 = time.perf_counter()
+        replays[d] = replay_per_prompt(load_draft(d), target, prompts, outputs)
+        row = {path: tau_with_interval(*ac) for path, ac in replays[d].items()}
+        bb, orc = row["backbone"]["tau"], row["oracle"]["tau"]
+        if "selector" in row and orc > bb:
+            row["gap_closed"] = (row["selector"]["tau"] - bb) / (orc - bb)
+        row["seconds"] = time.perf_counter() - t0
+        rows[d] = row
+        summary = ", ".join(f"{k} {v['tau']:.3f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]"
+                            for k, v in row.items() if isinstance(v, dict))
+        print(f"{d}: {summary}" + (f"; gap closed {row['gap_closed']:.0%}" if "gap_closed" in row else ""), flush=True)
+    if args.base:
+        base = replays[args.base]
+        best = "selector" if "selector" in base else "backbone"
+        for d in drafts:
+            if d != args.base:
+                rows[d]["vs_base"] = {path: {"base": f"{args.base} ({best})",
+                                             **paired_ratio_interval(ac[0], base[best][0])}
+                                      for path, ac in replays[d].items()}
+    old = json.loads(args.results.read_text()) if args.results.is_file() else {}
+    old.setdefault("rows", {}).update(rows)
+    old.update(prompts=args.prompts, max_new_tokens=args.max_new_tokens, target=args.target,
+               generated_tokens=sum(len(o) for o in outputs),
+               command=f"python benchmarks/bench_selector_ceiling.py --drafts {args.drafts}"
+                       + (f" --base {args.base}" if args.base else "") + f" --threads {args.threads}",
+               machine=machine(args.threads, load_before))
+    write_json(args.results, old)
+
+
+if __name__ == "__main__":
+    main()

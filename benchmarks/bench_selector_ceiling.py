@@ -59,7 +59,8 @@ def tau_with_interval(accepted: list[int], cycles: list[int], resamples: int = R
     with np.errstate(invalid="ignore", divide="ignore"):
         taus = 1.0 + (w @ a) / (w @ c)
     return {"tau": 1.0 + a.sum() / c.sum(), "interval": percentile_bounds(taus), "accepted": int(a.sum()),
-            "cycles": int(c.sum())}
+            "cycles": int(c.sum()), "per_prompt_accepted": [int(x) for x in accepted],
+            "per_prompt_cycles": [int(x) for x in cycles]}
 
 
 def main() -> None:

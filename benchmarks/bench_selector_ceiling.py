@@ -110,13 +110,15 @@ def main() -> None:
                 rows[d]["vs_base"] = {path: {"base": f"{args.base} ({best})",
                                              **paired_ratio_interval(ac[0], base[best][0])}
                                       for path, ac in replays[d].items()}
+    run = {"command": f"python benchmarks/bench_selector_ceiling.py --drafts {args.drafts}"
+                      + (f" --base {args.base}" if args.base else "") + f" --threads {args.threads}",
+           "machine": machine(args.threads, load_before)}
+    for row in rows.values():
+        row["run"] = run  # rows from several runs merge into one file: each keeps its own command and load
     old = json.loads(args.results.read_text()) if args.results.is_file() else {}
     old.setdefault("rows", {}).update(rows)
     old.update(prompts=args.prompts, max_new_tokens=args.max_new_tokens, target=args.target,
-               generated_tokens=sum(len(o) for o in outputs),
-               command=f"python benchmarks/bench_selector_ceiling.py --drafts {args.drafts}"
-                       + (f" --base {args.base}" if args.base else "") + f" --threads {args.threads}",
-               machine=machine(args.threads, load_before))
+               generated_tokens=sum(len(o) for o in outputs))
     write_json(args.results, old)
 
 

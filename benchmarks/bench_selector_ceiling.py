@@ -39,9 +39,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "selector_ceiling.json"
 def replay_per_prompt(draft: Any, target: Any, prompts: list[list[int]], outputs: list[list[int]]
                       ) -> dict[str, tuple[list[int], list[int]]]:
     """Per path: (accepted drafted tokens, cycles) of every prompt, replayed along the target's outputs."""
-    from dflash2_lightning.evaluate import ORACLE_TOP_K, teacher_forced
+    from dflash2_lightning.evaluate import default_oracle_top_k, teacher_forced
 
-    k = draft.config.selector_top_k if draft.candidate_selector is not None else ORACLE_TOP_K
+    k = default_oracle_top_k(draft)
     per_path: dict[str, tuple[list[int], list[int]]] = {}
     for prompt, output in zip(prompts, outputs):
         for path, tf in teacher_forced(draft, target, prompt, output, oracle_top_k=k).items():

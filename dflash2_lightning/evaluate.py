@@ -70,6 +70,11 @@ PATHS: tuple[DraftPath, ...] = ("selector", "backbone")
 ORACLE_TOP_K = 8  # the top-k oracle's candidates for a draft without a selector (the quickstart's selector_top_k)
 
 
+def default_oracle_top_k(draft: DraftModel) -> int:
+    """The top-k oracle's candidates for ``draft``: its selector's ``top_k``, or :data:`ORACLE_TOP_K` for DFlash."""
+    return draft.config.selector_top_k if draft.candidate_selector is not None else ORACLE_TOP_K
+
+
 # ----------------------------------------------------------------------------- teacher-forced estimate
 @dataclass
 class TeacherForced:
@@ -280,7 +285,7 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
                      "tests/test_sampling.py")
 
     if oracle_top_k is None:
-        oracle_top_k = draft.config.selector_top_k if draft.candidate_selector is not None else ORACLE_TOP_K
+        oracle_top_k = default_oracle_top_k(draft)
     blocks = {}
     for ti, st in enumerate(settings):
         blocks[_temperature_key(st.temperature)] = _evaluate_at(

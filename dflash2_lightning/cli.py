@@ -219,8 +219,8 @@ class DFlash2CLI(LightningCLI):
     def before_fit(self) -> None:
         dirs = [Path(d) for d in checkpoint_dirs(self.trainer)]
         if self.trainer.is_global_zero:
-            for directory in dirs:  # what killed checkpoint writes left behind (never a live process's file)
-                tempfiles.remove_stale(directory)
+            for directory in written_dirs(self.trainer, self.model):  # what killed writes left behind
+                tempfiles.remove_stale(directory)                      # (never a live process's file)
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
         if ckpt_path == "last":
             if not any(d.is_dir() and any(d.glob("last*.ckpt")) for d in dirs):
@@ -253,7 +253,7 @@ class DFlash2CLI(LightningCLI):
         trainer = self.trainer
         if not trainer.is_global_zero:
             return
-        for directory in checkpoint_dirs(trainer):
+        for directory in written_dirs(trainer, self.model):
             tempfiles.remove_stale(directory)
         print(fit_summary(trainer, self.model), flush=True)
 
@@ -302,6 +302,23 @@ def checkpoint_dirs(trainer: Trainer) -> list[str]:
         else:
             dirs.append(os.path.join(trainer.default_root_dir, "checkpoints"))
     return dirs
+
+
+def written_dirs(trainer: Trainer, model: Any) -> list[Path]:
+    """Every directory a fit writes atomically into: the checkpoint directories, each logger's run directory
+    (metrics.csv, the acceptance plot) and the draft's export directory (default ``<run dir>/hf``).
+
+    Rank-0 code: it reads the loggers' own ``log_dir``, not ``trainer.log_dir`` (a collective under DDP).
+    """
+    dirs = [Path(d) for d in checkpoint_dirs(trainer)]
+    run_dirs = [Path(logger.log_dir) for logger in trainer.loggers if getattr(logger, "log_dir", None)]
+    dirs += run_dirs
+    export_dir = getattr(getattr(model, "hparams", None), "export_dir", None)
+    if export_dir:
+        dirs.append(Path(export_dir))
+    elif run_dirs:
+        dirs.append(run_dirs[0] / "hf")
+    return list(dict.fromkeys(dirs))
 
 
 def build_cli(args: Sequence[str] | None = None, run: bool = True) -> DFlash2CLI:

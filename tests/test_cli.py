@@ -48,8 +48,22 @@ def argv(monkeypatch):
 
 def test_fit_end_to_end_in_process(tmp_path, argv, capsys):
     config = small_config(tmp_path)
-    cli.main(["fit", "--config", str(config)])
     run = tmp_path / "runs" / "tiny" / "default"
+    # What a killed earlier run left in every directory a fit writes atomically into (its plot and metrics in
+    # the run directory, the export in hf/, checkpoints): a dead process's temporaries, removed by this fit.
+    from dflash2_lightning import tempfiles
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    host = tempfiles.owner_prefix("x").split(".")[2].rsplit("-", 1)[0]
+    orphans = [d / f".{name}.{host}-{done.pid}.abc123.tmp" for d, name in
+               [(run, "acceptance.png"), (run, "metrics.csv"), (run / "hf", "model.safetensors"),
+                (run / "checkpoints", "last.ckpt")]]
+    for orphan in orphans:
+        orphan.parent.mkdir(parents=True, exist_ok=True)
+        orphan.write_bytes(b"partial")
+    cli.main(["fit", "--config", str(config)])
+    assert not [o for o in orphans if o.exists()]
     rows = read_metrics(run)
     val = [r for r in rows if r.get("val/tau")]
     assert len(val) == 2  # a validation every 2 steps

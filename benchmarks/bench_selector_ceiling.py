@@ -27,40 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from dflash2_lightning.intervals import RESAMPLES, paired_ratio_interval, percentile_bounds, resample_weights
+from dflash2_lightning.intervals import paired_ratio_interval
 from record import load_average, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selector_ceiling.json"
-
-
-def replay_per_prompt(draft: Any, target: Any, prompts: list[list[int]], outputs: list[list[int]]
-                      ) -> dict[str, tuple[list[int], list[int]]]:
-    """Per path: (accepted drafted tokens, cycles) of every prompt, replayed along the target's outputs."""
-    from dflash2_lightning.evaluate import default_oracle_top_k, teacher_forced
-
-    k = default_oracle_top_k(draft)
-    per_path: dict[str, tuple[list[int], list[int]]] = {}
-    for prompt, output in zip(prompts, outputs):
-        for path, tf in teacher_forced(draft, target, prompt, output, oracle_top_k=k).items():
-            lengths = tf.replay()
-            accepted, cycles = per_path.setdefault(path, ([], []))
-            accepted.append(sum(lengths))
-            cycles.append(len(lengths))
-    return per_path
-
-
-def tau_with_interval(accepted: list[int], cycles: list[int], resamples: int = RESAMPLES) -> dict[str, Any]:
-    """τ = 1 + accepted / cycles over all prompts, with its percentile interval (prompts resampled)."""
-    a, c = np.asarray(accepted, float), np.asarray(cycles, float)
-    w = resample_weights(len(a), resamples, seed=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        taus = 1.0 + (w @ a) / (w @ c)
-    return {"tau": 1.0 + a.sum() / c.sum(), "interval": percentile_bounds(taus), "accepted": int(a.sum()),
-            "cycles": int(c.sum()), "per_prompt_accepted": [int(x) for x in accepted],
-            "per_prompt_cycles": [int(x) for x in cycles]}
 
 
 def main() -> None:
@@ -75,6 +47,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from dflash2_lightning.checkpoint import load_draft
+    from dflash2_lightning.evaluate import replay_lengths, replay_summary
     from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.regen import target_spec_from_arg
     from dflash2_lightning.speculative import target_greedy
@@ -88,12 +61,14 @@ def main() -> None:
     drafts = [d for d in args.drafts.split(",") if d]
     if args.base and args.base not in drafts:
         drafts.append(args.base)
-    replays: dict[str, dict[str, tuple[list[int], list[int]]]] = {}
+    replays: dict[str, dict[str, dict[str, Any]]] = {}
     rows: dict[str, Any] = {}
     for d in drafts:
         t0 = time.perf_counter()
-        replays[d] = replay_per_prompt(load_draft(d), target, prompts, outputs)
-        row = {path: tau_with_interval(*ac) for path, ac in replays[d].items()}
+        draft = load_draft(d)
+        replays[d] = {path: replay_summary(lengths, draft.config.block_size)
+                      for path, lengths in replay_lengths(draft, target, prompts, outputs).items()}
+        row = dict(replays[d])
         bb, orc = row["backbone"]["tau"], row["oracle"]["tau"]
         if "selector" in row and orc > bb:
             row["gap_closed"] = (row["selector"]["tau"] - bb) / (orc - bb)
@@ -108,8 +83,9 @@ def main() -> None:
         for d in drafts:
             if d != args.base:
                 rows[d]["vs_base"] = {path: {"base": f"{args.base} ({best})",
-                                             **paired_ratio_interval(ac[0], base[best][0])}
-                                      for path, ac in replays[d].items()}
+                                             **paired_ratio_interval(r["per_prompt_accepted"],
+                                                                     base[best]["per_prompt_accepted"])}
+                                      for path, r in replays[d].items()}
     run = {"command": f"python benchmarks/bench_selector_ceiling.py --drafts {args.drafts}"
                       + (f" --base {args.base}" if args.base else "") + f" --threads {args.threads}",
            "machine": machine(args.threads, load_before)}

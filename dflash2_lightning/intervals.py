@@ -36,18 +36,19 @@ def percentile_bounds(x: np.ndarray, level: float = LEVEL) -> list[float | None]
     return [float(np.percentile(x, lo)), float(np.percentile(x, hi))] if x.size else [None, None]
 
 
-def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[float], seconds: Sequence[float],
-                        base_tokens: Sequence[float] | None = None, base_seconds: Sequence[float] | None = None,
+def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[float] | None = None,
+                        seconds: Sequence[float] | None = None, base_tokens: Sequence[float] | None = None, base_seconds: Sequence[float] | None = None,
                         resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> dict[str, Any]:
     """Percentile intervals of τ, ``accept_k``, tokens/s and speed-up, resampling prompts.
 
     Args:
         histograms: per prompt, ``histogram[a]`` = its untruncated cycles that accepted ``a`` drafts.
-        tokens, seconds: per prompt, tokens generated and seconds taken by speculative decoding.
+        tokens, seconds: per prompt, tokens generated and seconds taken by speculative decoding (``None``:
+            no timings, e.g. a teacher-forced replay; then the tokens/s and speed-up bounds are ``None``).
         base_tokens, base_seconds: per prompt, the target-only run (for the speed-up interval).
         resamples: bootstrap draws; level: central coverage of the interval; seed: the draws' seed.
 
-    Returns ``{"tau": [lo, hi], "accept": [[lo, hi] per offset], "tokens_per_second": [lo, hi],
+    Returns ``{"tau": [lo, hi], "accept": [[lo, hi] per offset], "tokens_per_second": [lo, hi] or None,
     "speedup": [lo, hi] or None, "level", "resamples", "seed", "unit": "prompt"}``; a bound is None
     where no resample had a full cycle.
     """
@@ -67,9 +68,11 @@ def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[fl
     with np.errstate(invalid="ignore", divide="ignore"):
         accept = np.where(full > 0, tail[:, 1:] / full, np.nan)  # [R, bs-1]
         tau = 1.0 + accept.sum(1)
-        tps = (weights @ np.asarray(tokens, dtype=np.float64)) / (weights @ np.asarray(seconds, dtype=np.float64))
+        timed = tokens is not None and seconds is not None
+        tps = ((weights @ np.asarray(tokens, dtype=np.float64)) / (weights @ np.asarray(seconds, dtype=np.float64))
+               if timed else None)
         speedup = None
-        if base_tokens is not None and base_seconds is not None:
+        if timed and base_tokens is not None and base_seconds is not None:
             base = (weights @ np.asarray(base_tokens, dtype=np.float64)) / \
                 (weights @ np.asarray(base_seconds, dtype=np.float64))
             speedup = tps / base
@@ -77,7 +80,8 @@ def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[fl
         return percentile_bounds(x, level)
 
     return {"tau": bounds(tau), "accept": [bounds(accept[:, k]) for k in range(accept.shape[1])],
-            "tokens_per_second": bounds(tps), "speedup": bounds(speedup) if speedup is not None else None,
+            "tokens_per_second": bounds(tps) if tps is not None else None,
+            "speedup": bounds(speedup) if speedup is not None else None,
             "level": level, "resamples": resamples, "seed": seed, "unit": "prompt"}
 
 

@@ -10,7 +10,8 @@ The default job trains a one-layer DFlash2 draft for SmolLM2-135M-Instruct (the 
     4 train      LightningCLI fit with configs/quickstart.yaml, paths pointed at OUT (dflash2 fit)
                    -> OUT/train/{hf/, metrics.csv, acceptance.png, tensorboard/, checkpoints/}
     5 evaluate   real speculative decoding on the held-out prompts, selector walk and backbone argmax,
-                 with the trainer's estimate beside each                            (dflash2 eval)
+                 with the trainer's estimate beside each; then the same τ at T=0 replayed on
+                 all held-out prompts, for a narrow interval                          (dflash2 eval)
                    -> OUT/eval/{eval.json, acceptance.png}
 
 then a summary (also written to ``OUT/summary.json`` with the time of every step).
@@ -73,6 +74,9 @@ class QuickstartOptions:
         eval_temperatures: temperatures the evaluation measures (0 = greedy; default T=0 and T=1).
         eval_top_p, eval_top_k, eval_samples, eval_seed: the evaluation's sampling settings, generations
             per prompt at temperature > 0, and seed (``dflash2 eval --top-p/--top-k/--samples/--seed``).
+        eval_replay_prompts, eval_replay_max_new_tokens: the T=0 replay on more held-out prompts
+            (``dflash2 eval --replay-prompts/--replay-max-new-tokens``): the τ the loop measures, on enough
+            tokens for a ~±0.03 interval, at a fraction of the loop's cost (0 prompts: off).
         max_steps: override ``trainer.max_steps`` (validation is moved to fit inside it).
         overrides: ``key.path=value`` settings applied to the config (value parsed as YAML).
         overwrite: redo every step (the target conversion and the feature cache are content-keyed).
@@ -96,6 +100,9 @@ class QuickstartOptions:
     eval_top_k: int = 0
     eval_samples: int = 1
     eval_seed: int = 0
+    # All 96 held-out prompts x 96 tokens (~8k tokens): tau's interval ~±0.03, ~2 min on 2 cores.
+    eval_replay_prompts: int = 96
+    eval_replay_max_new_tokens: int = 96
     max_steps: int | None = None
     overrides: list[str] = field(default_factory=list)
     overwrite: bool = False
@@ -104,10 +111,13 @@ class QuickstartOptions:
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "regen_batch_size", "eval_prompts", "eval_max_new_tokens",
-                     "eval_samples"):
+                     "eval_samples", "eval_replay_max_new_tokens"):
             value = getattr(self, name)
             if value < 1:
                 raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
+        if self.eval_replay_prompts < 0:
+            raise QuickstartError(f"eval_replay_prompts={self.eval_replay_prompts} is invalid: must be >= 0 "
+                                  "(0 = no replay)")
         if self.sampled < 0:
             raise QuickstartError(f"sampled={self.sampled} is invalid: must be >= 0")
         if self.sampled and not self.sample_temperature > 0:
@@ -319,10 +329,13 @@ def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf
     llama_cpp = _llama_cpp_options(target)
     settings = {"target": json.loads(target.spec.key()), "prompts": opts.eval_prompts,
                 "max_new_tokens": opts.eval_max_new_tokens, "prompts_file": file_digest(EVAL_PROMPTS), **sampling,
+                "replay": [opts.eval_replay_prompts, opts.eval_replay_max_new_tokens],
                 "draft": file_digest(hf_dir / "model.safetensors"), "llama_cpp": llama_cpp}
     step = rep.step("evaluate", f"speculative decoding on {opts.eval_prompts} held-out prompts, up to "
                                 f"{opts.eval_max_new_tokens} tokens, selector walk and backbone argmax, T="
-                                + " ".join(f"{t:g}" for t in opts.eval_temperatures))
+                                + " ".join(f"{t:g}" for t in opts.eval_temperatures)
+                                + (f"; the T=0 replay on {opts.eval_replay_prompts} prompts x "
+                                   f"{opts.eval_replay_max_new_tokens} tokens" if opts.eval_replay_prompts else ""))
     report_path = eval_dir / "eval.json"
     if stamps.matches("eval", settings) and report_path.is_file() and not opts.overwrite:
         report = json.loads(report_path.read_text())
@@ -332,10 +345,15 @@ def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf
     report = run_eval(hf_dir, target, EVAL_PROMPTS, eval_dir, max_new_tokens=opts.eval_max_new_tokens,
                       max_prompts=opts.eval_prompts, progress=opts.progress, temperatures=opts.eval_temperatures,
                       top_p=opts.eval_top_p, top_k=opts.eval_top_k, samples=opts.eval_samples, seed=opts.eval_seed,
-                      llama_cpp=llama_cpp, own_load=rep.own_load)
+                      llama_cpp=llama_cpp, own_load=rep.own_load, replay_prompts=opts.eval_replay_prompts,
+                      replay_max_new_tokens=opts.eval_replay_max_new_tokens)
     stamps.write("eval", settings)
     taus = "; ".join(f"T={t} " + ", ".join(f"{k} {v:.2f}" for k, v in blk["tau"].items())
                      for t, blk in report.get("temperatures", {"0": report}).items())
+    replay = report.get("replay")
+    if replay:
+        taus += "; replayed at T=0 on " + f"{replay['prompts']} prompts: " + ", ".join(
+            f"{k} {v['tau']:.2f}" for k, v in replay["paths"].items() if v["tau"] is not None)
     step.done(f"measured tau {taus}")
     return report, eval_dir
 
@@ -413,7 +431,8 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
         "estimated_tau": {k: (v.get("estimated") or {}).get("tau") for k, v in report["paths"].items()},
         "validation_tau": {k.split("/")[1]: v for k, v in last_validation(run_dir / "metrics.csv").items()
                            if k.endswith("/tau") and k.count("/") == 2},
-        "eval": {k: report[k] for k in ("prompts", "generated_tokens", "target_only", "paths", "temperatures")},
+        "eval": {k: report[k] for k in ("prompts", "generated_tokens", "target_only", "paths", "temperatures",
+                                        "replay") if k in report},
         "timings": rep.timings,
         "total_seconds": round(time.perf_counter() - started, 1),
         "machine": {"cpus": os.cpu_count(), "load_average_start": load_before, "load_average_end": load_average(),
@@ -479,6 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-samples", type=int, default=d.eval_samples,
                    help=f"evaluation generations per prompt at temperature > 0 (default {d.eval_samples})")
     p.add_argument("--eval-seed", type=int, default=d.eval_seed, help="seed of the sampled evaluation (default 0)")
+    p.add_argument("--eval-replay-prompts", type=int, default=d.eval_replay_prompts,
+                   help="held-out prompts of the T=0 replay (the measured tau, teacher-forced, on many more tokens "
+                        f"than the loop can afford; default {d.eval_replay_prompts}, 0 = off)")
+    p.add_argument("--eval-replay-max-new-tokens", type=int, default=d.eval_replay_max_new_tokens,
+                   help=f"tokens per replayed prompt (default {d.eval_replay_max_new_tokens})")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry, e.g. --set data.init_args.batch_size=4 (repeatable)")
@@ -504,7 +528,8 @@ def quickstart_main(argv: Sequence[str] | None = None) -> int:
         eval_max_new_tokens=args.eval_max_new_tokens,
         **({"eval_temperatures": args.eval_temperature} if args.eval_temperature else {}),
         eval_top_p=args.eval_top_p, eval_top_k=args.eval_top_k, eval_samples=args.eval_samples,
-        eval_seed=args.eval_seed, max_steps=args.max_steps, overrides=args.overrides,
+        eval_seed=args.eval_seed, eval_replay_prompts=args.eval_replay_prompts,
+        eval_replay_max_new_tokens=args.eval_replay_max_new_tokens, max_steps=args.max_steps, overrides=args.overrides,
         overwrite=args.overwrite, progress=not args.no_progress,
         threads=None if args.threads == "auto" else int(args.threads))
     summary = run_quickstart(opts)

@@ -103,6 +103,9 @@ def summary_text(s: dict[str, Any]) -> str:
         if orc.get("replayed_tau"):
             lines.append(f"  T={t:<4} tau top-{orc['top_k']} oracle {orc['replayed_tau']:.2f} (teacher-forced: right whenever the "
                          f"target's token is among the draft's top-{orc['top_k']}; the selector's ceiling)")
+    from dflash2_lightning.evaluate import replay_lines
+
+    lines += replay_lines(r.get("replay"), indent="  ")
     if r.get("temperatures"):
         lines.append("  [lo, hi]: 95% bootstrap interval over the evaluation prompts")
     val = s.get("validation_tau")

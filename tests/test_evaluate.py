@@ -9,7 +9,8 @@ import torch
 from speculative_helpers import BLOCK_SIZE, NEW_TOKENS, TARGET_SPEC, continuations, prompts, tiny_target, trained_draft
 
 from dflash2_lightning.checkpoint import save_draft
-from dflash2_lightning.evaluate import EstimateStats, evaluate_draft, eval_main, summary_lines, teacher_forced
+from dflash2_lightning.evaluate import (EstimateStats, evaluate_draft, eval_main, replay_eval, replay_summary,
+                                       summary_lines, teacher_forced)
 from dflash2_lightning.speculative import AcceptanceStats, speculative_generate
 
 # The trainer's estimate may differ from the measured τ by at most this fraction of the measured τ.
@@ -55,7 +56,7 @@ def test_eval_report_and_plot(tmp_path) -> None:
     draft_dir = save_draft(trained_draft("dflash2"), tmp_path / "draft", dtype=torch.float64)
     out = tmp_path / "eval"
     status = eval_main(["--draft", str(draft_dir), "--target", json.dumps(TARGET_SPEC), "--out", str(out),
-                        "--max-new-tokens", "12", "--max-prompts", "3", "--no-progress"])
+                        "--max-new-tokens", "12", "--max-prompts", "3", "--replay-prompts", "5", "--no-progress"])
     assert status == 0
     report = json.loads((out / "eval.json").read_text())
     assert report["prompts"] == 3 and report["block_size"] == BLOCK_SIZE
@@ -70,6 +71,9 @@ def test_eval_report_and_plot(tmp_path) -> None:
     png = (out / "acceptance.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert any("tau" in line for line in summary_lines(report))
+    replay = report["replay"]  # the T=0 replay on more prompts than the loop ran, at the same budget
+    assert replay["prompts"] == 5 and replay["max_new_tokens"] == 12 and set(replay["paths"]) == set(report["paths"])
+    assert all(r["tau"] >= 1.0 and len(r["accept"]) == BLOCK_SIZE - 1 for r in replay["paths"].values())
 
 
 def test_top_k_oracle_bounds_both_paths() -> None:
@@ -90,6 +94,56 @@ def test_top_k_oracle_bounds_both_paths() -> None:
     assert any(line.strip().startswith("oracle: tau") for line in summary_lines(report))
     with pytest.raises(Exception, match="oracle_top_k=0 is invalid"):
         evaluate_draft(draft, target, prompts()[:1], 4, progress=False, oracle_top_k=0)
+
+
+@pytest.mark.parametrize("projector", ["dflash2", "dflash"])
+def test_wide_replay_equals_the_measured_tau(projector: str) -> None:
+    """The replay decodes the prompts in batches (left-padded, several lengths) and replays the loop along
+    them: on the same prompts and budget its τ and per-offset acceptance are the loop's, exactly."""
+    target, draft = tiny_target(), trained_draft(projector)
+    measured = evaluate_draft(draft, target, prompts(), NEW_TOKENS, estimate=False, warmup=False, progress=False)
+    replay = replay_eval(draft, target, prompts(), NEW_TOKENS, batch_size=3, progress=False)
+    assert replay["prompts"] == len(prompts()) and replay["generated_tokens"] == measured["generated_tokens"]
+    assert set(replay["paths"]) == set(measured["paths"])
+    for name, r in replay["paths"].items():
+        m = measured["paths"][name]["measured"]
+        assert r["tau"] == pytest.approx(m["tau"], abs=1e-12), name
+        assert r["accept"] == pytest.approx(m["accept"], abs=1e-12), name
+        assert r["interval"][0] <= r["tau"] <= r["interval"][1] and r["interval"][0] < r["interval"][1]
+        # The same untruncated cycles (the loop's last, cut cycle is in neither τ).
+        assert r["cycles"] == sum(m["histogram"]) and r["accepted"] == sum(a * n for a, n in enumerate(m["histogram"]))
+        assert replay["oracle"]["tau"] >= r["tau"] - 1e-12  # a perfect pick among the top-k never does worse
+    assert any("replay at T=0" in line for line in summary_lines({**measured, "replay": replay}))
+
+
+def test_replay_summary_counts_cycles_and_offsets() -> None:
+    # Two prompts: cycles accepting 0, 3, 1 drafts and 2, 0 (block 4: 3 drafted positions).
+    r = replay_summary([[0, 3, 1], [2, 0]], block_size=4, resamples=200)
+    assert r["cycles"] == 5 and r["accepted"] == 6 and r["tau"] == pytest.approx(1 + 6 / 5)
+    assert r["accept"] == pytest.approx([3 / 5, 2 / 5, 1 / 5])  # P(>= 1), P(>= 2), P(3) per cycle
+    assert r["per_prompt_accepted"] == [4, 2] and r["per_prompt_cycles"] == [3, 2]
+    assert len(r["accept_interval"]) == 3 and r["interval"][0] <= r["tau"] <= r["interval"][1]
+    assert replay_summary([[]], block_size=4, resamples=10)["tau"] is None  # no full cycle: nothing to report
+
+
+def test_replay_options_are_checked_before_any_work(tmp_path) -> None:
+    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.evaluate import run_eval
+    from dflash2_lightning.prompts import EVAL_PROMPTS, read_prompts
+
+    held_out = len(read_prompts(EVAL_PROMPTS))
+    missing = tmp_path / "no-draft"  # never loaded: the options fail first
+    with pytest.raises(ConfigError, match=f"replay_prompts={held_out + 1} is invalid: .* holds only {held_out}"):
+        run_eval(missing, TARGET_SPEC, None, tmp_path / "out", replay_prompts=held_out + 1)
+    with pytest.raises(ConfigError, match="replay_prompts=-1 is invalid: must be >= 0"):
+        run_eval(missing, TARGET_SPEC, None, tmp_path / "out", replay_prompts=-1)
+    with pytest.raises(ConfigError, match="replay_max_new_tokens=0 is invalid"):
+        run_eval(missing, TARGET_SPEC, None, tmp_path / "out", replay_prompts=2, replay_max_new_tokens=0)
+    with pytest.raises(ConfigError, match="max_prompts=0 is invalid"):
+        run_eval(missing, TARGET_SPEC, None, tmp_path / "out", max_prompts=0)
+    with pytest.raises(ConfigError, match="replay batch_size=0 is invalid"):
+        replay_eval(trained_draft("dflash2"), tiny_target(), prompts()[:1], 4, batch_size=0)
+    assert not (tmp_path / "out").exists()
 
 
 def test_dflash_baseline_skips_the_selector_path() -> None:

@@ -40,7 +40,8 @@ def restore_torch_threads():
 def _tiny_argv(out: Path) -> list[str]:
     # One thread: tiny shapes gain nothing from more, and a shared CI box loses a lot to oversubscription.
     return ["--target", "tiny", "--out", str(out), "--threads", "1", "--num-prompts", "6", "--max-new-tokens", "16",
-            "--max-steps", "3", "--eval-prompts", "2", "--eval-max-new-tokens", "12", "--no-progress",
+            "--max-steps", "3", "--eval-prompts", "2", "--eval-max-new-tokens", "12", "--eval-replay-prompts", "4",
+            "--eval-replay-max-new-tokens", "10", "--no-progress",
             "--set", "data.init_args.seq_len=64", "--set", "data.init_args.batch_size=4",
             "--set", "trainer.enable_progress_bar=false"]
 
@@ -98,6 +99,10 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     assert oracle["top_k"] == shipped_model["selector_top_k"] and "oracle" not in report["temperatures"]["1"]
     assert f"top-{oracle['top_k']} oracle {oracle['replayed_tau']:.2f}" in printed
     assert str(hf) in printed and str(artifacts["eval report"]) in printed
+    replay = summary["eval"]["replay"]  # the T=0 replay on more held-out prompts: the narrow-interval tau
+    assert replay["prompts"] == 4 and replay["max_new_tokens"] == 10 and replay == report["replay"]
+    assert "replay at T=0 on 4 prompts" in printed
+    assert f"selector: tau {replay['paths']['selector']['tau']:.2f}" in printed
 
     # A re-run with the same settings regenerates nothing and trains nothing: it reuses the finished steps.
     responses_mtime = artifacts["responses"].stat().st_mtime_ns
@@ -208,6 +213,8 @@ def test_eval_sampling_options_are_checked_before_any_work():
     assert QuickstartOptions().eval_temperatures == [0.0, 1.0]
     for kwargs, field in [({"eval_temperatures": [1.0, 1.0]}, "eval_temperatures"),
                           ({"eval_temperatures": [-0.5]}, "eval_temperature"),
-                          ({"eval_top_p": 0.0}, "eval_top_p"), ({"eval_samples": 0}, "eval_samples")]:
+                          ({"eval_top_p": 0.0}, "eval_top_p"), ({"eval_samples": 0}, "eval_samples"),
+                          ({"eval_replay_prompts": -1}, "eval_replay_prompts=-1"),
+                          ({"eval_replay_max_new_tokens": 0}, "eval_replay_max_new_tokens=0")]:
         with pytest.raises(QuickstartError, match=field):
             QuickstartOptions(**kwargs)

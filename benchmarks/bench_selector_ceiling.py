@@ -1,7 +1,8 @@
 """The selector's ceiling: how much of the top-k oracle's lead over the backbone argmax the walk takes.
 
     python benchmarks/bench_selector_ceiling.py --drafts runs/recipe/selector_drop/train/hf,runs/recipe/shipped_dflash/train/hf
-        [--base runs/recipe/shipped_dflash/train/hf] [--prompts 32] [--max-new-tokens 96] [--threads 2]
+        [--base runs/recipe/shipped_dflash/train/hf] [--prompts 32] [--max-new-tokens 96] [--batched]
+        [--results benchmarks/results/selector_ceiling.json] [--threads 2]
 
 For every trained draft, on the same held-out prompts and the target's own greedy outputs (decoded once
 for all drafts), the teacher-forced replay of :func:`dflash2_lightning.evaluate.teacher_forced` at the
@@ -13,8 +14,9 @@ cycle starts of the speculative loop, for three ways to pick the drafted tokens:
   ``top_k``, 8 for a DFlash draft): the τ a perfect selector over these candidates would reach.
 
 Each τ has a 95% bootstrap interval over prompts; ``gap_closed`` is (selector - backbone) / (oracle -
-backbone); with ``--base``, every path's accepted drafts are paired per prompt against the base draft's
-best path. A draft costs one target-and-draft forward per prompt, about a minute on 2 cores, against ~10
+backbone); with ``--base``, every path's accepted drafts and its τ are paired per prompt against the base
+draft's best path (``vs_base``: the ratio of accepted drafts, and ``tau_ratio``, the τ ratio, each with its
+interval, prompts resampled together). A draft costs one target-and-draft forward per prompt, about a minute on 2 cores, against ~10
 for the measured evaluation of both paths. Results merge by draft into
 ``benchmarks/results/selector_ceiling.json``. Not a test.
 """
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from dflash2_lightning.intervals import paired_ratio_interval
+from dflash2_lightning.intervals import paired_ratio_interval, paired_tau_ratio_interval
 from record import load_average, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selector_ceiling.json"
@@ -42,12 +44,15 @@ def main() -> None:
     p.add_argument("--target", default="smollm2", help="the target, as `dflash2 eval --target` takes it")
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="target tokens per prompt (default 96)")
+    p.add_argument("--batched", action="store_true",
+                   help="decode the target's outputs in batches (~10x faster than one stream; what `dflash2 eval "
+                        "--replay-prompts` does) instead of one prompt at a time (the loop's own reference)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--results", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from dflash2_lightning.checkpoint import load_draft
-    from dflash2_lightning.evaluate import replay_lengths, replay_summary
+    from dflash2_lightning.evaluate import greedy_outputs, replay_lengths, replay_summary
     from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.regen import target_spec_from_arg
     from dflash2_lightning.speculative import target_greedy
@@ -57,7 +62,8 @@ def main() -> None:
     target = load_target(target_spec_from_arg(args.target))
     prompts = [encode_prompt(target.tokenizer, m) for m in read_prompts(EVAL_PROMPTS, args.prompts)]
     stop = list(getattr(target, "eos_token_ids", []))
-    outputs = [target_greedy(target, q, args.max_new_tokens, stop).tokens for q in prompts]
+    outputs = (greedy_outputs(target, prompts, args.max_new_tokens, stop) if args.batched else
+               [target_greedy(target, q, args.max_new_tokens, stop).tokens for q in prompts])
     drafts = [d for d in args.drafts.split(",") if d]
     if args.base and args.base not in drafts:
         drafts.append(args.base)
@@ -84,17 +90,29 @@ def main() -> None:
             if d != args.base:
                 rows[d]["vs_base"] = {path: {"base": f"{args.base} ({best})",
                                              **paired_ratio_interval(r["per_prompt_accepted"],
-                                                                     base[best]["per_prompt_accepted"])}
+                                                                     base[best]["per_prompt_accepted"]),
+                                             "tau_ratio": paired_tau_ratio_interval(
+                                                 r["per_prompt_accepted"], r["per_prompt_cycles"],
+                                                 base[best]["per_prompt_accepted"], base[best]["per_prompt_cycles"])}
                                       for path, r in replays[d].items()}
+                print(f"{d} vs {args.base}: " + ", ".join(
+                    f"{path} tau ratio {v['tau_ratio']['ratio']:.3f} [{v['tau_ratio']['interval'][0]:.3f}, "
+                    f"{v['tau_ratio']['interval'][1]:.3f}], accepted drafts {v['ratio']:.2f}x"
+                    for path, v in rows[d]["vs_base"].items()), flush=True)
     run = {"command": f"python benchmarks/bench_selector_ceiling.py --drafts {args.drafts}"
-                      + (f" --base {args.base}" if args.base else "") + f" --threads {args.threads}",
+                      + (f" --base {args.base}" if args.base else "")
+                      + (f" --prompts {args.prompts}" if args.prompts != 32 else "")
+                      + (" --batched" if args.batched else "")
+                      + (f" --results {args.results}" if args.results != RESULTS else "")
+                      + f" --threads {args.threads}",
            "machine": machine(args.threads, load_before)}
     for row in rows.values():
         row["run"] = run  # rows from several runs merge into one file: each keeps its own command and load
     old = json.loads(args.results.read_text()) if args.results.is_file() else {}
     old.setdefault("rows", {}).update(rows)
     old.update(prompts=args.prompts, max_new_tokens=args.max_new_tokens, target=args.target,
-               generated_tokens=sum(len(o) for o in outputs))
+               generated_tokens=sum(len(o) for o in outputs),
+               outputs="batched greedy" if args.batched else "greedy, one prompt at a time")
     write_json(args.results, old)
 
 

@@ -425,6 +425,24 @@ def replay_summary(lengths: Sequence[Sequence[int]], block_size: int, resamples:
             "per_prompt_accepted": [int(sum(x)) for x in lengths], "per_prompt_cycles": [len(x) for x in lengths]}
 
 
+def greedy_outputs(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Sequence[int],
+                   batch_size: int = 96) -> list[list[int]]:
+    """The target's greedy continuations of ``prompts`` (up to and including a stop token), decoded in
+    batches of ``batch_size`` prompts of similar length (little padding)."""
+    from dflash2_lightning.generate import generate
+
+    hf = target_handles(target).hf
+    pad = getattr(getattr(target, "tokenizer", None), "pad_token_id", None)
+    pad = pad if pad is not None else (stop[0] if stop else 0)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for lo in range(0, len(order), batch_size):
+        rows = order[lo:lo + batch_size]
+        for i, out in zip(rows, generate(hf, [prompts[i] for i in rows], max_new_tokens, list(stop), pad)):
+            outputs[i] = out
+    return outputs
+
+
 def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 stop_token_ids: Sequence[int] | None = None, batch_size: int = 96, resamples: int = RESAMPLES,
                 seed: int = 0, oracle_top_k: int | None = None, progress: bool = True) -> dict[str, Any]:
@@ -440,7 +458,6 @@ def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]]
     import time
 
     from dflash2_lightning.config import ConfigError
-    from dflash2_lightning.generate import generate
 
     if not prompts:
         raise ConfigError("replay prompts is empty: need at least one prompt to replay")
@@ -448,18 +465,10 @@ def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]]
         raise ConfigError(f"replay max_new_tokens={max_new_tokens} is invalid: must be >= 1")
     if batch_size < 1:
         raise ConfigError(f"replay batch_size={batch_size} is invalid: must be >= 1")
-    t = target_handles(target)
-    draft = draft.to(t.hf.device).eval()
+    draft = draft.to(target_handles(target).hf.device).eval()
     stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
-    pad = getattr(getattr(target, "tokenizer", None), "pad_token_id", None)
-    pad = pad if pad is not None else (stop[0] if stop else 0)
     start = time.perf_counter()
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: little padding
-    outputs: list[list[int]] = [[] for _ in prompts]
-    for lo in range(0, len(order), batch_size):
-        rows = order[lo:lo + batch_size]
-        for i, out in zip(rows, generate(t.hf, [prompts[i] for i in rows], max_new_tokens, stop, pad)):
-            outputs[i] = out
+    outputs = greedy_outputs(target, prompts, max_new_tokens, stop, batch_size)
     generated = time.perf_counter() - start
     k = oracle_top_k or default_oracle_top_k(draft)
     lengths = replay_lengths(draft, target, prompts, outputs, k, progress)

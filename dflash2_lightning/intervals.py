@@ -103,3 +103,24 @@ def paired_ratio_interval(ours: Sequence[float], base: Sequence[float], resample
     return {"ratio": float(a.sum() / b.sum()) if b.sum() else None, "interval": percentile_bounds(ratios, level),
             "prompts_better": int((a > b).sum()), "prompts_worse": int((a < b).sum()),
             "level": level, "resamples": resamples, "seed": seed, "unit": "prompt"}
+
+
+def paired_tau_ratio_interval(accepted: Sequence[float], cycles: Sequence[float], base_accepted: Sequence[float],
+                              base_cycles: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL,
+                              seed: int = 0) -> dict[str, Any]:
+    """``tau(ours) / tau(base)`` with ``tau = 1 + sum(accepted) / sum(cycles)`` over prompts, and its
+    percentile interval, prompts resampled *together* (two drafts on the same prompts and outputs).
+
+    Returns ``{"ratio", "interval": [lo, hi], "level", "resamples", "seed", "unit": "prompt"}``.
+    """
+    arrays = [np.asarray(x, dtype=np.float64) for x in (accepted, cycles, base_accepted, base_cycles)]
+    if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1 or arrays[0].size == 0:
+        raise ValueError("paired_tau_ratio_interval needs four equal, non-empty per-prompt lists "
+                         f"(got {[a.size for a in arrays]})")
+    a, c, ba, bc = arrays
+    weights = resample_weights(a.size, resamples, seed)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = (1.0 + (weights @ a) / (weights @ c)) / (1.0 + (weights @ ba) / (weights @ bc))
+    ratio = (1.0 + a.sum() / c.sum()) / (1.0 + ba.sum() / bc.sum()) if c.sum() and bc.sum() else None
+    return {"ratio": float(ratio) if ratio is not None else None, "interval": percentile_bounds(ratios, level),
+            "level": level, "resamples": resamples, "seed": seed, "unit": "prompt"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash2_lightning.intervals import bootstrap_intervals, paired_ratio_interval
+from dflash2_lightning.intervals import bootstrap_intervals, paired_ratio_interval, paired_tau_ratio_interval
 
 
 def _prompts(n: int, seed: int) -> tuple[list[list[int]], list[float], list[float]]:
@@ -68,3 +68,19 @@ def test_paired_ratio_interval():
     assert lo < mixed["ratio"] < hi and mixed["prompts_better"] == 3 and mixed["prompts_worse"] == 1
     with pytest.raises(ValueError, match="equal, non-empty"):
         paired_ratio_interval([1, 2], [1])
+
+
+def test_paired_tau_ratio_interval():
+    accepted, cycles = [3, 10, 1, 7, 5, 2], [10, 12, 9, 11, 10, 8]
+    same = paired_tau_ratio_interval(accepted, cycles, accepted, cycles)
+    assert same["ratio"] == 1.0 and same["interval"] == [1.0, 1.0]  # pairing: every resample gives exactly 1
+    more = [a + 2 for a in accepted]  # two more accepted drafts on every prompt, same cycles
+    r = paired_tau_ratio_interval(more, cycles, accepted, cycles)
+    assert r["ratio"] == pytest.approx((1 + sum(more) / sum(cycles)) / (1 + sum(accepted) / sum(cycles)))
+    lo, hi = r["interval"]
+    assert 1.0 < lo <= r["ratio"] <= hi  # better on every prompt: the whole interval lies above 1
+    # tau counts the constant 1: a 1.22x ratio of accepted drafts is a much smaller tau ratio
+    assert r["ratio"] < paired_ratio_interval(more, accepted)["ratio"]
+    with pytest.raises(ValueError, match="four equal, non-empty"):
+        paired_tau_ratio_interval([1, 2], [3, 4], [1], [3])
+    assert bootstrap_intervals([[2, 1, 0, 1]], resamples=5)["tokens_per_second"] is None  # no timings given

@@ -465,6 +465,8 @@ def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]]
         raise ConfigError(f"replay max_new_tokens={max_new_tokens} is invalid: must be >= 1")
     if batch_size < 1:
         raise ConfigError(f"replay batch_size={batch_size} is invalid: must be >= 1")
+    if oracle_top_k is not None and oracle_top_k < 1:
+        raise ConfigError(f"oracle_top_k={oracle_top_k} is invalid: must be >= 1 (candidates per position)")
     draft = draft.to(target_handles(target).hf.device).eval()
     stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
     start = time.perf_counter()

@@ -586,7 +586,8 @@ def _blocks(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
     """PNG: measured ``accept_k`` per path and temperature with its 95% band (the trainer's greedy
-    estimate dashed), τ per temperature with its interval, and the accepted-length histogram."""
+    estimate dashed), τ per temperature with its interval (and the T=0 replay's, when the report has
+    one), and the accepted-length histogram."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -631,12 +632,22 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
         total = max(sum(hist), 1)
         xs = [a + (j - (len(names) - 1) / 2) * width for a in range(len(hist))]
         right.bar(xs, [h / total for h in hist], width=width, color=colors.get(name), label=name)
+    replay = report.get("replay")
+    ticks = [f"T={b['temperature']:g}" for b in blocks]
+    if replay:  # the T=0 replay's tau beside the loop's: the same quantity on more prompts
+        ticks.append(f"T=0 replay\n{replay['prompts']} prompts")
+        for j, name in enumerate(names):
+            r = replay["paths"].get(name)
+            if r and r["tau"] is not None and r["interval"][0] is not None:
+                middle.errorbar([len(blocks) + (j - (len(names) - 1) / 2) * width], [r["tau"]],
+                                yerr=[[r["tau"] - r["interval"][0]], [r["interval"][1] - r["tau"]]],
+                                fmt="D", capsize=4, color=colors.get(name))
     if report.get("llama.cpp"):
         spec = report["llama.cpp"]["speculative"]
         left.plot(range(1, len(spec["accept"]) + 1), spec["accept"], "-s", ms=4, color="tab:green",
                   label=f"llama.cpp measured (τ {spec['tau']:.2f})")
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
-    middle.set_xticks(range(len(blocks)), [f"T={b['temperature']:g}" for b in blocks])
+    middle.set_xticks(range(len(ticks)), ticks)
     left.set(xlabel="block offset k", ylabel="P(offsets 1..k accepted)", ylim=(0, 1.02),
              title="acceptance curve (band: 95% bootstrap over prompts)")
     middle.set(ylabel="τ (tokens per verify step)", title="τ by temperature, 95% interval")

@@ -24,6 +24,10 @@ for a DFlash draft unless ``oracle_top_k`` says otherwise). It is the τ of a se
 picked right among the candidates it is given: how much of the gap between the backbone argmax and
 that ceiling the selector walk closes says whether the selector or the candidates limit DFlash2.
 
+With ``replay_prompts`` the report also has the **T=0 replay** (``replay``, :func:`replay_eval`): the target
+decodes more held-out prompts greedily in batches and the loop's cycles are replayed along those outputs,
+which gives the loop's τ exactly on many more tokens than the sequential loop can afford (a narrow interval).
+
 Why the estimate and the measurement differ (and the replay does not):
 
 * anchors: the loop starts a cycle only right after a rejection (or a fully accepted block), the

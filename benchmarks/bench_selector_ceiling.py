@@ -16,7 +16,8 @@ cycle starts of the speculative loop, for three ways to pick the drafted tokens:
 Each τ has a 95% bootstrap interval over prompts; ``gap_closed`` is (selector - backbone) / (oracle -
 backbone); with ``--base``, every path's accepted drafts and its τ are paired per prompt against the base
 draft's best path (``vs_base``: the ratio of accepted drafts, and ``tau_ratio``, the τ ratio, each with its
-interval, prompts resampled together). A draft costs one target-and-draft forward per prompt, about a minute on 2 cores, against ~10
+interval, prompts resampled together). A draft costs one target-and-draft forward per prompt, about a minute
+on 2 cores, against ~10
 for the measured evaluation of both paths. Results merge by draft into
 ``benchmarks/results/selector_ceiling.json``. Not a test.
 """

@@ -257,14 +257,9 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     """
     from dflash2_lightning.config import ConfigError
 
-    if not prompts:
-        raise ConfigError("prompts is empty: need at least one prompt to evaluate")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    _check_inputs(prompts, max_new_tokens, oracle_top_k, "evaluate")
     if samples < 1:
         raise ConfigError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
-    if oracle_top_k is not None and oracle_top_k < 1:
-        raise ConfigError(f"oracle_top_k={oracle_top_k} is invalid: must be >= 1 (candidates per position)")
     temps = [float(t) for t in temperatures]
     if not temps or len(set(temps)) != len(temps):
         raise ConfigError(f"temperatures={temps} is invalid: need at least one, without repeats")
@@ -316,6 +311,19 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
         "notes": notes,
     }
     return report
+
+
+def _check_inputs(prompts: Sequence[Sequence[int]], max_new_tokens: int, oracle_top_k: int | None,
+                  verb: str) -> None:
+    """The checks every evaluation (the loop's, the replay's) makes before any work."""
+    from dflash2_lightning.config import ConfigError
+
+    if not prompts:
+        raise ConfigError(f"prompts is empty: need at least one prompt to {verb}")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    if oracle_top_k is not None and oracle_top_k < 1:
+        raise ConfigError(f"oracle_top_k={oracle_top_k} is invalid: must be >= 1 (candidates per position)")
 
 
 def _temperature_key(t: float) -> str:
@@ -463,14 +471,9 @@ def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]]
 
     from dflash2_lightning.config import ConfigError
 
-    if not prompts:
-        raise ConfigError("replay prompts is empty: need at least one prompt to replay")
-    if max_new_tokens < 1:
-        raise ConfigError(f"replay max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    _check_inputs(prompts, max_new_tokens, oracle_top_k, "replay")
     if batch_size < 1:
         raise ConfigError(f"replay batch_size={batch_size} is invalid: must be >= 1")
-    if oracle_top_k is not None and oracle_top_k < 1:
-        raise ConfigError(f"oracle_top_k={oracle_top_k} is invalid: must be >= 1 (candidates per position)")
     draft = draft.to(target_handles(target).hf.device).eval()
     stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
     start = time.perf_counter()

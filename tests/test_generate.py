@@ -106,3 +106,52 @@ def test_regen_with_sampled_responses(tmp_path) -> None:
     assert again.read_bytes() == out.read_bytes()
     with pytest.raises(ValueError, match="temperature"):
         regen(target, prompts, tmp_path / "x.jsonl", 8, 4, progress=False, sampled=1, sampling=Sampling())
+
+
+def _tiny_family(family: str) -> torch.nn.Module:
+    """A tiny random float64 causal LM of one family, on the tiny tokenizer's 512 ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    geometry = dict(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM(LlamaConfig(**geometry)) if family == "llama"
+             else Qwen3ForCausalLM(Qwen3Config(**geometry)))
+    return model.to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("temperature", [0.0, 2.0])
+def test_static_cache_loop_equals_the_transformers_loop(family, temperature) -> None:
+    """Same tokens from the static-cache loop and transformers' own cache, left padding and early eos included."""
+    import dflash2_lightning.generate as gen
+
+    hf = _tiny_family(family)
+    assert gen.static_cache_supported(hf)
+    target = tiny_target()
+    prompts = _prompts(target, 7)
+    sampling = Sampling(temperature=temperature) if temperature else Sampling()
+    seeds = list(range(7))
+    # eos ids taken from the rows' own outputs at different steps: rows end one by one, so finished rows ride
+    # along and are dropped in groups.
+    free = generate(hf, prompts, 24, [511], 0, sampling, seeds)
+    eos = sorted({free[row][2 + 3 * row] for row in range(0, 7, 2)})
+    static = generate(hf, prompts, 24, eos, 0, sampling, seeds, static_cache=True)
+    reference = generate(hf, prompts, 24, eos, 0, sampling, seeds, static_cache=False)
+    assert static == reference
+    lengths = {len(t) for t in static}
+    assert len(lengths) > 2 and max(lengths) == 24  # some rows stopped early, at different steps
+
+
+def test_unsupported_layouts_use_the_transformers_loop() -> None:
+    import dflash2_lightning.generate as gen
+
+    hf = _tiny_family("qwen3")
+    hf.config.use_sliding_window = True
+    assert not gen.static_cache_supported(hf)
+    hf.config.use_sliding_window = False
+    hf.config.model_type = "gemma3"
+    assert not gen.static_cache_supported(hf)
+    with pytest.raises(ValueError, match="static_cache=True is not supported for model_type='gemma3'"):
+        generate(hf, [[1, 2, 3]], 2, [0], 0, static_cache=True)
+    assert len(generate(hf, [[1, 2, 3]], 2, [511], 0)[0]) == 2  # the transformers loop takes over

@@ -183,3 +183,56 @@ def verify(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | No
         residual = residual / total if total > 0 else p[i]
         return i, int(draw(residual, generator))
     return length, int(draw(p[length], generator))
+
+
+# Candidates per row that :func:`draw_rows` sorts: a top-p nucleus of a trained LM at T <= 1 almost always lies
+# inside them; rows whose nucleus does not fall back to the full sort.
+ROW_CANDIDATES = 256
+
+
+def draw_rows(scores: Tensor, sampling: Sampling, generators: list[torch.Generator | None],
+              uniforms: Tensor | None = None) -> Tensor:
+    """One token per row of ``scores [B, V]`` from ``probabilities(scores, sampling)``, row ``i`` by ``generators[i]``.
+
+    A batched inverse-CDF draw (one uniform per row from its own generator), for generation's large batches,
+    where a full-vocabulary sort and a ``multinomial`` per row cost more than the model's forward. A top-k /
+    top-p cut is computed from each row's :data:`ROW_CANDIDATES` most likely tokens; a row whose nucleus
+    (or a tie at the cut) reaches past them takes the full :func:`probabilities`. The kept tokens and their
+    probabilities are those of :func:`probabilities` (up to rounding); the draws are not ``multinomial``'s.
+    ``uniforms [B]`` in ``[0, 1)`` replaces the generators' draws (tests).
+    """
+    if sampling.greedy:
+        raise ValueError("temperature=0 is greedy decoding: there is no sampling distribution to draw from")
+    rows, vocab = scores.shape
+    if uniforms is None:
+        uniforms = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    uniforms = uniforms.to(torch.float64)
+    out = torch.empty(rows, dtype=torch.long)
+    limit = sampling.top_k if 0 < sampling.top_k < vocab else vocab  # tokens top-k leaves
+    width = min(limit, ROW_CANDIDATES)
+    full = torch.ones(rows, dtype=torch.bool)
+    if (sampling.top_p < 1 or limit == width) and width < vocab:  # a cut the candidates may hold
+        x = scores.to(torch.promote_types(scores.dtype, torch.float32)) / sampling.temperature
+        values, index = torch.topk(x, width + 1, dim=-1)  # one more: to see a tie at the cut
+        probs = torch.exp(values[:, :width] - torch.logsumexp(x, dim=-1, keepdim=True)).double()
+        if limit == width:  # top-k inside the candidates: renormalise over them, as probabilities() does
+            probs = probs / probs.sum(-1, keepdim=True)
+        keep = probs.cumsum(-1) - probs < sampling.top_p  # the mass ranked before a token is below top_p
+        kept = keep.sum(-1)  # >= 1: nothing is ranked before the first token
+        # The cut lies inside the candidates (or is the top-k itself), and the first cut token is strictly
+        # less likely than the last kept one (a tie there is the full stable sort's to break).
+        inside = (kept < width) | (limit == width)
+        untied = values.gather(-1, kept[:, None]) < values.gather(-1, (kept - 1)[:, None])
+        ok = inside & untied.squeeze(-1)
+        cdf = torch.where(keep, probs, torch.zeros_like(probs)).cumsum(-1)
+        pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        pick = torch.minimum(pick, kept - 1)  # a uniform lost in rounding past the last kept token
+        out[ok] = index.gather(-1, pick[:, None]).squeeze(-1)[ok]
+        full = ~ok
+    if bool(full.any()):
+        probs = probabilities(scores[full], sampling).double()
+        cdf = probs.cumsum(-1)
+        pick = torch.searchsorted(cdf, (uniforms[full] * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        last_kept = vocab - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
+        out[full] = torch.minimum(pick, last_kept)
+    return out

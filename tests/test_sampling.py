@@ -43,7 +43,7 @@ import dflash2_lightning.sampling as sampling_mod
 import dflash2_lightning.speculative as spec
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.sampling import (Sampling, probabilities, sample_backbone, sample_selector_walk,
+from dflash2_lightning.sampling import (Sampling, draw_rows, probabilities, sample_backbone, sample_selector_walk,
                                         verify)
 from dflash2_lightning.speculative import TorchDrafter, speculative_generate, target_sample
 
@@ -510,3 +510,40 @@ def test_verify_test_catches_the_residual_bug() -> None:
     """Negative control for the statistical test of :func:`verify` (same sizes as that test)."""
     samples, exact, _ = _verify_samples("dense", _resample_from_p)
     assert law_failures(samples, exact)
+
+
+def _grid_law(scores: torch.Tensor, settings: Sampling, points: int = 20000, chunk: int = 500) -> torch.Tensor:
+    """The law ``draw_rows`` gives each row under ``points`` evenly spread uniforms: [rows, V] frequencies."""
+    rows, vocab = scores.shape
+    counts = torch.zeros(rows, vocab, dtype=torch.float64)
+    grid = (torch.arange(points, dtype=torch.float64) + 0.5) / points
+    for u in grid.split(chunk):  # every row under every uniform of the chunk, in one call
+        picks = draw_rows(scores.repeat(len(u), 1), settings, [None] * (rows * len(u)),
+                          uniforms=u.repeat_interleave(rows))
+        counts.index_put_((torch.arange(rows).repeat(len(u)), picks), torch.ones(len(picks), dtype=torch.float64),
+                          accumulate=True)
+    return counts / points
+
+
+@pytest.mark.parametrize("settings", [Sampling(0.8, 0.95), Sampling(1.0, 0.5), Sampling(0.7, 1.0, 20),
+                                      Sampling(1.0, 0.9, 300), Sampling(1.3)])
+def test_batched_row_draws_follow_the_processed_law(settings, monkeypatch) -> None:
+    """draw_rows keeps exactly probabilities()' tokens and draws them with its probabilities (to 1 / grid)."""
+    monkeypatch.setattr(sampling_mod, "ROW_CANDIDATES", 32)  # small enough that the flat rows overflow it
+    torch.manual_seed(0)
+    peaked = torch.randn(3, 1000) * 4  # nucleus inside the 32 candidates
+    flat = torch.randn(2, 1000) * 0.1  # nucleus far past them: the full-sort path
+    tied = torch.randn(2, 1000).to(torch.bfloat16).float() * 3  # bf16 logits: ties, some at the cut
+    tied[:, :40] = tied[:, :40].max()  # a tie group straddling the top-k and top-p cuts
+    scores = torch.cat([peaked, flat, tied])
+    want = probabilities(scores, settings)
+    got = _grid_law(scores, settings)
+    assert ((got > 0) <= (want > 0)).all()  # never a token probabilities() cuts
+    assert (got - want).abs().max() < 2e-4  # 1 / 20000 per grid step, a few steps of rounding
+    # With real generators: one draw per row, seeded per row, independent of the batch it shares.
+    gens = [torch.Generator().manual_seed(i) for i in range(len(scores))]
+    first = draw_rows(scores, settings, gens)
+    alone = torch.stack([draw_rows(scores[i:i + 1], settings, [torch.Generator().manual_seed(i)])[0]
+                         for i in range(len(scores))])
+    assert torch.equal(first, alone)
+    assert (want.gather(1, first[:, None]) > 0).all()

@@ -107,7 +107,8 @@ def rows_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     while ``W @ x.T`` streams the weight once, split over the threads. Measured on SmolLM2-135M, 2 cores:
     its 49152 x 576 head on 4 rows 18 -> 5 ms; a whole 4-token verify pass 86-93 -> 54-69 ms, about the
     cost of a 1-token step, which is what makes speculative decoding pay off on a CPU (1 thread: no
-    change). ``W @ x.T`` with a row count that is not a multiple of 8 falls off BLAS's fast kernels above
+    change). On another 2-core host (AMX) the stock kernel is the faster one, so :class:`RowsFirstLinear`
+    takes this path only where :func:`rows_first_pays`. ``W @ x.T`` with a row count that is not a multiple of 8 falls off BLAS's fast kernels above
     8 rows (15 rows: 50 vs 28 ms on the head), so 9..64 rows are padded with zero rows to a multiple of 8.
     One row (a GEMV either way) and training's hundreds take the stock path. Differentiable.
     """
@@ -124,11 +125,49 @@ def rows_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+# Which kernel wins for a few rows differs between CPUs: measured on SmolLM2's shapes, W @ x.T was 1.7-3.6x faster
+# than x @ W.T at 4 rows on one 2-core host and 1.5-2.3x slower on another. So it is timed, not assumed.
+ROWS_FIRST_ENV = "DFLASH2_ROWS_FIRST"  # "1" / "0": always / never (reproducible kernels); unset: timed
+ROWS_FIRST_MARGIN = 1.15  # rows-first must win by this factor (a near tie keeps the stock kernel)
+_ROW_BUCKETS = (8, 16, 32, SMALL_ROWS)
+_rows_first_choice: dict[tuple[Any, ...], bool] = {}
+
+
+def rows_first_pays(weight: torch.Tensor, rows: int) -> bool:
+    """Whether :func:`rows_first_linear` beats ``F.linear`` for ``rows`` rows of ``weight`` on this machine.
+
+    Timed once per (dtype, weight shape, row bucket, torch threads) on random rows (a few matmuls, best of
+    three each) and remembered for the process; ``DFLASH2_ROWS_FIRST=1`` or ``0`` decides without timing.
+    """
+    forced = os.environ.get(ROWS_FIRST_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    bucket = next(b for b in _ROW_BUCKETS if rows <= b)
+    key = (weight.dtype, tuple(weight.shape), bucket, torch.get_num_threads())
+    if key not in _rows_first_choice:
+        import time
+
+        with torch.no_grad():
+            x = torch.randn(bucket, weight.shape[1], dtype=weight.dtype)
+            best = {"stock": float("inf"), "rows_first": float("inf")}
+            for _ in range(3):  # interleaved, so a burst of load hits both
+                for name, fn in (("stock", torch.nn.functional.linear), ("rows_first", rows_first_linear)):
+                    start = time.perf_counter()
+                    fn(x, weight)
+                    best[name] = min(best[name], time.perf_counter() - start)
+        _rows_first_choice[key] = best["rows_first"] * ROWS_FIRST_MARGIN < best["stock"]
+    return _rows_first_choice[key]
+
+
 class RowsFirstLinear(nn.Linear):
-    """An ``nn.Linear`` whose forward is :func:`rows_first_linear` (same parameters, same state dict)."""
+    """An ``nn.Linear`` whose few-row products take :func:`rows_first_linear` where it pays (same parameters,
+    same state dict; :func:`rows_first_pays` decides per shape on this machine)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rows_first_linear(x, self.weight, self.bias)
+        rows = x.numel() // max(x.shape[-1], 1)
+        if x.device.type == "cpu" and 1 < rows <= SMALL_ROWS and rows_first_pays(self.weight, rows):
+            return rows_first_linear(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 def use_rows_first_linears(model: nn.Module) -> nn.Module:

@@ -140,6 +140,28 @@ def test_rows_first_linear_equals_linear(rows, bias):
     torch.testing.assert_close(grad, layer.weight.sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("forced", ["0", "1", ""])
+def test_the_few_row_kernel_is_the_faster_one_or_the_forced_one(forced, monkeypatch):
+    monkeypatch.setenv(target_mod.ROWS_FIRST_ENV, forced)
+    monkeypatch.setattr(target_mod, "_rows_first_choice", {})
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 160)
+    layer.__class__ = RowsFirstLinear
+    x = torch.randn(4, 96)
+    got = layer(x)
+    stock = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    rows_first = rows_first_linear(x, layer.weight, layer.bias)
+    if forced:
+        assert torch.equal(got, rows_first if forced == "1" else stock) and not target_mod._rows_first_choice
+    else:  # timed once for this shape, dtype, bucket and thread count, then reused
+        (key, choice), = target_mod._rows_first_choice.items()
+        assert key == (torch.float32, (160, 96), 8, torch.get_num_threads())
+        assert torch.equal(got, rows_first if choice else stock)
+        target_mod._rows_first_choice[key] = not choice  # the remembered choice is what runs next time
+        assert torch.equal(layer(x), stock if choice else rows_first)
+    assert torch.equal(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))  # one row: stock
+
+
 def test_every_target_linear_takes_the_rows_first_path(tiny):
     linears = [m for m in tiny.hf.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is RowsFirstLinear for m in linears)

@@ -317,6 +317,9 @@ class DraftDataModule(pl.LightningDataModule):
         max_samples: read at most this many records from the training files (and from ``val_files``).
         feature_dtype: on-disk dtype of offline features, ``float16`` (default) or ``float32``.
         feature_device: device that computes offline features (default: ``cuda`` when available, else ``cpu``).
+        feature_autocast: ``"bf16"`` computes offline features and target logits under bfloat16 autocast
+            (~2.5x faster on a CPU with AMX, the target's matmuls rounded to bf16 as ``bf16-mixed``
+            training rounds the draft's); ``"none"`` (default) in the target's own dtype.
         cache_verify: how an offline cache is checked when opened: ``"auto"``, ``"full"`` or ``"sampled"``
             (see the module docstring: every byte up to 4 GiB, sampled blocks above).
     """
@@ -339,6 +342,7 @@ class DraftDataModule(pl.LightningDataModule):
         max_samples: int | None = None,
         feature_dtype: Literal["float16", "float32"] = "float16",
         feature_device: str | None = None,
+        feature_autocast: Literal["none", "bf16"] = "none",
         shuffle_seed: int = 0,
         cache_verify: Literal["auto", "full", "sampled"] = "auto",
     ) -> None:
@@ -359,6 +363,8 @@ class DraftDataModule(pl.LightningDataModule):
         _check(num_workers >= 0, "num_workers", num_workers, ">= 0")
         _check(max_samples is None or max_samples >= 1, "max_samples", max_samples, "None or >= 1")
         _check(feature_dtype in ("float16", "float32"), "feature_dtype", feature_dtype, "'float16' or 'float32'")
+        _check(feature_autocast in ("none", "bf16"), "feature_autocast", feature_autocast, "'none' or 'bf16'")
+        self.feature_autocast = feature_autocast
         for name, files in (("train_files", train_files), ("val_files", val_files)):
             _check(files is None or (isinstance(files, list) and len(files) > 0), name, files,
                    "None or a non-empty list of jsonl paths")
@@ -457,6 +463,8 @@ class DraftDataModule(pl.LightningDataModule):
             "seq_len": self.seq_len,
             "teacher_top_k": self.teacher_top_k,
             "feature_dtype": self.feature_dtype,
+            # only when set: caches built before the option keep their names
+            **({"feature_autocast": self.feature_autocast} if self.feature_autocast != "none" else {}),
             "data": self._data_fingerprint(),
             "info": {"target": dataclasses.asdict(self.target), "train_files": self.train_files,
                      "val_files": self.val_files},
@@ -540,7 +548,8 @@ class DraftDataModule(pl.LightningDataModule):
                 length = max(int(attn.sum(1).max()), 1)  # right padding: positions past it never matter
                 ids = torch.from_numpy(arrays["input_ids"][rows, :length]).long().to(device)
                 am = torch.from_numpy(attn[:, :length]).to(device)
-                res = tgt.features(ids, am, layer_ids)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.feature_autocast == "bf16"):
+                    res = tgt.features(ids, am, layer_ids)
                 valid = am.unsqueeze(-1)
                 feats = (res.features.float() * valid).cpu().numpy().astype(self.feature_dtype)
                 if not np.isfinite(feats).all():

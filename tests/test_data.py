@@ -224,6 +224,23 @@ def test_float16_features_are_close_and_memory_mapped(tmp_path):
     torch.testing.assert_close(row["features"][valid], out.features[0][valid], rtol=2e-3, atol=2e-3)
 
 
+def test_bf16_autocast_features_are_their_own_cache_and_close(tmp_path):
+    exact = offline(tmp_path, feature_dtype="float32", cache_dir=None)
+    fast = offline(tmp_path, feature_dtype="float32", feature_autocast="bf16", cache_dir=None)
+    assert fast.manifest()["feature_autocast"] == "bf16" and "feature_autocast" not in exact.manifest()
+    assert fast.cache_path() != exact.cache_path()  # never mistaken for the float32 cache (nor it for this one)
+    exact.cache_dir, fast.cache_dir = str(tmp_path / "fp32"), str(tmp_path / "bf16")
+    for dm in (exact, fast):
+        dm.prepare_data()
+        dm.setup()
+    a, b = exact.train_dataset[0], fast.train_dataset[0]
+    valid = a["attention_mask"]
+    assert not torch.equal(a["features"][valid], b["features"][valid])  # really computed in bf16
+    torch.testing.assert_close(b["features"][valid], a["features"][valid], rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="feature_autocast='fp8'.*'none' or 'bf16'"):
+        offline(tmp_path, feature_autocast="fp8")
+
+
 def test_offline_cache_is_built_once_then_reused(tmp_path, monkeypatch):
     calls = {"n": 0}
     real = Target.features

@@ -560,7 +560,7 @@ class DraftDataModule(pl.LightningDataModule):
                 block[:, :length] = feats
                 store["features"][rows] = block
                 nxt = np.zeros((attn.shape[0], s), dtype=np.int32)
-                nxt[:, :length] = (logits.argmax(-1) * am).cpu().numpy()
+                nxt[:, :length] = (logits.max(-1).indices * am).cpu().numpy()  # = argmax (first max), faster on CPU
                 store["target_next"][rows] = nxt
                 if k:
                     vals, idx = logits.topk(k, dim=-1)

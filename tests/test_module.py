@@ -72,6 +72,27 @@ def test_offline_batch_gives_the_online_loss(module):
     assert torch.equal(a.reference, b.reference) and torch.equal(a.selector_tokens, b.selector_tokens)
 
 
+def test_autocast_head_is_cast_once_and_computes_what_autocast_computes(module):
+    tgt = module.target
+    _, head = module._embed_head(tgt)
+    hidden = torch.randn(6, tgt.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = tgt.head(hidden)  # autocast's own cast of the frozen weight, at every call
+        got = head(hidden)
+        cast = module._head_cast[1]
+        head(hidden)
+        assert module._head_cast[1] is cast  # cast once, then reused
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    weight = tgt.hf.get_output_embeddings().weight
+    with torch.no_grad():
+        weight.mul_(1.0)  # same values, new version: a changed weight is cast again
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        head(hidden)
+    assert module._head_cast[1] is not cast
+    assert torch.equal(head(hidden), tgt.head(hidden))  # outside autocast: the target's own head, float32
+    assert "_head_cast" not in module.__getstate__()
+
+
 def test_bad_batches_fail_with_clear_messages(module):
     with pytest.raises(KeyError, match="loss_mask"):
         module.forward_batch({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, None)

@@ -46,7 +46,7 @@ from typing import Any
 
 from dflash2_lightning.quickstart_config import QuickstartError, find_config, fit_config, write_yaml
 from dflash2_lightning.quickstart_report import Reporter, last_validation, summary_text
-from dflash2_lightning.threads import load_average
+from dflash2_lightning.threads import fast_bf16_matmuls, load_average
 
 DEFAULT_OUT = "runs/quickstart"
 STEPS = 5
@@ -66,7 +66,9 @@ class QuickstartOptions:
         sampled: sampled responses per prompt besides the greedy one (temperature ``sample_temperature``,
             top-p 0.95): several answers per prompt, more and more varied training text.
         sample_temperature: temperature of the sampled responses.
-        regen_dtype: dtype of the target while it generates the responses (``None``: the target's own).
+        regen_dtype: dtype of the target while it generates the responses (``None``: the target's own;
+            ``"auto"``: bfloat16 on a CPU that multiplies bf16 in hardware, where generation runs ~2.6x faster,
+            else the target's own).
             The features and labels the draft trains on always come from the target itself.
         regen_batch_size: prompts generated together.
         eval_prompts: held-out prompts measured by speculative decoding.
@@ -89,10 +91,11 @@ class QuickstartOptions:
     config: str | None = None
     num_prompts: int = 338
     max_new_tokens: int = 160
-    sampled: int = 0
+    # Greedy + 2 sampled answers per prompt: 3x the text (~124k tokens); with 3x the steps tau 1.49 vs 1.39.
+    sampled: int = 2
     sample_temperature: float = 0.8
-    regen_dtype: str | None = None
-    regen_batch_size: int = 64  # on 2 CPU cores: 84 tok/s vs 75 at 32 and 52 at 16
+    regen_dtype: str | None = "auto"
+    regen_batch_size: int = 128  # bf16, 2 AMX cores, static cache: 840 tok/s vs 627 at 64 (816 at 256)
     eval_prompts: int = 12
     eval_max_new_tokens: int = 48
     eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -121,6 +124,9 @@ class QuickstartOptions:
                                   "(0 = no replay)")
         if self.sampled < 0:
             raise QuickstartError(f"sampled={self.sampled} is invalid: must be >= 0")
+        if self.regen_dtype not in (None, "auto", "float32", "bfloat16"):
+            raise QuickstartError(f"regen_dtype={self.regen_dtype!r} is invalid: must be 'auto', 'float32', "
+                                  "'bfloat16' or None (the target's own)")
         if self.sampled and not self.sample_temperature > 0:
             raise QuickstartError(f"sample_temperature={self.sample_temperature} is invalid: must be > 0")
         if self.max_steps is not None and self.max_steps < 1:
@@ -215,9 +221,12 @@ def step_responses(rep: Reporter, opts: QuickstartOptions, out: Path, target: An
     if opts.sampled:
         settings.update(sampled=opts.sampled, sample_temperature=opts.sample_temperature)
     generator = target
-    if opts.regen_dtype and opts.regen_dtype != target.spec.dtype:
-        generator = load_target(dataclasses.replace(target.spec, dtype=opts.regen_dtype))
-        settings["regen_dtype"] = opts.regen_dtype
+    regen_dtype = opts.regen_dtype
+    if regen_dtype == "auto":
+        regen_dtype = "bfloat16" if fast_bf16_matmuls() and target.device.type == "cpu" else None
+    if regen_dtype and regen_dtype != target.spec.dtype:
+        generator = load_target(dataclasses.replace(target.spec, dtype=regen_dtype))
+        settings["regen_dtype"] = regen_dtype
     same = stamps.matches("regen", settings) and not opts.overwrite
     reused = same and path.is_file()
     kinds = "greedy" + (f" + {opts.sampled} sampled (T={opts.sample_temperature})" if opts.sampled else "")
@@ -483,8 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sampled responses per prompt besides the greedy one (default {d.sampled})")
     p.add_argument("--sample-temperature", type=float, default=d.sample_temperature,
                    help=f"temperature of the sampled responses (default {d.sample_temperature})")
-    p.add_argument("--regen-dtype", default=d.regen_dtype, choices=["float32", "bfloat16"],
-                   help="dtype of the target while it generates the responses (default: the target's own)")
+    p.add_argument("--regen-dtype", default=d.regen_dtype, choices=["auto", "float32", "bfloat16"],
+                   help="dtype of the target while it generates the responses (default auto: bfloat16 on a CPU "
+                        "with hardware bf16 (AVX512-BF16/AMX), else the target's own; the features and labels "
+                        "always come from the target itself)")
     p.add_argument("--regen-batch-size", type=int, default=d.regen_batch_size,
                    help=f"prompts generated together (default {d.regen_batch_size})")
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts,

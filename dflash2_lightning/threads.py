@@ -19,6 +19,18 @@ def load_average() -> list[float] | None:
         return None
 
 
+def fast_bf16_matmuls() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): then bf16 matmuls run several
+    times faster than float32 ones (measured 4-7x on a 2-core AMX host); elsewhere they are emulated and slower.
+    Read from ``/proc/cpuinfo``; False where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def own_load(previous: float, threads: int, seconds: float) -> float:
     """This process's share of the 1-minute load average after running ``threads`` busy threads for ``seconds``.
 

@@ -67,9 +67,10 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     assert draft.config.num_hidden_layers == shipped_model["num_hidden_layers"]
     assert draft.candidate_selector is not None
 
-    # the training data: one regenerated response per prompt, as chat jsonl with an assistant turn
+    # the training data: a greedy and two sampled responses per prompt, as chat jsonl with an assistant turn
     rows = [json.loads(line) for line in artifacts["responses"].read_text().splitlines()]
-    assert len(rows) == 6 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert len(rows) == 18 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert all(rows[3 * i]["messages"][:-1] == rows[3 * i + 2]["messages"][:-1] for i in range(6))
 
     # the evaluation report: measured tau >= 1 for both paths, lossless, the trainer's estimate beside it
     report = json.loads(artifacts["eval report"].read_text())
@@ -117,7 +118,7 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     printed = capsys.readouterr().out
     assert artifacts["responses"].stat().st_mtime_ns == responses_mtime
     assert (hf / "model.safetensors").stat().st_mtime_ns == checkpoint_mtime
-    assert "responses: 6 responses" in printed and "reused" in printed
+    assert "responses: 18 responses" in printed and "reused" in printed
     assert json.loads((out / "summary.json").read_text())["tau"] == report["tau"]
 
 

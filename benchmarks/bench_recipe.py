@@ -12,6 +12,11 @@ prompts, with the report's interval where it has one), the trainer's validation 
 target alone, and the wall/CPU time of training. Results go to ``benchmarks/results/bench_recipe.json``
 (merged by variant name, so a partial re-run keeps the other rows) and a markdown table is printed.
 Not a test: a full run takes an hour or more on 2 cores.
+
+The rows in ``bench_recipe.json`` ran on the 1x recipe shipped before the 3x-text one (greedy responses only,
+540 steps, float32 features, data labels, float32 regeneration). To reproduce one with today's quickstart,
+add ``--sampled 0 --regen-dtype float32 --max-steps 540 --set model.init_args.labels=data --set
+data.init_args.feature_autocast=none`` to its command. The 3x-text rows are in ``recipe_budget.json``.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def run_prompts(model: Path, draft: Path | None, prompts: Sequence[Sequence[int]
             t = answer.get("timings") or {}
             row: dict[str, Any] = {"tokens": list(answer.get("tokens") or []),
                                    "predicted": int(t.get("predicted_n", 0)),
-                                   "seconds": float(t.get("predicted_ms", 0.0)) / 1000.0}
+                                   "seconds": float(t.get("predicted_ms", 0.0)) / 1000.0,
+                                   "weight_repack": server.repack}
             if before is not None:
                 after = _metrics(server.url)
                 row.update(drafted=int(t.get("draft_n", 0)), accepted=int(t.get("draft_n_accepted", 0)),

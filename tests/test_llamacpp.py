@@ -86,3 +86,59 @@ def test_speculative_simple_loads_the_exported_draft_and_drafts(tmp_path):
     assert "block_size=4, mask_token_id=4, n_extract=1" in log  # our metadata, as llama.cpp read it
     drafted = int(re.search(r"n_drafted = (\d+)", log).group(1))
     assert drafted > 0
+
+
+FAKE_SERVER = """#!{python}
+import http.server, os, signal, sys
+args = sys.argv[1:]
+if {crash_when}:
+    os.kill(os.getpid(), signal.SIGSEGV)
+if "--exit-1" in args:
+    sys.exit(1)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{{"status": "ok"}}')
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def _fake_llama(tmp_path, crash_when: str) -> "llamacpp.LlamaCpp":
+    """A llama.cpp build whose llama-server is a small Python server that segfaults when ``crash_when`` holds."""
+    import sys
+
+    bin_dir = tmp_path / "llama" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    server = bin_dir / "llama-server"
+    server.write_text(FAKE_SERVER.format(python=sys.executable, crash_when=crash_when))
+    server.chmod(0o755)
+    (bin_dir / "llama-speculative-simple").write_text("")
+    return llamacpp.LlamaCpp(tmp_path / "llama")
+
+
+def test_a_server_that_crashes_while_loading_starts_again_without_repacking(tmp_path, capsys):
+    import urllib.request
+
+    llama = _fake_llama(tmp_path, '"--no-repack" not in args')
+    with llamacpp.serve("model.gguf", llama=llama, log_dir=tmp_path, startup_timeout=60) as server:
+        assert not server.repack
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            assert r.status == 200
+    assert server.process.poll() is not None  # stopped after the block
+    assert "starting it again with --no-repack" in capsys.readouterr().err
+    assert len(list(tmp_path.glob("llama-server-*.log"))) == 2  # both attempts keep their logs
+
+
+@pytest.mark.parametrize("crash_when, extra, message", [
+    ("True", (), "exited with -11"),  # crashes with --no-repack too: one retry, then the error
+    ("False", ("--exit-1",), "exited with 1"),  # a refusal, not a crash: no retry
+])
+def test_a_server_that_keeps_failing_is_an_error(tmp_path, crash_when, extra, message):
+    llama = _fake_llama(tmp_path, crash_when)
+    with pytest.raises(llamacpp.LlamaCppError, match=message):
+        with llamacpp.serve("model.gguf", llama=llama, log_dir=tmp_path, startup_timeout=60, extra=extra):
+            pass
+    assert len(list(tmp_path.glob("llama-server-*.log"))) == (2 if crash_when == "True" else 1)

@@ -194,7 +194,8 @@ def _forward_static(hf: torch.nn.Module, ids: Tensor, positions: Tensor, cache: 
 
 def _decode_static(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new_tokens: int, eos: Tensor,
                    sampling: Sampling, generators: Sequence[torch.Generator | None]) -> list[list[int]]:
-    """:func:`_decode_transformers` with preallocated K/V: no per-step concatenation, finished rows dropped in groups."""
+    """:func:`_decode_transformers` with preallocated K/V: no per-step concatenation, finished rows dropped
+    in groups."""
     cfg = hf.config
     n, width = ids.shape
     capacity = width + max_new_tokens
@@ -212,16 +213,17 @@ def _decode_static(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new_token
     running = torch.ones(n, dtype=torch.bool)  # batch rows still generating
     out: list[list[int]] = [[] for _ in range(n)]
     next_pos = positions[:, -1] + 1
+    device = ids.device
     for step in range(max_new_tokens):
         rows = running.nonzero().squeeze(-1)
-        every = len(rows) == len(live)
+        every, on_device = len(rows) == len(live), rows.to(device)
         if sampling.greedy:  # argmax every row and keep the running ones (cheaper than gathering their logits)
-            picked = _next_tokens(logits, sampling, generators)[rows.to(ids.device)]
+            picked = _next_tokens(logits, sampling, generators)[on_device]
         else:
-            picked = _next_tokens(logits if every else logits[rows.to(ids.device)], sampling,
-                                  [generators[int(live[r])] for r in rows]).to(ids.device)
-        nxt = picked if every else torch.zeros(len(live), dtype=torch.long, device=ids.device).index_copy_(
-            0, rows.to(ids.device), picked)
+            picked = _next_tokens(logits if every else logits[on_device], sampling,
+                                  [generators[int(live[r])] for r in rows]).to(device)
+        nxt = picked if every else torch.zeros(len(live), dtype=torch.long, device=device).index_copy_(
+            0, on_device, picked)
         for r, tok in zip(rows.tolist(), picked.tolist()):
             out[int(live[r])].append(tok)
         running &= ~torch.isin(nxt, eos).cpu()
@@ -229,9 +231,10 @@ def _decode_static(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new_token
             break
         if (~running).sum() >= max(1, int(DROP_SHARE * len(live))):
             keep = running.nonzero().squeeze(-1)
-            cache.keep(keep.to(ids.device))
-            live, running, nxt = live[keep], running[keep], nxt[keep.to(ids.device)]
-            valid, next_pos = valid[keep.to(ids.device)], next_pos[keep.to(ids.device)]
+            kept = keep.to(device)
+            cache.keep(kept)
+            live, running = live[keep], running[keep]
+            nxt, valid, next_pos = nxt[kept], valid[kept], next_pos[kept]
         slot = width + step
         valid[:, slot] = True
         logits = _forward_static(hf, nxt[:, None], next_pos[:, None], cache, slot, valid[:, None, :slot + 1])
@@ -240,8 +243,8 @@ def _decode_static(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new_token
 
 
 # ----------------------------------------------------------------------------- the transformers-cache loop
-def _decode_transformers(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new_tokens: int, eos: Tensor, sampling: Sampling,
-            generators: Sequence[torch.Generator | None]) -> list[list[int]]:
+def _decode_transformers(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new_tokens: int, eos: Tensor,
+                         sampling: Sampling, generators: Sequence[torch.Generator | None]) -> list[list[int]]:
     from transformers import DynamicCache
 
     device, n = ids.device, ids.shape[0]

@@ -263,7 +263,8 @@ class DFlash2Module(pl.LightningModule):
                 return tgt.head(hidden.to(tgt.dtype))
             weight = self._autocast_head_weight(tgt, torch.get_autocast_dtype(device))
             bias = tgt.hf.get_output_embeddings().bias
-            return F.linear(hidden.contiguous().to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+            bias = None if bias is None else bias.to(weight.dtype)
+            return F.linear(hidden.contiguous().to(weight.dtype), weight, bias)
 
         return embed, head
 

@@ -108,8 +108,9 @@ def rows_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     its 49152 x 576 head on 4 rows 18 -> 5 ms; a whole 4-token verify pass 86-93 -> 54-69 ms, about the
     cost of a 1-token step, which is what makes speculative decoding pay off on a CPU (1 thread: no
     change). On another 2-core host (AMX) the stock kernel is the faster one, so :class:`RowsFirstLinear`
-    takes this path only where :func:`rows_first_pays`. ``W @ x.T`` with a row count that is not a multiple of 8 falls off BLAS's fast kernels above
-    8 rows (15 rows: 50 vs 28 ms on the head), so 9..64 rows are padded with zero rows to a multiple of 8.
+    takes this path only where :func:`rows_first_pays`. ``W @ x.T`` with a row count that is not a multiple
+    of 8 falls off BLAS's fast kernels above 8 rows (15 rows: 50 vs 28 ms on the head), so 9..64 rows are
+    padded with zero rows to a multiple of 8.
     One row (a GEMV either way) and training's hundreds take the stock path. Differentiable.
     """
     rows = x.numel() // max(x.shape[-1], 1)

@@ -32,9 +32,8 @@ from torch import nn
 
 from dflash2_lightning import tempfiles
 from dflash2_lightning.config import ConfigError, DraftConfig, default_target_layer_ids, rope_theta_of
+from dflash2_lightning.few_rows import use_few_row_linears
 
-# The CPU rows-first matmul covers up to this many rows (a verified or drafted block, a few sequences).
-SMALL_ROWS = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 # Geometry of the tiny random target (Qwen3); ``TargetSpec.tiny`` entries override these.
@@ -100,90 +99,6 @@ class TargetSpec:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
 
 
-def rows_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``, computed as ``(weight @ x.T).T`` for 2..:data:`SMALL_ROWS` rows on CPU.
-
-    With a few rows, CPU BLAS packs the whole weight for ``x @ W.T`` and barely uses a second thread,
-    while ``W @ x.T`` streams the weight once, split over the threads. Measured on SmolLM2-135M, 2 cores:
-    its 49152 x 576 head on 4 rows 18 -> 5 ms; a whole 4-token verify pass 86-93 -> 54-69 ms, about the
-    cost of a 1-token step, which is what makes speculative decoding pay off on a CPU (1 thread: no
-    change). On another 2-core host (AMX) the stock kernel is the faster one, so :class:`RowsFirstLinear`
-    takes this path only where :func:`rows_first_pays`. ``W @ x.T`` with a row count that is not a multiple
-    of 8 falls off BLAS's fast kernels above 8 rows (15 rows: 50 vs 28 ms on the head), so 9..64 rows are
-    padded with zero rows to a multiple of 8.
-    One row (a GEMV either way) and training's hundreds take the stock path. Differentiable.
-    """
-    rows = x.numel() // max(x.shape[-1], 1)
-    if x.device.type != "cpu" or not 1 < rows <= SMALL_ROWS:
-        return torch.nn.functional.linear(x, weight, bias)
-    flat = x.reshape(rows, -1)
-    pad = -rows % 8 if rows > 8 else 0
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-    out = (weight @ flat.T).T[:rows]
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-# Which kernel wins for a few rows differs between CPUs: measured on SmolLM2's shapes, W @ x.T was 1.7-3.6x faster
-# than x @ W.T at 4 rows on one 2-core host and 1.5-2.3x slower on another. So it is timed, not assumed.
-ROWS_FIRST_ENV = "DFLASH2_ROWS_FIRST"  # "1" / "0": always / never (reproducible kernels); unset: timed
-ROWS_FIRST_MARGIN = 1.15  # rows-first must win by this factor (a near tie keeps the stock kernel)
-_ROW_BUCKETS = (8, 16, 32, SMALL_ROWS)
-_rows_first_choice: dict[tuple[Any, ...], bool] = {}
-
-
-def rows_first_pays(weight: torch.Tensor, rows: int) -> bool:
-    """Whether :func:`rows_first_linear` beats ``F.linear`` for ``rows`` rows of ``weight`` on this machine.
-
-    Timed once per (dtype, weight shape, row bucket, torch threads) on random rows (a few matmuls, best of
-    three each) and remembered for the process; ``DFLASH2_ROWS_FIRST=1`` or ``0`` decides without timing.
-    """
-    forced = os.environ.get(ROWS_FIRST_ENV, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    bucket = next(b for b in _ROW_BUCKETS if rows <= b)
-    key = (weight.dtype, tuple(weight.shape), bucket, torch.get_num_threads())
-    if key not in _rows_first_choice:
-        import time
-
-        with torch.no_grad():
-            x = torch.randn(bucket, weight.shape[1], dtype=weight.dtype)
-            best = {"stock": float("inf"), "rows_first": float("inf")}
-            for _ in range(3):  # interleaved, so a burst of load hits both
-                for name, fn in (("stock", torch.nn.functional.linear), ("rows_first", rows_first_linear)):
-                    start = time.perf_counter()
-                    fn(x, weight)
-                    best[name] = min(best[name], time.perf_counter() - start)
-        _rows_first_choice[key] = best["rows_first"] * ROWS_FIRST_MARGIN < best["stock"]
-    return _rows_first_choice[key]
-
-
-class RowsFirstLinear(nn.Linear):
-    """An ``nn.Linear`` whose few-row products take :func:`rows_first_linear` where it pays (same parameters,
-    same state dict; :func:`rows_first_pays` decides per shape on this machine)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if x.device.type == "cpu" and 1 < rows <= SMALL_ROWS and rows_first_pays(self.weight, rows):
-            return rows_first_linear(x, self.weight, self.bias)
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-
-
-def use_rows_first_linears(model: nn.Module) -> nn.Module:
-    """Give every plain ``nn.Linear`` of ``model`` the :class:`RowsFirstLinear` forward, in place.
-
-    The target's verify pass (block_size tokens), its head on a drafted block and the last rows of a
-    batched regeneration are all few-row matmuls; subclasses of ``nn.Linear`` (quantised layers) are
-    left alone.
-    """
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = RowsFirstLinear
-    return model
-
-
 class TargetOutput(NamedTuple):
     """What the target computes for the draft: features ``[B,S,n_t*H]`` and logits ``[B,S,V]`` (or None)."""
 
@@ -204,7 +119,7 @@ class Target(nn.Module):
         self.tokenizer = tokenizer
         self.spec = spec
         self.hf.requires_grad_(False)
-        use_rows_first_linears(self.hf)
+        use_few_row_linears(self.hf)
         super().train(False)
 
     def train(self, mode: bool = True) -> "Target":

@@ -11,8 +11,7 @@ from torch import nn
 
 from dflash2_lightning.config import ConfigError, DraftConfig
 from dflash2_lightning.target import (
-    RowsFirstLinear, Target, TargetError, TargetSpec, build_target, load_target, resolve_gguf, rows_first_linear,
-    tiny_tokenizer, tokenizer_fingerprint, use_rows_first_linears,
+    Target, TargetError, TargetSpec, build_target, load_target, resolve_gguf, tiny_tokenizer, tokenizer_fingerprint,
 )
 import dflash2_lightning.target as target_mod
 
@@ -124,56 +123,6 @@ def test_head_equals_the_lm_head_for_any_row_count(tiny, shape):
     torch.testing.assert_close(logits, hidden @ weight.T, rtol=1e-5, atol=1e-5)
     logits.sum().backward()  # the draft trains through the head
     torch.testing.assert_close(hidden.grad, weight.sum(0).expand_as(hidden), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 15, 64, 65, 300])  # stock, rows-first, padded, stock
-@pytest.mark.parametrize("bias", [False, True])
-def test_rows_first_linear_equals_linear(rows, bias):
-    torch.manual_seed(rows)
-    layer = nn.Linear(24, 40, bias=bias)
-    x = torch.randn(1, rows, 24, requires_grad=True)
-    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    got = rows_first_linear(x, layer.weight, layer.bias)
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    (grad,) = torch.autograd.grad(got.sum(), x)
-    torch.testing.assert_close(grad, layer.weight.sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("forced", ["0", "1", ""])
-def test_the_few_row_kernel_is_the_faster_one_or_the_forced_one(forced, monkeypatch):
-    monkeypatch.setenv(target_mod.ROWS_FIRST_ENV, forced)
-    monkeypatch.setattr(target_mod, "_rows_first_choice", {})
-    torch.manual_seed(0)
-    layer = nn.Linear(96, 160)
-    layer.__class__ = RowsFirstLinear
-    x = torch.randn(4, 96)
-    got = layer(x)
-    stock = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    rows_first = rows_first_linear(x, layer.weight, layer.bias)
-    if forced:
-        assert torch.equal(got, rows_first if forced == "1" else stock) and not target_mod._rows_first_choice
-    else:  # timed once for this shape, dtype, bucket and thread count, then reused
-        (key, choice), = target_mod._rows_first_choice.items()
-        assert key == (torch.float32, (160, 96), 8, torch.get_num_threads())
-        assert torch.equal(got, rows_first if choice else stock)
-        target_mod._rows_first_choice[key] = not choice  # the remembered choice is what runs next time
-        assert torch.equal(layer(x), stock if choice else rows_first)
-    assert torch.equal(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))  # one row: stock
-
-
-def test_every_target_linear_takes_the_rows_first_path(tiny):
-    linears = [m for m in tiny.hf.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is RowsFirstLinear for m in linears)
-    # Same parameters, same outputs: a 4-token forward through the swapped model equals the stock one.
-    ids = torch.arange(4).view(1, 4)
-    got = tiny.hf(input_ids=ids).logits
-    for m in linears:
-        m.__class__ = nn.Linear
-    try:
-        torch.testing.assert_close(got, tiny.hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-    finally:
-        use_rows_first_linears(tiny.hf)
 
 
 def test_draft_config_takes_the_target_geometry():

@@ -1,0 +1,190 @@
+"""Few-row matmuls on a CPU: the kernel behind the target's verify pass and the draft's head.
+
+A speculative cycle multiplies every weight of the target by a handful of rows (the block_size tokens
+of a verify pass, the block_size - 1 drafted slots through the head). With so few rows a CPU matmul
+costs about what reading the weight costs, and which kernel reads it least differs between CPUs, so
+:class:`FewRowLinear` picks one of three for 2..:data:`SMALL_ROWS` rows::
+
+    stock       F.linear: BLAS packs the weight into its panel layout at every call (a second pass
+                over the weight, and a written copy of it)
+    rows_first  (W @ x.T).T: streams the weight once, split over the threads; where it pays is timed
+                once per shape (:func:`rows_first_pays`)
+    packed      MKL's GEMM on a copy of the weight packed once for exactly ``rows`` rows
+                (``torch.ops.mkl._mkl_linear``): no packing per call; only for row counts a caller
+                declared with :func:`pack_rows` (a packed copy costs the weight's size in memory)
+
+One row (a GEMV either way) and training's hundreds always take ``F.linear``.
+
+Measured (SmolLM2-135M float32, 2 AMX cores, a whole 4-token verify pass against a 1-token step of 37
+ms): stock 57 ms, packed 47 ms; on an older 2-core host without AMX, rows-first brought the same pass
+from 86-93 to 54-69 ms while it is 1.5-2.3x *slower* than stock here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+# Few-row kernels cover up to this many rows (a verified or drafted block, a few sequences).
+SMALL_ROWS = 64
+ROWS_FIRST_ENV = "DFLASH2_ROWS_FIRST"  # "1" / "0": always / never rows-first (reproducible kernels); unset: timed
+PACK_ENV = "DFLASH2_PACK_WEIGHTS"  # "0": never pack (packed rows take the rows-first / stock choice)
+ROWS_FIRST_MARGIN = 1.15  # rows-first must win by this factor (a near tie keeps the stock kernel)
+# Pack a weight only while the machine keeps this many times its size free afterwards.
+PACK_MEMORY_HEADROOM = 2.0
+_ROW_BUCKETS = (8, 16, 32, SMALL_ROWS)
+_rows_first_choice: dict[tuple[Any, ...], bool] = {}
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def rows_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, computed as ``(weight @ x.T).T`` for 2..:data:`SMALL_ROWS` rows on CPU.
+
+    With a few rows, some CPU BLAS builds pack the whole weight for ``x @ W.T`` and barely use a second
+    thread, while ``W @ x.T`` streams the weight once, split over the threads (measured on SmolLM2-135M, 2
+    cores, no AMX: its 49152 x 576 head on 4 rows 18 -> 5 ms). ``W @ x.T`` with a row count that is not a
+    multiple of 8 falls off BLAS's fast kernels above 8 rows (15 rows: 50 vs 28 ms on the head), so 9..64
+    rows are padded with zero rows to a multiple of 8. One row and training's hundreds take the stock
+    path. Differentiable.
+    """
+    rows = _rows(x)
+    if x.device.type != "cpu" or not 1 < rows <= SMALL_ROWS:
+        return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(rows, -1)
+    pad = -rows % 8 if rows > 8 else 0
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    out = (weight @ flat.T).T[:rows]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def rows_first_pays(weight: torch.Tensor, rows: int) -> bool:
+    """Whether :func:`rows_first_linear` beats ``F.linear`` for ``rows`` rows of ``weight`` on this machine.
+
+    Timed once per (dtype, weight shape, row bucket, torch threads) on random rows (a few matmuls, best of
+    three each) and remembered for the process; ``DFLASH2_ROWS_FIRST=1`` or ``0`` decides without timing.
+    """
+    forced = os.environ.get(ROWS_FIRST_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    bucket = next(b for b in _ROW_BUCKETS if rows <= b)
+    key = (weight.dtype, tuple(weight.shape), bucket, torch.get_num_threads())
+    if key not in _rows_first_choice:
+        with torch.no_grad():
+            x = torch.randn(bucket, weight.shape[1], dtype=weight.dtype)
+            best = {"stock": float("inf"), "rows_first": float("inf")}
+            for _ in range(3):  # interleaved, so a burst of load hits both
+                for name, fn in (("stock", torch.nn.functional.linear), ("rows_first", rows_first_linear)):
+                    start = time.perf_counter()
+                    fn(x, weight)
+                    best[name] = min(best[name], time.perf_counter() - start)
+        _rows_first_choice[key] = best["rows_first"] * ROWS_FIRST_MARGIN < best["stock"]
+    return _rows_first_choice[key]
+
+
+def packing_available(weight: torch.Tensor) -> bool:
+    """Whether this torch build can pack ``weight`` (float32 on CPU, MKL present) and packing is not off."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
+            and hasattr(torch.ops.mkl, "_mkl_linear") and os.environ.get(PACK_ENV, "").strip() != "0")
+
+
+def _available_memory() -> int | None:
+    """``MemAvailable`` in bytes (Linux), else None (no guard)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class FewRowLinear(nn.Linear):
+    """An ``nn.Linear`` whose 2..:data:`SMALL_ROWS`-row products on CPU take the cheapest kernel.
+
+    Same parameters, same state dict, same results up to float rounding (the kernels sum in different
+    orders). Row counts in ``packed_rows`` (set by :func:`pack_rows`) multiply a weight copy packed once
+    for that count, re-packed when the weight changes; other counts take :func:`rows_first_linear` where
+    :func:`rows_first_pays`, else ``F.linear``. Packed products have no autograd: a call that needs
+    gradients takes the other kernels.
+    """
+
+    packed_rows: frozenset[int] = frozenset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        if x.device.type == "cpu" and 1 < rows <= SMALL_ROWS:
+            if rows in self.packed_rows and not (torch.is_grad_enabled() and (x.requires_grad or
+                                                                               self.weight.requires_grad)):
+                packed = self._packed(rows)
+                if packed is not None and x.dtype == torch.float32:
+                    out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, self.weight, self.bias, rows)
+                    return out.view(*x.shape[:-1], self.out_features)
+            if rows_first_pays(self.weight, rows):
+                return rows_first_linear(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def _packed(self, rows: int) -> torch.Tensor | None:
+        """The weight packed for ``rows`` rows (cached, keyed by the weight's storage and version), or None."""
+        weight = self.weight
+        if not packing_available(weight):
+            return None
+        cache = self.__dict__.setdefault("_packed_cache", {})  # a plain attribute: not state, not a buffer
+        key = (weight.data_ptr(), weight._version)
+        hit = cache.get(rows)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        free = _available_memory()
+        need = weight.numel() * weight.element_size()
+        if free is not None and free < PACK_MEMORY_HEADROOM * need + need:
+            if not self.__dict__.get("_pack_warned"):
+                self.__dict__["_pack_warned"] = True
+                print(f"dflash2: not packing a {tuple(weight.shape)} weight for {rows}-row products: "
+                      f"{free / 2**20:.0f} MiB available, packing needs {need / 2**20:.0f} MiB and keeps "
+                      f"{PACK_MEMORY_HEADROOM:g}x its size free", file=sys.stderr)
+            return None
+        with torch.no_grad():
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+        cache[rows] = (key, packed)
+        return packed
+
+
+def use_few_row_linears(model: nn.Module) -> nn.Module:
+    """Give every plain ``nn.Linear`` of ``model`` the :class:`FewRowLinear` forward, in place.
+
+    The target's verify pass (block_size tokens), its head on a drafted block and the last rows of a
+    batched regeneration are all few-row matmuls; subclasses of ``nn.Linear`` (quantised layers) are
+    left alone.
+    """
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = FewRowLinear
+    return model
+
+
+def pack_rows(model: nn.Module, *rows: int) -> int:
+    """Let every :class:`FewRowLinear` of ``model`` pack its weight for products of exactly ``rows`` rows.
+
+    Packing happens lazily, at a layer's first such product, and costs the weight's size in memory per
+    row count (skipped, with a note on stderr, where the machine would be left with less than
+    :data:`PACK_MEMORY_HEADROOM` times it free). Returns how many layers can pack. Idempotent.
+    """
+    wanted = frozenset(r for r in rows if 1 < r <= SMALL_ROWS)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FewRowLinear):
+            if not wanted <= module.packed_rows:
+                module.packed_rows = module.packed_rows | wanted
+            count += 1
+    return count

@@ -15,7 +15,13 @@ wall time and time per cycle (verify + draft + bookkeeping) of each loop:
     still verifies with its own head, so the output is the same; its own τ and cycles are reported.
 ``zlab``
     ``dflash.model.dflash_generate`` of the z-lab reference (``dflash==0.1.0``) with its
-    ``DFlash2DraftModel`` loaded from the same checkpoint and the target's HF model.
+    ``DFlash2DraftModel`` loaded from the same checkpoint and the target's HF model (the same modules:
+    once the project loop has declared its verify rows, z-lab's verify pass multiplies packed weights too).
+``torch-unpacked``
+    the torch loop with the target's weight packing off (``DFLASH2_PACK_WEIGHTS=0``,
+    :mod:`dflash2_lightning.few_rows`): what the loop cost before it packed its verify pass.
+``target``
+    the target alone (:func:`target_greedy`): the row every speed-up is a ratio to.
 
 Loops run round-robin per prompt (``--repeats`` times each), so machine noise hits all alike; the
 figure per loop is the median over repeats of the summed wall time over prompts. Per-cycle cost is that
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -44,6 +51,7 @@ from typing import Any, Callable
 import torch
 
 from dflash2_lightning.checkpoint import load_draft
+from dflash2_lightning.few_rows import PACK_ENV
 from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.speculative import (AcceptanceStats, TorchDrafter, low_precision_head, speculative_generate,
                                            target_greedy)
@@ -51,8 +59,8 @@ from dflash2_lightning.target import TargetSpec, load_target
 from record import load_average, loaded_label, machine, write_json
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_loop.json"
-LOOPS = ("torch", "onnxruntime", "zlab", "torch-bf16-head")
-DEFAULT_LOOPS = ("torch", "onnxruntime", "zlab")
+LOOPS = ("target", "torch", "onnxruntime", "zlab", "torch-bf16-head", "torch-unpacked")
+DEFAULT_LOOPS = ("target", "torch", "onnxruntime", "zlab")
 
 
 def _target_spec(text: str) -> TargetSpec:
@@ -122,8 +130,25 @@ def main(argv: list[str] | None = None) -> int:
             return r.tokens, r
         return run
 
+    if "target" in loops:
+        runners["target"] = lambda prompt: (target_greedy(target, prompt, args.max_new_tokens, stop).tokens, None)
     if "torch" in loops:
         runners["torch"] = project_loop(TorchDrafter(draft, args.path))
+    if "torch-unpacked" in loops:
+        packed_run = project_loop(TorchDrafter(draft, args.path))
+
+        def unpacked(prompt: list[int]) -> tuple[list[int], Any]:
+            before = os.environ.get(PACK_ENV)
+            os.environ[PACK_ENV] = "0"
+            try:
+                return packed_run(prompt)
+            finally:
+                if before is None:
+                    del os.environ[PACK_ENV]
+                else:
+                    os.environ[PACK_ENV] = before
+
+        runners["torch-unpacked"] = unpacked
     if "torch-bf16-head" in loops:
         runners["torch-bf16-head"] = project_loop(TorchDrafter(draft, args.path, head=low_precision_head(target)))
     if "onnxruntime" in loops:
@@ -186,16 +211,20 @@ def main(argv: list[str] | None = None) -> int:
                          cpu_ms_per_cycle=round(1e3 * used / n, 3) if n else None,
                          runs=[round(s, 3) for s in seconds[name]]))
     base = next((r for r in rows if r["loop"] == "torch"), None)
+    alone = next((r for r in rows if r["loop"] == "target"), None)
     # Process CPU time counts every thread (onnxruntime's pool too); on a loaded machine it is the
     # steadier figure, but spinning thread pools inflate it.
-    lines = ["| loop | τ | cycles | wall time (s) | ms per cycle | vs torch drafter | CPU time (s) | CPU vs torch |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| loop | τ | cycles | wall time (s) | ms per cycle | vs torch drafter | speed-up vs target | CPU time (s) "
+             "| CPU vs torch |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        if alone:
+            r["speedup"] = round(alone["seconds"] / r["seconds"], 4)
         ratio = f"{r['seconds'] / base['seconds']:.2f}x" if base else "-"
         cpu_ratio = f"{r['cpu_seconds'] / base['cpu_seconds']:.2f}x" if base else "-"
         per = f"{r['ms_per_cycle']:.2f}" if r["ms_per_cycle"] is not None else "-"
-        t = f"{r['tau']:.3f}" if r["tau"] is not None else "(same drafts)"
-        lines.append(f"| {r['loop']} | {t} | {r['cycles']} | {r['seconds']:.2f} | {per} | {ratio} | "
+        t = "-" if r["loop"] == "target" else f"{r['tau']:.3f}" if r["tau"] is not None else "(same drafts)"
+        speed = f"{r['speedup']:.2f}x" if alone else "-"
+        lines.append(f"| {r['loop']} | {t} | {r['cycles'] or '-'} | {r['seconds']:.2f} | {per} | {ratio} | {speed} | "
                      f"{r['cpu_seconds']:.2f} | {cpu_ratio} |")
     generated = sum(len(t) for t in reference)
     header = (f"{len(prompts)} prompts x {args.max_new_tokens} tokens ({generated} generated), "

@@ -125,10 +125,10 @@ class FewRowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
         if x.device.type == "cpu" and 1 < rows <= SMALL_ROWS:
-            if rows in self.packed_rows and not (torch.is_grad_enabled() and (x.requires_grad or
-                                                                               self.weight.requires_grad)):
+            needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+            if rows in self.packed_rows and x.dtype == torch.float32 and not needs_grad:
                 packed = self._packed(rows)
-                if packed is not None and x.dtype == torch.float32:
+                if packed is not None:
                     out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), packed, self.weight, self.bias, rows)
                     return out.view(*x.shape[:-1], self.out_features)
             if rows_first_pays(self.weight, rows):

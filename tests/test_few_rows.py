@@ -15,9 +15,15 @@ from dflash2_lightning.target import TargetSpec, load_target
 needs_mkl = pytest.mark.skipif(not packing_available(torch.zeros(1)), reason="torch built without MKL packing")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tiny():
-    return load_target(TargetSpec(tiny={}))
+    """The shared (memoised) tiny target, its packing undone afterwards so other tests see stock layers."""
+    target = load_target(TargetSpec(tiny={}))
+    yield target
+    for module in target.hf.modules():
+        module.__dict__.pop("packed_rows", None)
+        module.__dict__.pop("_packed_cache", None)
+    target.hf.__dict__.pop("_packed_for", None)
 
 
 def _layer(inp: int = 96, out: int = 160, bias: bool = True, seed: int = 0) -> FewRowLinear:

@@ -92,10 +92,15 @@ def rows_first_pays(weight: torch.Tensor, rows: int) -> bool:
     return _rows_first_choice[key]
 
 
+def _packing_off() -> bool:
+    """``DFLASH2_PACK_WEIGHTS=0``: read at call time, so a benchmark or a user can switch it in-process."""
+    return os.environ.get(PACK_ENV, "").strip() == "0"
+
+
 def packing_available(weight: torch.Tensor) -> bool:
     """Whether this torch build can pack ``weight`` (float32 on CPU, MKL present) and packing is not off."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear") and os.environ.get(PACK_ENV, "").strip() != "0")
+            and hasattr(torch.ops.mkl, "_mkl_linear") and not _packing_off())
 
 
 def _available_memory() -> int | None:
@@ -138,13 +143,15 @@ class FewRowLinear(nn.Linear):
     def _packed(self, rows: int) -> torch.Tensor | None:
         """The weight packed for ``rows`` rows (cached, keyed by the weight's storage and version), or None."""
         weight = self.weight
-        if not packing_available(weight):
+        if _packing_off():
             return None
         cache = self.__dict__.setdefault("_packed_cache", {})  # a plain attribute: not state, not a buffer
         key = (weight.data_ptr(), weight._version)
         hit = cache.get(rows)
-        if hit is not None and hit[0] == key:
+        if hit is not None and hit[0] == key:  # the hot path: one env read and a dict lookup per call
             return hit[1]
+        if not packing_available(weight):
+            return None
         free = _available_memory()
         need = weight.numel() * weight.element_size()
         if free is not None and free < PACK_MEMORY_HEADROOM * need + need:

@@ -10,6 +10,10 @@ wall time and time per cycle (verify + draft + bookkeeping) of each loop:
 ``onnxruntime``
     the same loop with :class:`~dflash2_lightning.onnx.OrtDrafter` on graphs exported from the same
     checkpoint (fp32; exported once into ``--onnx-dir`` or a temporary directory).
+``torch-draft-vocab``
+    the torch drafter drafting through the head's rows of the checkpoint's drafting vocabulary only
+    (``draft_vocab.json``, :mod:`dflash2_lightning.draft_vocab`): what ``dflash2 eval`` and the quickstart
+    run when the file is there; same output, its own τ and cycles.
 ``torch-bf16-head``
     the torch drafter with the opt-in bfloat16 drafting head (:func:`low_precision_head`): the target
     still verifies with its own head, so the output is the same; its own τ and cycles are reported.
@@ -51,6 +55,7 @@ from typing import Any, Callable
 import torch
 
 from dflash2_lightning.checkpoint import load_draft
+from dflash2_lightning.draft_vocab import draft_vocab_head
 from dflash2_lightning.few_rows import PACK_ENV
 from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.speculative import (AcceptanceStats, TorchDrafter, low_precision_head, speculative_generate,
@@ -59,7 +64,7 @@ from dflash2_lightning.target import TargetSpec, load_target
 from record import load_average, loaded_label, machine, write_json
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_loop.json"
-LOOPS = ("target", "torch", "onnxruntime", "zlab", "torch-bf16-head", "torch-unpacked")
+LOOPS = ("target", "torch", "onnxruntime", "zlab", "torch-draft-vocab", "torch-bf16-head", "torch-unpacked")
 DEFAULT_LOOPS = ("target", "torch", "onnxruntime", "zlab")
 
 
@@ -149,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                     os.environ[PACK_ENV] = before
 
         runners["torch-unpacked"] = unpacked
+    if "torch-draft-vocab" in loops:
+        runners["torch-draft-vocab"] = project_loop(TorchDrafter(draft, args.path,
+                                                                 head=draft_vocab_head(target, args.draft)))
     if "torch-bf16-head" in loops:
         runners["torch-bf16-head"] = project_loop(TorchDrafter(draft, args.path, head=low_precision_head(target)))
     if "onnxruntime" in loops:

@@ -67,7 +67,7 @@ from torch import Tensor
 from dflash2_lightning.intervals import RESAMPLES, bootstrap_intervals
 from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.sampling import Sampling
-from dflash2_lightning.speculative import (AcceptanceStats, DraftPath, GreedyResult, SpecResult,
+from dflash2_lightning.speculative import (AcceptanceStats, DraftPath, GreedyResult, Head, SpecResult, TorchDrafter,
                                            speculative_generate, target_features, target_greedy, target_handles,
                                            target_sample)
 
@@ -243,7 +243,8 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
                    paths: Sequence[DraftPath] = PATHS, stop_token_ids: Sequence[int] | None = None,
                    estimate: bool = True, warmup: bool = True, progress: bool = True,
                    temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                   samples: int = 1, resamples: int = RESAMPLES, oracle_top_k: int | None = None) -> dict[str, Any]:
+                   samples: int = 1, resamples: int = RESAMPLES, oracle_top_k: int | None = None,
+                   draft_head: Head | None = None) -> dict[str, Any]:
     """Measure ``draft`` against ``target`` on tokenised ``prompts``; the report as a dict (see :func:`run_eval`).
 
     ``paths`` not available to the draft (the selector of a DFlash baseline) are skipped and noted.
@@ -253,7 +254,9 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     the sample). The top-level ``paths``/``tau``/``target_only`` are those of the first temperature;
     ``temperatures`` holds every one. Intervals: bootstrap over prompts (:mod:`~dflash2_lightning.intervals`).
     ``oracle_top_k``: candidates of the T=0 top-k oracle (default: the selector's ``top_k``, or
-    :data:`ORACLE_TOP_K` for a DFlash draft).
+    :data:`ORACLE_TOP_K` for a DFlash draft). ``draft_head``: the loop drafts through this head instead of
+    the target's (e.g. a :class:`~dflash2_lightning.draft_vocab.DraftVocabHead`; the target still verifies
+    with its own); the teacher-forced estimates keep the target's head.
     """
     from dflash2_lightning.config import ConfigError
 
@@ -272,12 +275,13 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     usable = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
     notes = [f"path {x!r} skipped: a DFlash baseline draft has no candidate selector"
              for x in paths if x not in usable]
+    drafters = {x: TorchDrafter(draft, x, head=draft_head) for x in usable}
     if warmup:  # first calls pay for allocation and lazy init; keep them out of the timings
         target_greedy(target, prompts[0], min(4, max_new_tokens), stop)
-        for x in usable:
-            speculative_generate(target, draft, prompts[0], min(4, max_new_tokens), stop, path=x)
+        for drafter in drafters.values():
+            speculative_generate(target, drafter, prompts[0], min(4, max_new_tokens), stop)
             if any(not st.greedy for st in settings):
-                speculative_generate(target, draft, prompts[0], min(4, max_new_tokens), stop, path=x,
+                speculative_generate(target, drafter, prompts[0], min(4, max_new_tokens), stop,
                                      temperature=1.0, seed=seed)
     if any(not st.greedy for st in settings):
         notes.append("temperature > 0: outputs are samples, so losslessness is not checked token for token "
@@ -289,7 +293,7 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     blocks = {}
     for ti, st in enumerate(settings):
         blocks[_temperature_key(st.temperature)] = _evaluate_at(
-            draft, target, prompts, max_new_tokens, usable, stop, estimate, progress, st,
+            draft, drafters, target, prompts, max_new_tokens, stop, estimate, progress, st,
             seed, ti, samples if not st.greedy else 1, resamples, oracle_top_k)
     first = next(iter(blocks.values()))
     report: dict[str, Any] = {
@@ -337,12 +341,14 @@ def _run_seed(seed: int, *parts: int) -> int:
     return int(np.random.SeedSequence([seed, *parts]).generate_state(1)[0])
 
 
-def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 usable: Sequence[DraftPath], stop: list[int], estimate: bool, progress: bool, st: Sampling,
-                 seed: int, ti: int, samples: int, resamples: int, oracle_top_k: int) -> dict[str, Any]:
+def _evaluate_at(draft: DraftModel, drafters: dict[DraftPath, TorchDrafter], target: Any,
+                 prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: list[int], estimate: bool,
+                 progress: bool, st: Sampling, seed: int, ti: int, samples: int, resamples: int,
+                 oracle_top_k: int) -> dict[str, Any]:
     """One temperature: target-only and speculative runs of every prompt, the per-path figures and intervals."""
     from tqdm.auto import tqdm
 
+    usable = list(drafters)
     kw = {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k}
     references: list[list[GreedyResult]] = []
     runs = {x: PathRun([], EstimateStats.empty(draft.config.block_size, not st.greedy) if estimate else None, [])
@@ -358,7 +364,7 @@ def _evaluate_at(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]
                    target_sample(target, prompt, max_new_tokens, stop, seed=_run_seed(seed, ti, i, j, 0), **kw))
             refs.append(ref)
             for xi, x in enumerate(usable):
-                r = speculative_generate(target, draft, prompt, max_new_tokens, stop, path=x,
+                r = speculative_generate(target, drafters[x], prompt, max_new_tokens, stop,
                                          **({} if st.greedy else {"seed": _run_seed(seed, ti, i, j, 1 + xi), **kw}))
                 r.context = None  # drop the cache: the report keeps only numbers
                 runs[x].results.append(r)
@@ -499,7 +505,7 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
              samples: int = 1, resamples: int = RESAMPLES,
              llama_cpp: dict[str, Any] | None = None, own_load: float = 0.0,
              oracle_top_k: int | None = None, replay_prompts: int = 0,
-             replay_max_new_tokens: int | None = None) -> dict[str, Any]:
+             replay_max_new_tokens: int | None = None, draft_vocab: str | os.PathLike | None = "auto") -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
     Args:
@@ -522,6 +528,9 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
         replay_prompts: also replay the loop at T=0 on the first ``replay_prompts`` prompts of the file
             (:func:`replay_eval`: τ with a narrow interval at a fraction of the loop's cost), up to
             ``replay_max_new_tokens`` tokens each (default ``max_new_tokens``); the report gains ``replay``.
+        draft_vocab: the loop drafts through a :class:`~dflash2_lightning.draft_vocab.DraftVocabHead`:
+            ``"auto"`` (default) with ``draft_dir/draft_vocab.json`` when it exists, a path for that file,
+            ``None`` or ``"off"`` never. The report's ``draft_vocab`` names the file and its size.
 
     Returns the report dict (also written to ``out_dir/eval.json``). Its ``machine`` entry records the
     torch threads, the cores and the load average before and after; when other processes' load and
@@ -529,6 +538,7 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     (:func:`~dflash2_lightning.threads.timing_warning`).
     """
     from dflash2_lightning.checkpoint import atomic_write_text, load_draft
+    from dflash2_lightning.draft_vocab import draft_vocab_head, find_draft_vocab
     from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target import load_target
     from dflash2_lightning.threads import load_average, timing_warning
@@ -551,10 +561,15 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
     chats = all_chats[:max_prompts] if max_prompts is not None else all_chats
     prompts = [encode_prompt(target.tokenizer, m) for m in chats]
+    vocab_file = (find_draft_vocab(draft_dir) if draft_vocab == "auto" else
+                  None if draft_vocab in (None, "off") else Path(draft_vocab))
+    draft_head = draft_vocab_head(target, vocab_file) if vocab_file is not None else None
     load_start = load_average()
     report = evaluate_draft(draft, target, prompts, max_new_tokens, paths, estimate=estimate, progress=progress,
                             temperatures=temperatures, top_p=top_p, top_k=top_k, seed=seed, samples=samples,
-                            resamples=resamples, oracle_top_k=oracle_top_k)
+                            resamples=resamples, oracle_top_k=oracle_top_k, draft_head=draft_head)
+    report["draft_vocab"] = ({"file": str(vocab_file), "size": draft_head.size, "vocab_size": draft_head.vocab_size}
+                             if draft_head is not None else None)
     cores = os.cpu_count() or 1
     report["machine"].update(cpus=cores, load_average_start=load_start, load_average_end=load_average())
     warning = timing_warning(torch.get_num_threads(), cores, load_start, report["machine"]["load_average_end"],
@@ -719,6 +734,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"{'oracle':>8}: tau {orc['replayed_tau']:.2f} if every pick were right whenever the "
                          f"target's token is in the draft's top-{orc['top_k']} (teacher-forced replay; the "
                          "selector's ceiling)")
+    if report.get("draft_vocab"):
+        dv = report["draft_vocab"]
+        lines.append(f"drafting vocabulary: {dv['size']} of {dv['vocab_size']} tokens ({dv['file']}; the target "
+                     "verifies with its full head)")
     lines += replay_lines(report.get("replay"))
     if any("interval" in r for blk in blocks.values() for r in blk["paths"].values()):
         lines.append("[lo, hi]: 95% bootstrap interval over prompts")
@@ -774,6 +793,10 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", default="auto",
                         help="torch CPU threads: a number, or 'auto' (default: the cores other processes leave free "
                              "by the 1-minute load average, as the quickstart chooses; the report records it)")
+    parser.add_argument("--draft-vocab", default="auto", metavar="auto|off|FILE",
+                        help="draft through the target head's rows of a drafting vocabulary only (lossless: the "
+                             "target verifies with its full head): 'auto' (default) uses DRAFT/draft_vocab.json "
+                             "when it exists, 'off' never, or a file (python -m dflash2_lightning.draft_vocab)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     from dflash2_lightning.llamacpp_eval import add_engine_arguments, llama_cpp_options
 
@@ -789,7 +812,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                       temperatures=args.temperature or [0.0], top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                       samples=args.samples, resamples=args.resamples, llama_cpp=llama_cpp_options(args),
                       oracle_top_k=args.oracle_top_k, replay_prompts=args.replay_prompts,
-                      replay_max_new_tokens=args.replay_max_new_tokens)
+                      replay_max_new_tokens=args.replay_max_new_tokens, draft_vocab=args.draft_vocab)
     print("\n".join(summary_lines(report)))
     print(f"report: {Path(args.out) / 'eval.json'}  plot: {Path(args.out) / 'acceptance.png'}")
     lossy = [r for blk in report["temperatures"].values() for r in blk["paths"].values() if r["lossless"] is False]

@@ -330,6 +330,7 @@ def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: P
 def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf_dir: Path,
               stamps: Stamps) -> tuple[dict[str, Any], Path]:
     """Step 5: measure τ by real speculative decoding on the held-out prompts (``dflash2 eval``)."""
+    from dflash2_lightning.draft_vocab import find_draft_vocab
     from dflash2_lightning.evaluate import run_eval
     from dflash2_lightning.prompts import EVAL_PROMPTS
 
@@ -340,7 +341,8 @@ def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf
     settings = {"target": json.loads(target.spec.key()), "prompts": opts.eval_prompts,
                 "max_new_tokens": opts.eval_max_new_tokens, "prompts_file": file_digest(EVAL_PROMPTS), **sampling,
                 "replay": [opts.eval_replay_prompts, opts.eval_replay_max_new_tokens],
-                "draft": file_digest(hf_dir / "model.safetensors"), "llama_cpp": llama_cpp}
+                "draft": file_digest(hf_dir / "model.safetensors"), "llama_cpp": llama_cpp,
+                "draft_vocab": file_digest(vocab) if (vocab := find_draft_vocab(hf_dir)) else None}
     step = rep.step("evaluate", f"speculative decoding on {opts.eval_prompts} held-out prompts, up to "
                                 f"{opts.eval_max_new_tokens} tokens, selector walk and backbone argmax, T="
                                 + " ".join(f"{t:g}" for t in opts.eval_temperatures)
@@ -393,11 +395,20 @@ def _target_arg(spec: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- the whole job
+def _trains_on_cpu(config: dict[str, Any]) -> bool:
+    """Whether the config's trainer runs on the CPU (``accelerator: cpu``, or ``auto`` with no CUDA device)."""
+    import torch
+
+    accelerator = str((config.get("trainer") or {}).get("accelerator", "auto"))
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+
+
 def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any]:
     """Run the five steps (skipping finished ones); returns the summary dict (also in ``OUT/summary.json``)."""
     import yaml
 
     from dflash2_lightning.checkpoint import atomic_write_text, load_draft
+    from dflash2_lightning.draft_vocab import make_draft_vocab
     from dflash2_lightning.regen import target_spec_from_arg
     from dflash2_lightning.target import TargetSpec
 
@@ -409,7 +420,8 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     if not isinstance(base, dict) or "model" not in base:
         raise QuickstartError(f"{config_path} is not a dflash2 fit config (no 'model' section)")
     target_dict = _spec_fields(target_spec_from_arg(opts.target)) if opts.target else None
-    fit_cfg = fit_config(base, out, target_dict, opts.max_steps, opts.overrides)
+    bf16_hardware = fast_bf16_matmuls() or not _trains_on_cpu(base)
+    fit_cfg = fit_config(base, out, target_dict, opts.max_steps, opts.overrides, bf16_hardware=bf16_hardware)
     spec_fields = fit_cfg["model"]["init_args"].get("target")
     if not isinstance(spec_fields, dict):
         raise QuickstartError(f"{config_path}: model.init_args.target must be a mapping such as {{gguf: smollm2}}")
@@ -417,6 +429,9 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     stamps = Stamps(out)
     rep = Reporter(STEPS, stream, opts.threads)
     rep.say(f"dflash2 quickstart -> {out}  (config {config_path}; load average {load_before})")
+    if not bf16_hardware:
+        rep.say("  this CPU emulates bf16 (no AVX512-BF16/AMX): the config's bf16 feature pass and bf16-mixed "
+                "training run in float32, which is faster here")
 
     target = step_target(rep, spec)
     responses = step_responses(rep, opts, out, target, stamps)
@@ -427,6 +442,9 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     run, cache = step_features(rep, fit_yaml)
     step_train(rep, opts, run, fit_yaml, {"config": fit_cfg, "data": file_digest(responses)}, stamps)
     run_dir, hf_dir = run.run_dir, run.hf_dir
+    # The drafting vocabulary beside the checkpoint (the evaluation drafts with it): seconds, so always redone.
+    vocab = make_draft_vocab(hf_dir, responses, target)
+    rep.say(f"  drafting vocabulary: {json.loads(vocab.read_text())['source']} -> {vocab}")
     report, eval_dir = step_eval(rep, opts, out, target, hf_dir, stamps)
 
     draft = load_draft(hf_dir)

@@ -145,6 +145,20 @@ def test_fit_config_points_the_run_at_out(tmp_path):
     assert base["trainer"]["max_steps"] == 300  # the base config is not modified
 
 
+def test_fit_config_trains_in_float32_where_the_cpu_emulates_bf16(tmp_path):
+    """Without bf16 hardware the shipped bf16 settings become float32 (slower emulated); overrides still win."""
+    base = {"trainer": {"precision": "bf16-mixed"}, "model": {"init_args": {}},
+            "data": {"init_args": {"feature_autocast": "bf16"}}}
+    amx = fit_config(base, tmp_path, None, max_steps=None, overrides=[], bf16_hardware=True)
+    assert amx["trainer"]["precision"] == "bf16-mixed" and amx["data"]["init_args"]["feature_autocast"] == "bf16"
+    plain = fit_config(base, tmp_path, None, max_steps=None, overrides=[], bf16_hardware=False)
+    assert plain["trainer"]["precision"] == "32-true" and plain["data"]["init_args"]["feature_autocast"] == "none"
+    forced = fit_config(base, tmp_path, None, max_steps=None, overrides=["trainer.precision=bf16-mixed"],
+                        bf16_hardware=False)
+    assert forced["trainer"]["precision"] == "bf16-mixed"
+    assert base["trainer"]["precision"] == "bf16-mixed"  # the base config is not modified
+
+
 def test_bad_override_names_the_expected_form():
     with pytest.raises(QuickstartError, match="KEY=VALUE"):
         parse_override("trainer.max_steps")

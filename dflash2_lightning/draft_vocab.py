@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import operator
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -96,7 +97,15 @@ def read_draft_vocab(path: str | os.PathLike, vocab_size: int) -> list[int]:
 def _checked_ids(token_ids: Any, vocab_size: int, field: str) -> list[int]:
     if not isinstance(token_ids, (list, tuple)) or not token_ids:
         raise DraftVocabError(f"{field} is invalid: must be a non-empty list of token ids")
-    ids = sorted({int(t) for t in token_ids})
+    ids_seen = set()
+    for t in token_ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids_seen.add(operator.index(t))  # ints, numpy and 0-d torch integers
+        except TypeError:
+            raise DraftVocabError(f"{field} holds {t!r}: token ids must be integers") from None
+    ids = sorted(ids_seen)
     if ids[0] < 0 or ids[-1] >= vocab_size:
         bad = ids[0] if ids[0] < 0 else ids[-1]
         raise DraftVocabError(f"{field} holds {bad}, out of range: token ids must be in [0, {vocab_size})")
@@ -157,7 +166,8 @@ def make_draft_vocab(draft_dir: str | os.PathLike, responses: str | os.PathLike,
     vocab_size = hf.get_output_embeddings().weight.shape[0]
     counts = count_response_tokens(responses, target.tokenizer)
     ids = hot_tokens(counts, size, getattr(target, "eos_token_ids", []))
-    covered = sum(c for t, c in counts.items() if t in set(ids)) / max(1, sum(counts.values()))
+    kept = set(ids)
+    covered = sum(c for t, c in counts.items() if t in kept) / max(1, sum(counts.values()))
     return write_draft_vocab(draft_dir, ids, vocab_size,
                              f"{size} most frequent of {len(counts)} distinct tokens in {Path(responses).name} "
                              f"({sum(counts.values())} tokens, {covered:.4f} covered) + stop tokens")

@@ -37,6 +37,8 @@ def test_the_file_round_trips_and_bad_files_name_the_field(tmp_path):
     with pytest.raises(DraftVocabError, match=r"holds 10, out of range.*\[0, 10\)"):
         write_draft_vocab(tmp_path, [1, 10], vocab_size=10, source="test")
     assert read_draft_vocab(path, 10) == [1, 2, 3]  # the failed write left the file as it was
+    with pytest.raises(DraftVocabError, match="holds '7': token ids must be integers"):
+        write_draft_vocab(tmp_path, [1, "7"], vocab_size=10, source="test")
     path.write_text(json.dumps({"format": "other"}))
     with pytest.raises(DraftVocabError, match="format='other' is invalid"):
         read_draft_vocab(path, 10)

@@ -74,7 +74,8 @@ _VERIFIED: set[tuple[str, int, int]] = set()  # (file, size, mtime_ns) fully has
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool",
                   "function": "tool", "observation": "tool"}
-SPLIT_SEED = 0  # the held-out validation split is a fixed permutation of the training records
+SPLIT_SEED = 0  # the held-out validation split is a fixed permutation of the training records' prompts
+SPLIT_RULE = "by_prompt"  # recorded in the cache manifest: caches split by record before it are rebuilt
 
 
 class DataError(ValueError):
@@ -145,6 +146,41 @@ def parse_record(record: Any, where: str) -> str | list[dict[str, str]]:
             role = SHAREGPT_ROLES[role.lower()]
         messages.append({"role": role, "content": turn[content_key]})
     return messages
+
+
+def prompt_key(parsed: str | list[dict[str, str]]) -> str:
+    """What a record answers: its conversation before the last assistant turn (a text record: the text).
+
+    Records that share it (a greedy and sampled responses to one prompt) belong in the same split, so that
+    validation measures prompts the draft has not seen, not other answers to prompts it trained on.
+    """
+    if isinstance(parsed, str):
+        return parsed
+    last = max((k for k, m in enumerate(parsed) if m["role"] == "assistant"), default=len(parsed))
+    return json.dumps(parsed[:last], sort_keys=True, ensure_ascii=False)
+
+
+def held_out_by_prompt(records: list[tuple[str, Any]], n_val: int) -> set[int]:
+    """Indices of the validation records: whole prompt groups (:func:`prompt_key`), in a fixed random order,
+    until at least ``n_val`` records are held out; never every group. Where all records answer one prompt
+    it holds out single records instead, and says so (validation then shares that prompt)."""
+    if n_val <= 0:
+        return set()
+    groups: dict[str, list[int]] = {}
+    for i, (where, record) in enumerate(records):
+        groups.setdefault(prompt_key(parse_record(record, where)), []).append(i)
+    rng = np.random.default_rng(SPLIT_SEED)
+    if len(groups) < 2:
+        log.warning("all %d training records answer one prompt: validation holds out %d of its responses, "
+                    "so it measures that prompt again", len(records), n_val)
+        return set(rng.permutation(len(records))[:n_val].tolist())
+    members = list(groups.values())
+    held: set[int] = set()
+    for g in rng.permutation(len(members))[:-1]:  # the last group always trains
+        if len(held) >= n_val:
+            break
+        held.update(members[g])
+    return held
 
 
 # ---------------------------------------------------------------------- tokenising
@@ -300,9 +336,11 @@ class DraftDataModule(pl.LightningDataModule):
     Args:
         target: the frozen target (its tokenizer renders and tokenises; offline, it computes features).
         train_files: jsonl files; ``None`` uses the built-in corpus (:mod:`dflash2_lightning.corpus`).
-        val_files: jsonl files; ``None`` holds out ``val_fraction`` of the training records (a fixed
-            permutation, so the split is the same every run).
-        val_fraction: share of training records held out when ``val_files`` is None (0 disables validation).
+        val_files: jsonl files; ``None`` holds out ``val_fraction`` of the training records, whole prompts
+            at a time (every response to a held-out prompt; a fixed permutation, so the split is the same
+            every run): validation then measures prompts the draft has not trained on.
+        val_fraction: share of training records held out when ``val_files`` is None (0 disables validation;
+            rounded up to whole prompts).
         seq_len: tokens per sample (cut or padded); a multiple of ``block_size``.
         block_size: the draft's block size (linked from the model by the trainer).
         batch_size: samples per batch (also used to compute offline features).
@@ -417,7 +455,7 @@ class DraftDataModule(pl.LightningDataModule):
             return {"train": train, "val": read(self.val_files)}
         n_val = int(round(len(train) * self.val_fraction)) if len(train) > 1 else 0
         n_val = max(n_val, 1) if self.val_fraction > 0 and len(train) > 1 else 0
-        held = set(np.random.default_rng(SPLIT_SEED).permutation(len(train))[:n_val].tolist())
+        held = held_out_by_prompt(train, n_val)
         return {"train": [r for i, r in enumerate(train) if i not in held],
                 "val": [r for i, r in enumerate(train) if i in held]}
 
@@ -450,6 +488,7 @@ class DraftDataModule(pl.LightningDataModule):
 
         return {"train": files(self.train_files) if self.train_files is not None else f"builtin:{builtin_fingerprint()}",
                 "val": files(self.val_files), "val_fraction": self.val_fraction if self.val_files is None else None,
+                **({"split": SPLIT_RULE} if self.val_files is None and self.val_fraction > 0 else {}),
                 "max_samples": self.max_samples}
 
     def manifest(self) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.quickstart_config import QuickstartError, find_config, fit_config, write_yaml
+from dflash2_lightning.quickstart_config import QuickstartError, find_config, fit_config, uses_bf16, write_yaml
 from dflash2_lightning.quickstart_report import Reporter, last_validation, summary_text
 from dflash2_lightning.threads import fast_bf16_matmuls, load_average
 
@@ -429,7 +429,7 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     stamps = Stamps(out)
     rep = Reporter(STEPS, stream, opts.threads)
     rep.say(f"dflash2 quickstart -> {out}  (config {config_path}; load average {load_before})")
-    if not bf16_hardware:
+    if not bf16_hardware and uses_bf16(base):
         rep.say("  this CPU emulates bf16 (no AVX512-BF16/AMX): the config's bf16 feature pass and bf16-mixed "
                 "training run in float32, which is faster here")
 

@@ -103,6 +103,13 @@ def fit_config(base: dict[str, Any], out: Path, target: dict[str, Any] | None, m
     return cfg
 
 
+def uses_bf16(cfg: dict[str, Any]) -> bool:
+    """Whether the config trains in bf16 (``bf16*`` precision) or computes features under bf16 autocast."""
+    trainer = cfg.get("trainer") or {}
+    data_args = (cfg.get("data") or {}).get("init_args") or {}
+    return str(trainer.get("precision", "")).startswith("bf16") or data_args.get("feature_autocast") == "bf16"
+
+
 def float32_on_this_cpu(cfg: dict[str, Any]) -> None:
     """Turn the config's bfloat16 training and feature pass into float32, in place.
 

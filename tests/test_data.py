@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dflash2_lightning.config import ConfigError
-from dflash2_lightning.data import MANIFEST, DataError, DraftDataModule, encode_chat, encode_records
+from dflash2_lightning.data import (MANIFEST, DataError, DraftDataModule, encode_chat, encode_records,
+                                    held_out_by_prompt, prompt_key)
 from dflash2_lightning.target import Target, TargetSpec, load_target
 
 TINY = TargetSpec(tiny={})
@@ -300,3 +301,20 @@ def test_foreign_directory_is_not_mistaken_for_a_cache(tmp_path):
     (tmp_path / "cache" / "notes.txt").write_text("mine")
     with pytest.raises(DataError, match="has no manifest.json"):
         offline(tmp_path).setup()
+
+
+def test_validation_holds_out_whole_prompts():
+    """A greedy and sampled responses to one prompt land in the same split: validation measures unseen prompts."""
+    prompts = [f"question {i}" for i in range(20)]
+    records = [(f"f:{3 * i + k}", {"messages": [{"role": "user", "content": p},
+                                                {"role": "assistant", "content": f"answer {k} to {p}"}]})
+               for i, p in enumerate(prompts) for k in range(3)]
+    held = held_out_by_prompt(records, n_val=5)
+    assert len(held) == 6  # rounded up to two whole prompts
+    key = {i: r["messages"][0]["content"] for i, (_, r) in enumerate(records)}
+    assert not {key[i] for i in held} & {key[i] for i in range(len(records)) if i not in held}
+    assert held == held_out_by_prompt(records, n_val=5)  # fixed
+    one_prompt = [r for r in records if r[1]["messages"][0]["content"] == "question 0"]
+    assert len(held_out_by_prompt(one_prompt, n_val=1)) == 1  # one prompt: single records, never all of them
+    assert held_out_by_prompt(records[:6], n_val=6) != set(range(6))  # the last group always trains
+    assert prompt_key("plain text") == "plain text"

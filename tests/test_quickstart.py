@@ -24,7 +24,7 @@ from dflash2_lightning import regen as regen_module
 from dflash2_lightning import threads
 from dflash2_lightning.checkpoint import load_draft
 from dflash2_lightning.quickstart import quickstart_main
-from dflash2_lightning.quickstart_config import QuickstartError, find_config, fit_config, parse_override
+from dflash2_lightning.quickstart_config import QuickstartError, find_config, fit_config, parse_override, uses_bf16
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -157,6 +157,7 @@ def test_fit_config_trains_in_float32_where_the_cpu_emulates_bf16(tmp_path):
                         bf16_hardware=False)
     assert forced["trainer"]["precision"] == "bf16-mixed"
     assert base["trainer"]["precision"] == "bf16-mixed"  # the base config is not modified
+    assert uses_bf16(base) and not uses_bf16(plain)  # the quickstart says it switched only when it did
 
 
 def test_bad_override_names_the_expected_form():

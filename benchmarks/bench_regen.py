@@ -13,6 +13,14 @@ rate of this machine at the same batch.
     python benchmarks/bench_regen.py [--prompts 64] [--new 64] [--threads 2]
 
 Writes ``benchmarks/results/bench_regen.json``. Not a test.
+
+``--mix`` measures the regeneration's own job mix instead: ``--prompts`` seed prompts x (a greedy and
+``--sampled`` sampled responses at T=0.8, top-p 0.95), up to ``--new`` tokens, ``--slots`` at a time,
+scheduled two ways on the same jobs: ``batches`` (what ``dflash2 regen`` did before: greedy and sampled
+apart, length-sorted batches of ``--slots`` prompts, each decoded until its longest response ends) and
+``continuous`` (what it does now: one stream, an ended response's cache row taken by the next prompt).
+Both in the dtype regeneration uses on this CPU; same responses, so the ratio is the scheduler's alone.
+Writes ``benchmarks/results/bench_regen_mix.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 from record import load_average, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_regen.json"
+MIX_RESULTS = Path(__file__).resolve().parent / "results" / "bench_regen_mix.json"
 CONFIGS = [("hf-generate", "float32"), ("transformers-cache", "float32"), ("static", "float32"),
            ("transformers-cache", "bfloat16"), ("static", "bfloat16")]
 
@@ -63,6 +72,47 @@ def run_one(loop: str, dtype: str, target: str, prompts: int, new: int) -> dict:
             "tokens_per_cpu_s": round(tokens / cpu, 1), "gflop_per_token": round(flops_per_token / 1e9, 3),
             "achieved_gflop_per_s": round(tokens * flops_per_token / wall / 1e9, 1),
             "threads": torch.get_num_threads()}
+
+
+def run_mix(schedule: str, dtype: str, target: str, prompts: int, new: int, sampled: int, slots: int) -> dict:
+    """Regeneration's job mix under one scheduler (``batches`` or ``continuous``); see the module docstring."""
+    import torch
+
+    from dflash2_lightning.generate import generate, generate_stream
+    from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.regen import target_spec_from_arg
+    from dflash2_lightning.sampling import Sampling
+    from dflash2_lightning.target import load_target
+
+    tgt = load_target(target_spec_from_arg(target, dtype))
+    ids = [encode_prompt(tgt.tokenizer, m) for m in read_prompts(SEED_PROMPTS, prompts)]
+    eos = list(tgt.eos_token_ids)
+    pad = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else eos[0]
+    per = 1 + sampled
+    jobs = sorted(range(len(ids) * per), key=lambda j: (len(ids[j // per]), j))
+    seeds = {j: None if j % per == 0 else 1000 + j for j in jobs}
+    sampling = Sampling(temperature=0.8, top_p=0.95)
+    generate(tgt.hf, ids[:2], 2, eos, pad)  # warm-up: allocation, lazy init
+    out: dict[int, list[int]] = {}
+    wall, cpu = time.perf_counter(), time.process_time()
+    if schedule == "continuous":
+        for k, tokens in generate_stream(tgt.hf, [ids[j // per] for j in jobs], new, eos, pad, sampling,
+                                         [seeds[j] for j in jobs], slots=slots):
+            out[jobs[k]] = tokens
+    else:
+        for kind in (False, True):  # greedy, then sampled; length-sorted batches of `slots`
+            group = [j for j in jobs if (j % per > 0) == kind]
+            for lo in range(0, len(group), slots):
+                batch = group[lo:lo + slots]
+                got = generate(tgt.hf, [ids[j // per] for j in batch], new, eos, pad,
+                               sampling if kind else Sampling(), [seeds[j] for j in batch] if kind else None)
+                out.update(zip(batch, got))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    tokens = sum(len(t) for t in out.values())
+    return {"schedule": schedule, "dtype": dtype, "prompts": prompts, "responses": len(out), "sampled": sampled,
+            "max_new_tokens": new, "slots": slots, "tokens": tokens, "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2), "tokens_per_s": round(tokens / wall, 1), "threads": torch.get_num_threads(),
+            "greedy_responses": [out[j] for j in sorted(out) if j % per == 0][:8]}
 
 
 def _hf_generate(tgt, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -107,15 +157,23 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--mix", action="store_true", help="the regeneration's job mix: batches vs continuous")
+    p.add_argument("--sampled", type=int, default=2, help="--mix: sampled responses per prompt")
+    p.add_argument("--slots", type=int, default=128, help="--mix: responses generated together")
     p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
     if args.one:
-        print("RESULT " + json.dumps(run_one(*args.one, args.target, args.prompts, args.new)), flush=True)
+        mode, dtype = args.one
+        row = (run_mix(mode, dtype, args.target, args.prompts, args.new, args.sampled, args.slots) if args.mix
+               else run_one(mode, dtype, args.target, args.prompts, args.new))
+        print("RESULT " + json.dumps(row), flush=True)
         return
     load = load_average()
+    if args.mix:
+        return mix_main(args, load)
     rows = []
     for loop, dtype in CONFIGS:
         cmd = [sys.executable, __file__, "--one", loop, dtype, "--target", args.target, "--prompts",
@@ -135,6 +193,36 @@ def main() -> None:
     write_json(RESULTS, {"command": "python benchmarks/bench_regen.py " + " ".join(sys.argv[1:]),
                          "machine": machine(args.threads, load), "matmul_gflop_per_s": floors, "results": rows})
     print(f"wrote {RESULTS}")
+
+
+def mix_main(args: argparse.Namespace, load: list[float]) -> None:
+    """``--mix``: both schedulers on the same jobs, each in its own process, alternated twice."""
+    from dflash2_lightning.threads import fast_bf16_matmuls
+
+    dtype = "bfloat16" if fast_bf16_matmuls() else "float32"  # what regeneration picks on this CPU
+    rows = []
+    for schedule in ("batches", "continuous", "batches", "continuous"):
+        cmd = [sys.executable, __file__, "--mix", "--one", schedule, dtype, "--target", args.target,
+               "--prompts", str(args.prompts), "--new", str(args.new), "--threads", str(args.threads),
+               "--sampled", str(args.sampled), "--slots", str(args.slots)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+        if done.returncode or not lines:
+            raise SystemExit(f"{schedule} failed:\n{done.stderr[-3000:]}")
+        rows.append(json.loads(lines[-1][len("RESULT "):]))
+        print(f"{schedule}: {rows[-1]['tokens']} tokens in {rows[-1]['wall_s']} s = {rows[-1]['tokens_per_s']} tok/s",
+              flush=True)
+    same = all(r["greedy_responses"] == rows[0]["greedy_responses"] for r in rows)
+    best = {s: max(r["tokens_per_s"] for r in rows if r["schedule"] == s) for s in ("batches", "continuous")}
+    print(f"load average {load}; greedy responses identical across schedules: {same}; "
+          f"continuous / batches = {best['continuous'] / best['batches']:.2f}x (best of two each)")
+    for r in rows:
+        del r["greedy_responses"]
+    write_json(MIX_RESULTS, {"command": "python benchmarks/bench_regen.py " + " ".join(sys.argv[1:]),
+                             "machine": machine(args.threads, load), "greedy_responses_identical": same,
+                             "continuous_over_batches": round(best["continuous"] / best["batches"], 3),
+                             "results": rows})
+    print(f"wrote {MIX_RESULTS}")
 
 
 if __name__ == "__main__":

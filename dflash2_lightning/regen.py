@@ -11,15 +11,16 @@ Crash safety. Work goes to an append-only log ``<out>.partial`` beside the outpu
 
 - line 1 is a header with the settings that shape the responses (target, ``max_new_tokens``); a
   resume with different settings is refused instead of mixing two generations in one file;
-- then one line per finished prompt, ``{"index", "hash", "messages"}``; a batch's lines are written
-  with one ``write``, flushed and fsynced before the next batch starts;
+- then one line per finished response, ``{"index", "hash", "messages"}``, in the order they finish
+  (continuous batching); every :data:`LOG_EVERY` of them are written with one ``write``, flushed and fsynced;
 - on start the log is read back: a torn last line (a kill in the middle of a write) is cut off, the
   finished prompt indices are skipped (a changed prompt at a finished index is an error), the rest is
   generated;
 - at the end the records are sorted by prompt index and ``<out>`` is written atomically (temporary
   file, fsync, rename); only then is the log removed.
 
-So a kill at any moment loses at most the batch in flight, never duplicates a sample, and ``<out>``
+So a kill at any moment loses at most the responses in flight and the last few finished ones,
+never duplicates a sample, and ``<out>``
 either does not exist or is complete. An existing ``<out>`` means the job is done (``--overwrite``
 starts again).
 """
@@ -31,7 +32,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ import torch
 
 LOG_SUFFIX = ".partial"
 LOG_FORMAT = 1
+LOG_EVERY = 16  # finished responses per write to the log: a kill loses at most these and those in flight
 
 
 class RegenError(RuntimeError):
@@ -95,20 +97,21 @@ def prompt_hash(messages: list[dict[str, str]]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def generate_batch(target: Any, prompts: list[list[int]], max_new_tokens: int, sampling: Any = None,
-                   seeds: list[int] | None = None) -> list[list[int]]:
-    """Responses (token ids, up to and including the first eos) to a batch of tokenised prompts.
+def generate_responses(target: Any, prompts: list[list[int]], max_new_tokens: int, sampling: Any = None,
+                       seeds: list[int | None] | None = None, slots: int = 64) -> Iterator[tuple[int, list[int]]]:
+    """``(index into prompts, response token ids)`` as each response ends, ``slots`` generated together.
 
-    Greedy unless ``sampling`` (a :class:`~dflash2_lightning.generate.Sampling`) samples; then ``seeds``
-    gives each prompt its own generator. See :mod:`dflash2_lightning.generate`.
+    Greedy unless ``sampling`` (a :class:`~dflash2_lightning.sampling.Sampling`) samples; then ``seeds``
+    gives each prompt its own generator, and a ``None`` seed keeps that prompt greedy. See
+    :func:`dflash2_lightning.generate.generate_stream` (continuous batching).
     """
-    from dflash2_lightning.generate import generate
+    from dflash2_lightning.generate import generate_stream
     from dflash2_lightning.sampling import Sampling
 
     eos = list(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
-    return generate(target.hf, prompts, max_new_tokens, eos, eos[0] if pad is None else pad,
-                    sampling or Sampling(), seeds)
+    return generate_stream(target.hf, prompts, max_new_tokens, eos, eos[0] if pad is None else pad,
+                           sampling or Sampling(), seeds, slots=slots)
 
 
 def response_text(tokenizer: Any, tokens: list[int]) -> str:
@@ -143,6 +146,8 @@ def _read_log(path: Path) -> tuple[dict[str, Any] | None, dict[int, dict[str, An
 
 def _append(path: Path, lines: list[str]) -> None:
     """Append whole lines in one write, then flush and fsync (the batch is durable once this returns)."""
+    if not lines:
+        return
     with open(path, "a", encoding="utf-8") as f:
         f.write("".join(line + "\n" for line in lines))
         f.flush()
@@ -218,7 +223,8 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
         prompts_file: chat jsonl prompts (``None``: the shipped seed prompts).
         out_file: the output chat jsonl; ``<out_file>.partial`` is the resumable work log.
         max_new_tokens: response budget (a response that hits it is kept, cut there).
-        batch_size: prompts generated together (left-padded). Prompts are sorted by length into batches.
+        batch_size: responses generated together; as one ends the next prompt takes its place
+            (prompts start in order of length, left-padded with the others that start with them).
         max_prompts: only the first ``max_prompts`` prompts of the file.
         overwrite: regenerate even if ``out_file`` exists (and forget any partial log).
         sampled: sampled responses per prompt besides the greedy one.
@@ -263,29 +269,26 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     tokenised = {i: encode_prompt(target.tokenizer, chats[i]) for i in range(len(chats))
                  if any(i * per_prompt + s not in done for s in range(per_prompt))}
     todo = [j for j in range(jobs) if j not in done and j // per_prompt in tokenised]
-    # Greedy and sampled responses batch apart; similar prompt lengths batch with little padding.
-    todo.sort(key=lambda j: (j % per_prompt > 0, len(tokenised[j // per_prompt]), j))
+    # Similar prompt lengths start together, so a refill of the batch pads little. Greedy and sampled
+    # responses share the batch (a None seed is greedy).
+    todo.sort(key=lambda j: (len(tokenised[j // per_prompt]), j))
+    seeds = [sample_seed(seed, hashes[j // per_prompt], j % per_prompt) if j % per_prompt else None for j in todo]
     bar = tqdm(total=jobs, initial=len(done), desc="regen", unit="response", disable=not progress)
-    lo = 0
-    while lo < len(todo):
-        kind = todo[lo] % per_prompt > 0
-        batch = [j for j in todo[lo:lo + batch_size] if (j % per_prompt > 0) == kind]
-        lo += len(batch)
-        prompts = [tokenised[j // per_prompt] for j in batch]
-        if kind:
-            seeds = [sample_seed(seed, hashes[j // per_prompt], j % per_prompt) for j in batch]
-            responses = generate_batch(target, prompts, max_new_tokens, sampling, seeds)
-        else:
-            responses = generate_batch(target, prompts, max_new_tokens)
-        lines = []
-        for j, tokens in zip(batch, responses):
-            i = j // per_prompt
-            messages = chats[i] + [{"role": "assistant", "content": response_text(target.tokenizer, tokens)}]
-            record = {"index": j, "hash": hashes[i], "messages": messages}
-            done[j] = record
-            lines.append(json.dumps(record, ensure_ascii=False))
-        _append(log, lines)
-        bar.update(len(batch))
+    lines: list[str] = []
+    for k, tokens in generate_responses(target, [tokenised[j // per_prompt] for j in todo], max_new_tokens,
+                                        sampling, seeds, slots=batch_size):
+        j = todo[k]
+        i = j // per_prompt
+        messages = chats[i] + [{"role": "assistant", "content": response_text(target.tokenizer, tokens)}]
+        record = {"index": j, "hash": hashes[i], "messages": messages}
+        done[j] = record
+        lines.append(json.dumps(record, ensure_ascii=False))
+        if len(lines) >= LOG_EVERY:
+            _append(log, lines)
+            bar.update(len(lines))
+            lines = []
+    _append(log, lines)
+    bar.update(len(lines))
     bar.close()
 
     text = "".join(json.dumps({"messages": done[j]["messages"]}, ensure_ascii=False) + "\n" for j in range(jobs))

@@ -47,6 +47,17 @@ def test_rows_first_linear_equals_linear(rows, bias):
     torch.testing.assert_close(grad, layer.weight.sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
 
 
+def test_rows_first_output_is_row_major_so_the_next_linear_folds():
+    """A batched decode step's [b, 1, d] rows come out laid out as F.linear's: the strides of the leading dims
+    fold into one, so the next F.linear is one mm and not a bmm over b copies of its weight."""
+    layer = nn.Linear(24, 40)
+    x = torch.randn(16, 1, 24)
+    got = rows_first_linear(x, layer.weight)
+    assert got.stride() == torch.nn.functional.linear(x, layer.weight).stride() == (40, 40, 1)
+    residual = x.new_zeros(16, 1, 40) + got  # the decode loop's residual add keeps that layout
+    assert residual.stride(0) == residual.stride(1) * residual.shape[1]
+
+
 @pytest.mark.parametrize("forced", ["0", "1", ""])
 def test_the_few_row_kernel_is_the_faster_one_or_the_forced_one(forced, monkeypatch):
     monkeypatch.setenv(few_rows.ROWS_FIRST_ENV, forced)

@@ -155,3 +155,25 @@ def test_unsupported_layouts_use_the_transformers_loop() -> None:
     with pytest.raises(ValueError, match="static_cache=True is not supported for model_type='gemma3'"):
         generate(hf, [[1, 2, 3]], 2, [0], 0, static_cache=True)
     assert len(generate(hf, [[1, 2, 3]], 2, [511], 0)[0]) == 2  # the transformers loop takes over
+
+
+@pytest.mark.parametrize("temperature", [0.0, 2.0])
+def test_continuous_batching_equals_one_batch(temperature) -> None:
+    """Two cache rows for seven prompts: finished rows take the next prompts (mixed greedy and sampled rows,
+    rows ending at different steps); every response is the one the reference loop gives."""
+    import dflash2_lightning.generate as gen
+
+    hf = _tiny_family("llama")
+    target = tiny_target()
+    prompts = _prompts(target, 7)
+    sampling = Sampling(temperature=temperature) if temperature else Sampling()
+    seeds = [None if row % 3 == 0 else row for row in range(7)]  # None: that row is greedy
+    free = generate(hf, prompts, 20, [511], 0, sampling, seeds)
+    eos = sorted({free[row][1 + 4 * row % 17] for row in range(0, 7, 2)})
+    reference = generate(hf, prompts, 20, eos, 0, sampling, seeds, static_cache=False)
+    streamed = list(gen.generate_stream(hf, prompts, 20, eos, 0, sampling, seeds, slots=2))
+    assert sorted(i for i, _ in streamed) == list(range(7))
+    assert dict(streamed) == dict(enumerate(reference))
+    assert len({len(t) for t in reference}) > 2  # rows ended at different steps
+    with pytest.raises(ValueError, match="slots=0"):
+        list(gen.generate_stream(hf, prompts, 20, eos, 0, slots=0))

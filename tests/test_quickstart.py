@@ -112,7 +112,7 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     def must_not_run(*args, **kwargs):
         raise AssertionError("the re-run redid a finished step")
 
-    monkeypatch.setattr(regen_module, "generate_batch", must_not_run)
+    monkeypatch.setattr(regen_module, "generate_responses", must_not_run)
     monkeypatch.setattr(cli_module, "main", must_not_run)
     assert quickstart_main(argv) == 0
     printed = capsys.readouterr().out

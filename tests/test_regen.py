@@ -16,7 +16,7 @@ from dflash2_lightning.regen import RegenError, regen, regen_main
 from dflash2_lightning.speculative import target_greedy
 
 N_PROMPTS, BATCH, NEW = 7, 2, 6
-REAL_GENERATE = regen_mod.generate_batch
+REAL_GENERATE = regen_mod.generate_responses
 
 
 @pytest.fixture
@@ -27,17 +27,20 @@ def prompts_file(tmp_path) -> Path:
     return path
 
 
-def crash_after(monkeypatch, batches: int) -> list[int]:
-    """Make the ``batches + 1``-th call of ``generate_batch`` raise; returns the list of batch sizes seen."""
+def crash_after(monkeypatch, responses: int) -> list[int]:
+    """Make generation raise once ``responses`` responses have finished (the log takes them two at a time);
+    returns the list of prompt counts each call was asked for."""
     calls: list[int] = []
+    monkeypatch.setattr(regen_mod, "LOG_EVERY", 2)
 
-    def flaky(target, prompts, max_new_tokens, *args):
-        if len(calls) == batches:
-            raise KeyboardInterrupt("simulated kill")
+    def flaky(target, prompts, max_new_tokens, *args, **kwargs):
         calls.append(len(prompts))
-        return REAL_GENERATE(target, prompts, max_new_tokens, *args)
+        for n, item in enumerate(REAL_GENERATE(target, prompts, max_new_tokens, *args, **kwargs)):
+            if n == responses:
+                raise KeyboardInterrupt("simulated kill")
+            yield item
 
-    monkeypatch.setattr(regen_mod, "generate_batch", flaky)
+    monkeypatch.setattr(regen_mod, "generate_responses", flaky)
     return calls
 
 
@@ -68,30 +71,30 @@ def test_resume_after_crash_neither_loses_nor_duplicates(prompts_file, tmp_path,
     clean = regen(target, prompts_file, tmp_path / "clean.jsonl", NEW, BATCH, progress=False)
 
     out = tmp_path / "resumed.jsonl"
-    calls = crash_after(monkeypatch, 2)
+    calls = crash_after(monkeypatch, 5)
     with pytest.raises(KeyboardInterrupt):
         regen(target, prompts_file, out, NEW, BATCH, progress=False)
     assert not out.exists()  # never a half-written output
-    assert len(log_records(out)) == 2 * BATCH == sum(calls)
+    assert calls == [N_PROMPTS] and len(log_records(out)) == 4  # the 5th finished response was not logged yet
     # A kill in the middle of the next write leaves a torn line: it must be dropped, not parsed.
     with open(out.with_name(out.name + ".partial"), "a") as f:
         f.write('{"index": 6, "hash": "00')
 
     calls = crash_after(monkeypatch, 99)
     regen(target, prompts_file, out, NEW, BATCH, progress=False)
-    assert sum(calls) == N_PROMPTS - 2 * BATCH  # only the missing prompts were generated
+    assert calls == [N_PROMPTS - 4]  # only the missing prompts were generated
     assert out.read_bytes() == clean.read_bytes()
     assert not out.with_name(out.name + ".partial").exists()
 
     calls = crash_after(monkeypatch, 0)  # finished: a rerun generates nothing
     regen(target, prompts_file, out, NEW, BATCH, progress=False)
-    assert out.read_bytes() == clean.read_bytes()
+    assert out.read_bytes() == clean.read_bytes() and calls == []
 
 
 def test_resume_refuses_other_settings_or_prompts(prompts_file, tmp_path, monkeypatch) -> None:
     target = tiny_target()
     out = tmp_path / "out.jsonl"
-    crash_after(monkeypatch, 1)
+    crash_after(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         regen(target, prompts_file, out, NEW, BATCH, progress=False)
     monkeypatch.undo()

@@ -70,7 +70,7 @@ class QuickstartOptions:
             ``"auto"``: bfloat16 on a CPU that multiplies bf16 in hardware, where generation runs ~2.6x faster,
             else the target's own).
             The features and labels the draft trains on always come from the target itself.
-        regen_batch_size: prompts generated together.
+        regen_batch_size: responses generated together (continuous batching).
         eval_prompts: held-out prompts measured by speculative decoding.
         eval_max_new_tokens: generation budget per evaluation prompt.
         eval_temperatures: temperatures the evaluation measures (0 = greedy; default T=0 and T=1).

@@ -321,7 +321,8 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
                         help="prompts, chat jsonl {'messages': [...]} (default: the shipped seed prompts)")
     parser.add_argument("--out", required=True, help="output chat jsonl (responses appended as assistant turns)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="response budget in tokens (default 256)")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="responses generated together; a finished one makes room for the next prompt (default 8)")
     parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--overwrite", action="store_true", help="start over even if OUT or OUT.partial exists")
     parser.add_argument("--sampled", type=int, default=0,

@@ -11,7 +11,8 @@ costs about what reading the weight costs, and which kernel reads it least diffe
                 once per shape (:func:`rows_first_pays`)
     packed      MKL's GEMM on a copy of the weight packed once for exactly ``rows`` rows
                 (``torch.ops.mkl._mkl_linear``): no packing per call; only for row counts a caller
-                declared with :func:`pack_rows` (a packed copy costs the weight's size in memory)
+                declared with :func:`pack_rows` (a packed copy costs the weight's size in memory), and
+                only where it beats the other two, timed once per shape (:func:`packing_pays`)
 
 One row (a GEMV either way) and training's hundreds always take ``F.linear``.
 
@@ -33,12 +34,13 @@ from torch import nn
 # Few-row kernels cover up to this many rows (a verified or drafted block, a few sequences).
 SMALL_ROWS = 64
 ROWS_FIRST_ENV = "DFLASH2_ROWS_FIRST"  # "1" / "0": always / never rows-first (reproducible kernels); unset: timed
-PACK_ENV = "DFLASH2_PACK_WEIGHTS"  # "0": never pack (packed rows take the rows-first / stock choice)
+PACK_ENV = "DFLASH2_PACK_WEIGHTS"  # "0": never pack; "1": always pack declared rows; unset: where timing says it pays
 ROWS_FIRST_MARGIN = 1.15  # rows-first must win by this factor (a near tie keeps the stock kernel)
 # Pack a weight only while the machine keeps this many times its size free afterwards.
 PACK_MEMORY_HEADROOM = 2.0
 _ROW_BUCKETS = (8, 16, 32, SMALL_ROWS)
 _rows_first_choice: dict[tuple[Any, ...], bool] = {}
+_pack_choice: dict[tuple[Any, ...], bool] = {}
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -97,6 +99,33 @@ def rows_first_pays(weight: torch.Tensor, rows: int) -> bool:
 def _packing_off() -> bool:
     """``DFLASH2_PACK_WEIGHTS=0``: read at call time, so a benchmark or a user can switch it in-process."""
     return os.environ.get(PACK_ENV, "").strip() == "0"
+
+
+def packing_pays(weight: torch.Tensor, packed: torch.Tensor, rows: int) -> bool:
+    """Whether MKL's GEMM on ``packed`` (``weight`` packed for ``rows`` rows) beats the unpacked kernel.
+
+    Packing pays on an AMX Xeon (a verify pass 57 -> 47 ms) and costs on an AMD EPYC (a cycle 117 -> 171
+    ms), so it is timed once per (weight shape, rows, torch threads) on random rows against the kernel
+    :class:`FewRowLinear` would use instead (best of three, interleaved) and remembered for the process;
+    ``DFLASH2_PACK_WEIGHTS=1`` packs without timing.
+    """
+    if os.environ.get(PACK_ENV, "").strip() == "1":
+        return True
+    key = (tuple(weight.shape), rows, torch.get_num_threads())
+    if key not in _pack_choice:
+        unpacked = rows_first_linear if rows_first_pays(weight, rows) else torch.nn.functional.linear
+        with torch.no_grad():
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            kernels = (("packed", lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)),
+                       ("unpacked", lambda: unpacked(x, weight)))
+            best = {"packed": float("inf"), "unpacked": float("inf")}
+            for _ in range(3):
+                for name, fn in kernels:
+                    start = time.perf_counter()
+                    fn()
+                    best[name] = min(best[name], time.perf_counter() - start)
+        _pack_choice[key] = best["packed"] < best["unpacked"]
+    return _pack_choice[key]
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -165,6 +194,8 @@ class FewRowLinear(nn.Linear):
             return None
         with torch.no_grad():
             packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+        if not packing_pays(weight, packed, rows):
+            packed = None  # remembered: this weight keeps the unpacked kernel for these rows
         cache[rows] = (key, packed)
         return packed
 

@@ -15,6 +15,29 @@ from dflash2_lightning.target import TargetSpec, load_target
 needs_mkl = pytest.mark.skipif(not packing_available(torch.zeros(1)), reason="torch built without MKL packing")
 
 
+@pytest.fixture(autouse=True)
+def packing_forced(monkeypatch):
+    """Declared rows always pack here (unset, packing is timed per shape and this machine decides)."""
+    monkeypatch.setenv(few_rows.PACK_ENV, "1")
+
+
+@needs_mkl
+def test_packing_is_timed_once_per_shape_and_a_losing_pack_is_not_kept(monkeypatch):
+    monkeypatch.delenv(few_rows.PACK_ENV)
+    monkeypatch.setattr(few_rows, "_pack_choice", {})
+    layer = _layer()
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), 4)
+    choice = few_rows.packing_pays(layer.weight, packed, 4)
+    assert isinstance(choice, bool) and list(few_rows._pack_choice.values()) == [choice]
+    assert few_rows.packing_pays(layer.weight, packed, 4) == choice  # remembered, not timed again
+    monkeypatch.setattr(few_rows, "packing_pays", lambda *args: False)
+    pack_rows(layer, 4)
+    x = torch.randn(4, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert layer._packed_cache[4][1] is None  # the loss is remembered: no packed copy kept
+
+
 @pytest.fixture
 def tiny():
     """The shared (memoised) tiny target, its packing undone afterwards so other tests see stock layers."""

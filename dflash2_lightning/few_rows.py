@@ -96,9 +96,14 @@ def rows_first_pays(weight: torch.Tensor, rows: int) -> bool:
     return _rows_first_choice[key]
 
 
+def _pack_setting() -> str:
+    """``DFLASH2_PACK_WEIGHTS`` ("0", "1" or unset): read at call time, so a benchmark or a user can switch
+    it in-process."""
+    return os.environ.get(PACK_ENV, "").strip()
+
+
 def _packing_off() -> bool:
-    """``DFLASH2_PACK_WEIGHTS=0``: read at call time, so a benchmark or a user can switch it in-process."""
-    return os.environ.get(PACK_ENV, "").strip() == "0"
+    return _pack_setting() == "0"
 
 
 def packing_pays(weight: torch.Tensor, packed: torch.Tensor, rows: int) -> bool:
@@ -109,7 +114,7 @@ def packing_pays(weight: torch.Tensor, packed: torch.Tensor, rows: int) -> bool:
     :class:`FewRowLinear` would use instead (best of three, interleaved) and remembered for the process;
     ``DFLASH2_PACK_WEIGHTS=1`` packs without timing.
     """
-    if os.environ.get(PACK_ENV, "").strip() == "1":
+    if _pack_setting() == "1":
         return True
     key = (tuple(weight.shape), rows, torch.get_num_threads())
     if key not in _pack_choice:

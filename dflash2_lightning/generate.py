@@ -307,12 +307,13 @@ def _decode_static(hf: torch.nn.Module, prompts: Sequence[Sequence[int]], max_ne
                 cache.keep(kept)
                 valid, pointer, position, nxt = valid[kept], pointer[kept], position[kept], nxt[kept]
                 job = [job[r] for r in keep]
+        live_rows = [r for r in range(len(job)) if job[r] >= 0]
         live = torch.as_tensor([j >= 0 for j in job], device=device)
         valid[live, pointer[live]] = True
         logits = _forward_static(hf, nxt[:, None], position[:, None], cache, pointer[:, None],
                                  valid[:, None, :int(pointer.max()) + 1])
         pointer, position = pointer + live, position + live  # a finished row's pointer stays put
-        ended = pick([r for r in range(len(job)) if job[r] >= 0], logits[live])
+        ended = pick(live_rows, logits[live])
 
 
 # ----------------------------------------------------------------------------- the transformers-cache loop

@@ -18,7 +18,10 @@ One row (a GEMV either way) and training's hundreds always take ``F.linear``.
 
 Measured (SmolLM2-135M float32, 2 AMX cores, a whole 4-token verify pass against a 1-token step of 37
 ms): stock 57 ms, packed 47 ms; on an older 2-core host without AMX, rows-first brought the same pass
-from 86-93 to 54-69 ms while it is 1.5-2.3x *slower* than stock here.
+from 86-93 to 54-69 ms while it is 1.5-2.3x *slower* than stock on the AMX host. Every choice is timed on
+weights streamed from memory, as a forward pass reads them (:func:`streamed_copies`): timed on one cached
+weight, a 2-core AMD EPYC ranked stock first for every shape, and its 4-token verify pass took 111-114
+ms; timed streamed, it picks rows-first for most shapes and the pass takes 58-100 ms, about a 1-token step.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -38,7 +42,14 @@ PACK_ENV = "DFLASH2_PACK_WEIGHTS"  # "0": never pack; "1": always pack declared 
 ROWS_FIRST_MARGIN = 1.15  # rows-first must win by this factor (a near tie keeps the stock kernel)
 # Pack a weight only while the machine keeps this many times its size free afterwards.
 PACK_MEMORY_HEADROOM = 2.0
-_ROW_BUCKETS = (8, 16, 32, SMALL_ROWS)
+# Up to 8 rows the choice is timed per row count (on a 2-core EPYC rows-first wins 1.4x at 4 rows and
+# loses 1.5x at 8 on the same weight); above, per bucket of padded counts.
+_ROW_BUCKETS = (16, 32, SMALL_ROWS)
+# Kernels are timed on weights streamed from memory (:func:`streamed_copies`): twice the last-level cache,
+# at most this many bytes and this many copies (a tiny weight stays cached: its choice matters little).
+TIMING_BYTES = 256 * 2**20
+MAX_TIMING_COPIES = 256
+DEFAULT_CACHE_BYTES = 32 * 2**20
 _rows_first_choice: dict[tuple[Any, ...], bool] = {}
 _pack_choice: dict[tuple[Any, ...], bool] = {}
 
@@ -75,25 +86,61 @@ def rows_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def rows_first_pays(weight: torch.Tensor, rows: int) -> bool:
     """Whether :func:`rows_first_linear` beats ``F.linear`` for ``rows`` rows of ``weight`` on this machine.
 
-    Timed once per (dtype, weight shape, row bucket, torch threads) on random rows (a few matmuls, best of
-    three each) and remembered for the process; ``DFLASH2_ROWS_FIRST=1`` or ``0`` decides without timing.
+    Timed once per (dtype, weight shape, row count up to 8 or bucket above, torch threads) on random rows,
+    over weights streamed from memory (:func:`streamed_copies`, :func:`fastest`), and remembered for the
+    process; ``DFLASH2_ROWS_FIRST=1`` or ``0`` decides without timing.
     """
     forced = os.environ.get(ROWS_FIRST_ENV, "").strip()
     if forced in ("0", "1"):
         return forced == "1"
-    bucket = next(b for b in _ROW_BUCKETS if rows <= b)
+    bucket = rows if rows <= 8 else next(b for b in _ROW_BUCKETS if rows <= b)
     key = (weight.dtype, tuple(weight.shape), bucket, torch.get_num_threads())
     if key not in _rows_first_choice:
         with torch.no_grad():
             x = torch.randn(bucket, weight.shape[1], dtype=weight.dtype)
-            best = {"stock": float("inf"), "rows_first": float("inf")}
-            for _ in range(3):  # interleaved, so a burst of load hits both
-                for name, fn in (("stock", torch.nn.functional.linear), ("rows_first", rows_first_linear)):
-                    start = time.perf_counter()
-                    fn(x, weight)
-                    best[name] = min(best[name], time.perf_counter() - start)
+            copies = streamed_copies(weight)
+            best = fastest({"stock": [lambda w=w: torch.nn.functional.linear(x, w) for w in copies],
+                            "rows_first": [lambda w=w: rows_first_linear(x, w) for w in copies]})
         _rows_first_choice[key] = best["rows_first"] * ROWS_FIRST_MARGIN < best["stock"]
     return _rows_first_choice[key]
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (Linux), else :data:`DEFAULT_CACHE_BYTES`."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=DEFAULT_CACHE_BYTES)
+
+
+def streamed_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of ``weight`` that together overflow the last-level cache (twice over, at most
+    :data:`TIMING_BYTES`): a kernel timed across them reads every weight from memory, as a forward pass
+    does. Timed on one weight, a kernel finds it in cache from the second call on, and that ranks the
+    kernels wrongly (a 2-core AMD EPYC: stock and rows-first level on a cached 576 x 576 weight, a whole
+    4-row pass over SmolLM2's streamed weights 69 vs 39 ms)."""
+    size = weight.numel() * weight.element_size()
+    count = max(1, min(MAX_TIMING_COPIES, min(2 * _last_level_cache_bytes(), TIMING_BYTES) // max(size, 1)))
+    detached = weight.detach()
+    return [detached] + [detached.clone() for _ in range(count - 1)]
+
+
+def fastest(kernels: dict[str, list[Callable[[], Any]]]) -> dict[str, float]:
+    """Seconds a call of each kernel takes, streamed: each kernel's calls (one per weight copy, see
+    :func:`streamed_copies`) run back to back, the kernels interleaved three times so a burst of load
+    hits them all; the best round counts."""
+    best = {name: float("inf") for name in kernels}
+    for _ in range(3):
+        for name, calls in kernels.items():
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            best[name] = min(best[name], (time.perf_counter() - start) / len(calls))
+    return best
 
 
 def _pack_setting() -> str:
@@ -111,7 +158,8 @@ def packing_pays(weight: torch.Tensor, packed: torch.Tensor, rows: int) -> bool:
 
     Packing pays on an AMX Xeon (a verify pass 57 -> 47 ms) and costs on an AMD EPYC (a cycle 117 -> 171
     ms), so it is timed once per (weight shape, rows, torch threads) on random rows against the kernel
-    :class:`FewRowLinear` would use instead (best of three, interleaved) and remembered for the process;
+    :class:`FewRowLinear` would use instead (streamed from memory, :func:`fastest`) and remembered for the
+    process;
     ``DFLASH2_PACK_WEIGHTS=1`` packs without timing.
     """
     if _pack_setting() == "1":
@@ -121,14 +169,11 @@ def packing_pays(weight: torch.Tensor, packed: torch.Tensor, rows: int) -> bool:
         unpacked = rows_first_linear if rows_first_pays(weight, rows) else torch.nn.functional.linear
         with torch.no_grad():
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            kernels = (("packed", lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)),
-                       ("unpacked", lambda: unpacked(x, weight)))
-            best = {"packed": float("inf"), "unpacked": float("inf")}
-            for _ in range(3):
-                for name, fn in kernels:
-                    start = time.perf_counter()
-                    fn()
-                    best[name] = min(best[name], time.perf_counter() - start)
+            copies = streamed_copies(weight)
+            packs = [packed] + [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in copies[1:]]
+            best = fastest({"packed": [lambda w=w, p=p: torch.ops.mkl._mkl_linear(x, p, w, None, rows)
+                                       for w, p in zip(copies, packs)],
+                            "unpacked": [lambda w=w: unpacked(x, w) for w in copies]})
         _pack_choice[key] = best["packed"] < best["unpacked"]
     return _pack_choice[key]
 

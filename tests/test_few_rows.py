@@ -38,6 +38,23 @@ def test_packing_is_timed_once_per_shape_and_a_losing_pack_is_not_kept(monkeypat
     assert layer._packed_cache[4][1] is None  # the loss is remembered: no packed copy kept
 
 
+def test_kernels_are_timed_on_copies_that_overflow_the_cache(monkeypatch):
+    monkeypatch.setattr(few_rows, "_last_level_cache_bytes", lambda: 2**20)  # a 1 MiB cache
+    weight = torch.randn(160, 96)  # 60 KiB
+    copies = few_rows.streamed_copies(weight)
+    size = weight.numel() * weight.element_size()
+    assert copies[0].data_ptr() == weight.data_ptr() and len(copies) == 2 * 2**20 // size
+    assert all(torch.equal(c, weight) for c in copies) and len({c.data_ptr() for c in copies}) == len(copies)
+    assert len(few_rows.streamed_copies(torch.randn(2048, 1024))) == 1  # 8 MiB: already past the cache
+    monkeypatch.setattr(few_rows, "_last_level_cache_bytes", lambda: 2**40)  # bounded by bytes and copies
+    assert len(few_rows.streamed_copies(weight)) == few_rows.MAX_TIMING_COPIES
+    assert len(few_rows.streamed_copies(torch.randn(4096, 1024))) == few_rows.TIMING_BYTES // 2**24
+    calls = []
+    best = few_rows.fastest({"a": [lambda: calls.append("a")] * 3, "b": [lambda: calls.append("b")]})
+    assert set(best) == {"a", "b"} and all(0 <= t < 1 for t in best.values())
+    assert calls == (["a"] * 3 + ["b"]) * 3  # interleaved rounds, each kernel's calls back to back
+
+
 @pytest.fixture
 def tiny():
     """The shared (memoised) tiny target, its packing undone afterwards so other tests see stock layers."""
@@ -94,7 +111,7 @@ def test_the_few_row_kernel_is_the_faster_one_or_the_forced_one(forced, monkeypa
         assert torch.equal(got, rows_first if forced == "1" else stock) and not few_rows._rows_first_choice
     else:  # timed once for this shape, dtype, bucket and thread count, then reused
         (key, choice), = few_rows._rows_first_choice.items()
-        assert key == (torch.float32, (160, 96), 8, torch.get_num_threads())
+        assert key == (torch.float32, (160, 96), 4, torch.get_num_threads())  # up to 8 rows: per row count
         assert torch.equal(got, rows_first if choice else stock)
         few_rows._rows_first_choice[key] = not choice  # the remembered choice is what runs next time
         assert torch.equal(layer(x), stock if choice else rows_first)

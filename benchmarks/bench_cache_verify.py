@@ -1,9 +1,9 @@
 """What checking an offline feature cache costs when it is opened: full sha256 vs sampled blocks.
 
 Writes a cache-shaped directory of ``.npy`` files (``--megabytes`` of float16 features plus the small
-int/bool arrays, as :class:`~dflash2_lightning.data.DraftDataModule` writes them) into a temporary
-directory, records their checksums as the cache manifest does (:func:`~dflash2_lightning.data.file_checksums`),
-then times :func:`~dflash2_lightning.data.verify_cache` in both modes, and a plain read of the same bytes
+int/bool arrays, as :class:`~dflash2_lightning.data.datamodule.DraftDataModule` writes them) into a temporary
+directory, records their checksums as the cache manifest does (:func:`~dflash2_lightning.data.datamodule.file_checksums`),
+then times :func:`~dflash2_lightning.data.datamodule.verify_cache` in both modes, and a plain read of the same bytes
 for scale. The file is freshly written, so it is read from the page cache: a cold read from disk adds the
 disk's own time to both the read and the full hash.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash2_lightning import data
+from dflash2_lightning.data import feature_cache as data
 from record import load_average, loaded_label, machine, write_json
 
 

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from dflash2_lightning.model import DraftCache
-from dflash2_lightning.speculative import low_precision_head
-from dflash2_lightning.onnx.bench import bench_config, random_draft
-from dflash2_lightning.onnx.export import export_drafter, random_embedding_and_head
+from dflash2_lightning.decode.drafter import low_precision_head
+from bench_export import bench_config, random_draft
+from dflash2_lightning.export.onnx.export import export_drafter, random_embedding_and_head
 from record import load_average, loaded_label, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -109,7 +109,7 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int)
 
 
 def bench_layers(layers: int, args: argparse.Namespace, peak: float, bandwidth: float, workdir: Path) -> list[dict]:
-    from dflash2_lightning.onnx.drafter import OrtDrafter
+    from dflash2_lightning.export.onnx.drafter import OrtDrafter
 
     cfg = bench_config(layers)
     model = random_draft(cfg, seed=0)

@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.checkpoint import load_config
-from dflash2_lightning.llamacpp_eval import evaluate_llama_cpp
+from dflash2_lightning.export.checkpoint import load_config
+from dflash2_lightning.evaluate.llama_cpp import evaluate_llama_cpp
 from record import load_average, loaded_label, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_llama_cpp.json"
@@ -34,10 +34,11 @@ def held_out_prompts(count: int) -> tuple[list[list[int]], list[int]]:
     """The evaluation's held-out prompts as the target tokenizer's token ids, and its stop ids."""
     from transformers import AutoTokenizer
 
-    from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
-    from dflash2_lightning.target import TargetSpec, _hf_dir_of
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.target.spec import TargetSpec
+    from dflash2_lightning.target.load import hf_dir_of
 
-    tok = AutoTokenizer.from_pretrained(str(_hf_dir_of(TargetSpec(gguf="smollm2"))))
+    tok = AutoTokenizer.from_pretrained(str(hf_dir_of(TargetSpec(gguf="smollm2"))))
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     return [encode_prompt(tok, m) for m in read_prompts(EVAL_PROMPTS, count)], stop
 

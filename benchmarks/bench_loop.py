@@ -5,14 +5,14 @@ target's own greedy tokens, so the benchmark asserts that all outputs are identi
 wall time and time per cycle (verify + draft + bookkeeping) of each loop:
 
 ``torch``
-    :func:`dflash2_lightning.speculative.speculative_generate` with the torch draft (``TorchDrafter``,
+    :func:`dflash2_lightning.decode.speculative.speculative_generate` with the torch draft (``TorchDrafter``,
     preallocated :class:`~dflash2_lightning.model.DraftCache`).
 ``onnxruntime``
-    the same loop with :class:`~dflash2_lightning.onnx.OrtDrafter` on graphs exported from the same
+    the same loop with :class:`~dflash2_lightning.export.onnx.OrtDrafter` on graphs exported from the same
     checkpoint (fp32; exported once into ``--onnx-dir`` or a temporary directory).
 ``torch-draft-vocab``
     the torch drafter drafting through the head's rows of the checkpoint's drafting vocabulary only
-    (``draft_vocab.json``, :mod:`dflash2_lightning.draft_vocab`): what ``dflash2 eval`` and the quickstart
+    (``draft_vocab.json``, :mod:`dflash2_lightning.decode.draft_vocab`): what ``dflash2 eval`` and the quickstart
     run when the file is there; same output, its own τ and cycles.
 ``torch-bf16-head``
     the torch drafter with the opt-in bfloat16 drafting head (:func:`low_precision_head`): the target
@@ -21,9 +21,10 @@ wall time and time per cycle (verify + draft + bookkeeping) of each loop:
     ``dflash.model.dflash_generate`` of the z-lab reference (``dflash==0.1.0``) with its
     ``DFlash2DraftModel`` loaded from the same checkpoint and the target's HF model (the same modules:
     once the project loop has declared its verify rows, z-lab's verify pass multiplies packed weights too).
-``torch-unpacked``
-    the torch loop with the target's weight packing off (``DFLASH2_PACK_WEIGHTS=0``,
-    :mod:`dflash2_lightning.few_rows`): what the loop cost before it packed its verify pass.
+``cpu-stock``, ``cpu-rows_first``, ``cpu-packed``
+    the torch loop (through the drafting vocabulary when the checkpoint has one, as ``dflash2 eval`` runs it)
+    on a second copy of the target whose few-row linears use that fixed kernel instead of ``--cpu-linear``'s
+    (:mod:`dflash2_lightning.target.cpu_linear`): what each kernel choice costs, in the same sitting.
 ``target``
     the target alone (:func:`target_greedy`): the row every speed-up is a ratio to.
 ``compare``
@@ -48,9 +49,9 @@ Not a test: nothing is asserted about time, only about the outputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -60,29 +61,20 @@ from typing import Any, Callable
 
 import torch
 
-from dflash2_lightning.checkpoint import load_draft
-from dflash2_lightning.draft_vocab import draft_vocab_head, find_draft_vocab
-from dflash2_lightning.few_rows import PACK_ENV
-from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
-from dflash2_lightning.speculative import (AcceptanceStats, TorchDrafter, low_precision_head, speculative_generate,
-                                           target_greedy)
-from dflash2_lightning.target import TargetSpec, load_target
+from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+from dflash2_lightning.decode.draft_vocab import draft_vocab_head, find_draft_vocab
+from dflash2_lightning.decode.drafter import TorchDrafter, low_precision_head
+from dflash2_lightning.decode.speculative import AcceptanceStats, speculative_generate, target_greedy
+from dflash2_lightning.export.checkpoint import load_draft
+from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
+from dflash2_lightning.target.cpu_linear import CPU_LINEAR_CHOICES
+from dflash2_lightning.target.load import load_target
 from record import load_average, loaded_label, machine, write_json
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_loop.json"
-LOOPS = ("target", "torch", "onnxruntime", "zlab", "torch-draft-vocab", "torch-bf16-head", "torch-unpacked",
-         "compare")
+CPU_LOOPS = tuple(f"cpu-{setting}" for setting in CPU_LINEAR_CHOICES if setting != "auto")
+LOOPS = ("target", "torch", "onnxruntime", "zlab", "torch-draft-vocab", "torch-bf16-head", *CPU_LOOPS, "compare")
 DEFAULT_LOOPS = ("target", "torch", "onnxruntime", "zlab")
-
-
-def _target_spec(text: str) -> TargetSpec:
-    if text == "tiny":
-        return TargetSpec(tiny={})
-    if text.startswith("{"):
-        return TargetSpec(**json.loads(text))
-    if text == "smollm2" or text.endswith(".gguf"):
-        return TargetSpec(gguf=text)
-    return TargetSpec(path=text)
 
 
 def zlab_loop(draft_dir: str, target: Any) -> Callable[[list[int], int, list[int]], list[int]]:
@@ -104,7 +96,7 @@ def zlab_loop(draft_dir: str, target: Any) -> Callable[[list[int], int, list[int
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
-    p.add_argument("--target", default="smollm2", help="'tiny', 'smollm2', a .gguf, an HF directory or JSON spec")
+    add_target_arguments(p, default="smollm2")
     p.add_argument("--prompts", type=int, default=8, help="held-out evaluation prompts (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -132,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
 
-    target = load_target(_target_spec(args.target))
+    spec = target_spec_from_args(args)
+    target = load_target(spec)
     draft = load_draft(args.draft, dtype=next(target.hf.parameters()).dtype).eval()
     stop = list(target.eos_token_ids)
     prompts = [encode_prompt(target.tokenizer, m) for m in read_prompts(EVAL_PROMPTS, args.prompts)]
@@ -152,21 +145,17 @@ def main(argv: list[str] | None = None) -> int:
         runners["target"] = lambda prompt: (target_greedy(target, prompt, args.max_new_tokens, stop).tokens, None)
     if "torch" in loops:
         runners["torch"] = project_loop(TorchDrafter(draft, args.path))
-    if "torch-unpacked" in loops:
-        packed_run = project_loop(TorchDrafter(draft, args.path))
+    for name in (x for x in loops if x in CPU_LOOPS):  # the same loop on a target with a fixed kernel choice
+        fixed = load_target(dataclasses.replace(spec, cpu_linear=name.removeprefix("cpu-")))
+        head = draft_vocab_head(fixed, args.draft) if find_draft_vocab(args.draft) else None
 
-        def unpacked(prompt: list[int]) -> tuple[list[int], Any]:
-            before = os.environ.get(PACK_ENV)
-            os.environ[PACK_ENV] = "0"
-            try:
-                return packed_run(prompt)
-            finally:
-                if before is None:
-                    del os.environ[PACK_ENV]
-                else:
-                    os.environ[PACK_ENV] = before
+        def fixed_loop(prompt: list[int], fixed: Any = fixed, drafter: Any = TorchDrafter(draft, args.path, head=head)
+                       ) -> tuple[list[int], Any]:
+            r = speculative_generate(fixed, drafter, prompt, args.max_new_tokens, stop)
+            r.context = None
+            return r.tokens, r
 
-        runners["torch-unpacked"] = unpacked
+        runners[name] = fixed_loop
     if "torch-draft-vocab" in loops:
         runners["torch-draft-vocab"] = project_loop(TorchDrafter(draft, args.path,
                                                                  head=draft_vocab_head(target, args.draft)))
@@ -178,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if "torch-bf16-head" in loops:
         runners["torch-bf16-head"] = project_loop(TorchDrafter(draft, args.path, head=low_precision_head(target)))
     if "onnxruntime" in loops:
-        from dflash2_lightning.onnx import OrtDrafter
-        from dflash2_lightning.onnx.export import export_drafter, target_embedding_and_head
+        from dflash2_lightning.export.onnx import OrtDrafter
+        from dflash2_lightning.export.onnx.export import export_drafter, target_embedding_and_head
 
         if args.onnx_dir is None:
             scratch = tempfile.TemporaryDirectory(prefix="dflash2-bench-loop-")
@@ -259,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("\n".join(lines))
     result = dict(command="python benchmarks/bench_loop.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  draft=str(args.draft), compare_draft=args.compare_draft, target=args.target, prompts=len(prompts),
+                  draft=str(args.draft), compare_draft=args.compare_draft, target=args.target,
+                  cpu_linear=target.cpu_linears.describe(), prompts=len(prompts),
                   max_new_tokens=args.max_new_tokens,
                   generated_tokens=generated, identical_outputs=True, rows=rows,
                   machine=info, table="\n".join(lines))

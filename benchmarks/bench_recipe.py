@@ -15,7 +15,7 @@ Not a test: a full run takes an hour or more on 2 cores.
 
 The rows in ``bench_recipe.json`` ran on the 1x recipe shipped before the 3x-text one (greedy responses only,
 540 steps, float32 features, data labels, float32 regeneration). To reproduce one with today's quickstart,
-add ``--sampled 0 --regen-dtype float32 --max-steps 540 --set model.init_args.labels=data --set
+add ``--sampled 0 --regen-dtype float32 --max-steps 540 --set model.init_args.objective.labels=data --set
 data.init_args.feature_autocast=none`` to its command. The 3x-text rows are in ``recipe_budget.json``.
 """
 
@@ -38,75 +38,75 @@ RESULTS = Path(__file__).resolve().parent / "results" / "bench_recipe.json"
 
 # name -> (extra quickstart flags, what it tests). Every variant starts from configs/quickstart.yaml (as shipped:
 # all seed prompts x 160 tokens, 16-position context window, lr 1e-3, 540 steps, bf16 autocast).
-PREVIOUS = ["--max-steps", "360", "--set", "trainer.precision=32", "--set", "model.init_args.sliding_window=null",
-            "--set", "model.init_args.lr=3.0e-3", "--eval-prompts", "8", "--eval-temperature", "0"]
+PREVIOUS = ["--max-steps", "360", "--set", "trainer.precision=32", "--set", "model.init_args.draft.sliding_window=null",
+            "--set", "model.init_args.optimizer.lr=3.0e-3", "--eval-prompts", "8", "--eval-temperature", "0"]
 BUDGET_EVAL = ["--eval-prompts", "32", "--eval-max-new-tokens", "96", "--eval-temperature", "0"]
 VARIANTS: dict[str, tuple[list[str], str]] = {
     "shipped": (["--eval-temperature", "0"], "configs/quickstart.yaml as shipped"),
-    "shipped_insert_last": (["--set", "model.init_args.gold_outside_topk=insert_last", "--eval-temperature", "0"],
+    "shipped_insert_last": (["--set", "model.init_args.objective.gold_outside_topk=insert_last", "--eval-temperature", "0"],
                             "the shipped recipe with ModelOpt's insert_last selector loss (shipped until the "
                             "selector_drop row)"),
-    "shipped_dflash": (["--set", "model.init_args.projector_type=dflash", "--eval-temperature", "0"],
+    "shipped_dflash": (["--set", "model.init_args.draft.projector_type=dflash", "--eval-temperature", "0"],
                        "the DFlash baseline (no conv, no selector) with the shipped recipe"),
-    "lr3e-3": (["--set", "model.init_args.lr=3.0e-3"], "learning rate 3e-3 instead of 1e-3"),
-    "lr3e-3_dflash": (["--set", "model.init_args.projector_type=dflash", "--set", "model.init_args.lr=3.0e-3"],
+    "lr3e-3": (["--set", "model.init_args.optimizer.lr=3.0e-3"], "learning rate 3e-3 instead of 1e-3"),
+    "lr3e-3_dflash": (["--set", "model.init_args.draft.projector_type=dflash", "--set", "model.init_args.optimizer.lr=3.0e-3"],
                       "the DFlash baseline at learning rate 3e-3"),
     "previous": (PREVIOUS, "the previous quickstart recipe (full attention, lr 3e-3, 360 fp32 steps) on the same data"),
-    "previous_norm": (PREVIOUS + ["--set", "model.init_args.normalize_features=true"],
+    "previous_norm": (PREVIOUS + ["--set", "model.init_args.experimental.normalize_features=true"],
                       "previous recipe + fc trained on unit-RMS features (scale folded into fc at export)"),
-    "previous_swa16": (PREVIOUS + ["--set", "model.init_args.sliding_window=16"],
+    "previous_swa16": (PREVIOUS + ["--set", "model.init_args.draft.sliding_window=16"],
                        "previous recipe + 16-position context window"),
-    "previous_init29": (PREVIOUS + ["--set", "model.init_args.init_from_target=true",
-                                    "--set", "model.init_args.target_layer_ids=[28]", "--set", "model.init_args.lr=1.0e-3"],
+    "previous_init29": (PREVIOUS + ["--set", "model.init_args.experimental.init_from_target=true",
+                                    "--set", "model.init_args.draft.target_layer_ids=[28]", "--set", "model.init_args.optimizer.lr=1.0e-3"],
                         "previous recipe + draft layer starting as target layer 29 (features of layer 28), lr 1e-3"),
-    "selector_drop": (["--set", "model.init_args.gold_outside_topk=drop", *BUDGET_EVAL],
+    "selector_drop": (["--set", "model.init_args.objective.gold_outside_topk=drop", *BUDGET_EVAL],
                       "selector loss only where the target's token is in the top-k (no inserted gold)"),
-    "selector_lr0.25": (["--set", "model.init_args.selector_lr_scale=0.25", *BUDGET_EVAL],
+    "selector_lr0.25": (["--set", "model.init_args.experimental.selector_lr_scale=0.25", *BUDGET_EVAL],
                         "the selector's codebooks and projection at 0.25 x the learning rate"),
-    "selector_top16": (["--set", "model.init_args.selector_top_k=16", *BUDGET_EVAL],
+    "selector_top16": (["--set", "model.init_args.draft.selector_top_k=16", *BUDGET_EVAL],
                        "16 selector candidates per position instead of 8 (the trainer's default)"),
-    "kd32": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32", *BUDGET_EVAL],
+    "kd32": (["--set", "model.init_args.objective.token_loss=kd", "--set", "data.init_args.teacher_top_k=32", *BUDGET_EVAL],
              "soft distillation from the target's cached top-32 logits"),
-    "kd32_dflash": (["--set", "model.init_args.token_loss=kd", "--set", "data.init_args.teacher_top_k=32",
-                     "--set", "model.init_args.projector_type=dflash", *BUDGET_EVAL],
+    "kd32_dflash": (["--set", "model.init_args.objective.token_loss=kd", "--set", "data.init_args.teacher_top_k=32",
+                     "--set", "model.init_args.draft.projector_type=dflash", *BUDGET_EVAL],
                     "the DFlash baseline with soft distillation from the cached top-32 logits"),
-    "selector_embed": (["--set", "model.init_args.selector_init=target_embedding", *BUDGET_EVAL],
+    "selector_embed": (["--set", "model.init_args.experimental.selector_init=target_embedding", *BUDGET_EVAL],
                        "selector codebooks start at the target embedding's top-32 principal coordinates"),
-    "conv_k4": (["--set", "model.init_args.conv_kernel_size=4", *BUDGET_EVAL],
+    "conv_k4": (["--set", "model.init_args.draft.conv_kernel_size=4", *BUDGET_EVAL],
                 "block convolution with 4 taps (the whole 4-token block) instead of 2"),
-    "weight_decay0.1": (["--set", "model.init_args.weight_decay=0.1", *BUDGET_EVAL],
+    "weight_decay0.1": (["--set", "model.init_args.optimizer.weight_decay=0.1", *BUDGET_EVAL],
                         "AdamW weight decay 0.1 instead of 0 (norms and conv base kernels excepted)"),
-    "selector_lr3": (["--set", "model.init_args.selector_lr_scale=3.0", *BUDGET_EVAL],
+    "selector_lr3": (["--set", "model.init_args.experimental.selector_lr_scale=3.0", *BUDGET_EVAL],
                      "the selector's codebooks and projection at 3 x the learning rate"),
-    "selector_alpha3": (["--set", "model.init_args.selector_loss_alpha=3.0", *BUDGET_EVAL],
+    "selector_alpha3": (["--set", "model.init_args.objective.selector_loss_alpha=3.0", *BUDGET_EVAL],
                         "selector loss weight 3 instead of 1 (it reaches the backbone through unary and hidden)"),
-    "selector_rank128": (["--set", "model.init_args.selector_rank=128", *BUDGET_EVAL],
+    "selector_rank128": (["--set", "model.init_args.draft.selector_rank=128", *BUDGET_EVAL],
                          "selector rank 128 instead of 32"),
-    "decay_gamma1": (["--set", "model.init_args.decay_gamma=1.0", *BUDGET_EVAL],
+    "decay_gamma1": (["--set", "model.init_args.objective.decay_gamma=1.0", *BUDGET_EVAL],
                      "position decay gamma 1 instead of 2 (offset weights 1 / 0.37 / 0.14: offset 1 first)"),
-    "anchors32_270": (["--set", "model.init_args.num_anchors=32", "--max-steps", "270", *BUDGET_EVAL],
+    "anchors32_270": (["--set", "model.init_args.objective.num_anchors=32", "--max-steps", "270", *BUDGET_EVAL],
                       "32 blocks per sequence per step and half the steps (the same draft positions in all)"),
-    "dpace": (["--set", "model.init_args.position_weighting=dpace", *BUDGET_EVAL], "D-PACE position weights (alpha 0.5)"),
-    "two_layers": (["--set", "model.init_args.num_hidden_layers=2", "--set", "model.init_args.target_layer_ids=[15]",
+    "dpace": (["--set", "model.init_args.objective.position_weighting=dpace", *BUDGET_EVAL], "D-PACE position weights (alpha 0.5)"),
+    "two_layers": (["--set", "model.init_args.draft.num_hidden_layers=2", "--set", "model.init_args.draft.target_layer_ids=[15]",
                     *BUDGET_EVAL], "two draft layers (same feature layer)"),
     # The ceiling (tau against budget): the shipped recipe with N x the data (N-1 sampled responses per prompt
     # beside the greedy one, T=0.8, hard CE on the target's own greedy token) and N x the steps, measured on
     # 32 x 96 tokens at T=0 like the DFlash/DFlash2 comparison. They regenerate their own responses.
     **{f"budget_{n}x": ([*BUDGET_EVAL, "--sampled", str(n - 1), "--max-steps", str(540 * n),
-                         "--set", "model.init_args.labels=target"],
+                         "--set", "model.init_args.objective.labels=target"],
                         f"{n}x the data ({n - 1} sampled responses per prompt beside the greedy one) and {n}x the steps")
        for n in (2, 4, 16)},
     # The 2x and 4x rows first ran with ModelOpt's insert_last selector loss (shipped then).
     **{f"budget_{n}x_insert_last": ([*BUDGET_EVAL, "--sampled", str(n - 1), "--max-steps", str(540 * n),
-                                     "--set", "model.init_args.labels=target",
-                                     "--set", "model.init_args.gold_outside_topk=insert_last"],
+                                     "--set", "model.init_args.objective.labels=target",
+                                     "--set", "model.init_args.objective.gold_outside_topk=insert_last"],
                                     f"{n}x the data and steps with the insert_last selector loss")
        for n in (2, 4)},
     # The DFlash baseline at the same N x budget (run with --responses-from runs/recipe/budget_Nx): does
     # DFlash2's lead grow with the budget?
     **{f"budget_{n}x_dflash": ([*BUDGET_EVAL, "--sampled", str(n - 1), "--max-steps", str(540 * n),
-                                "--set", "model.init_args.labels=target",
-                                "--set", "model.init_args.projector_type=dflash"],
+                                "--set", "model.init_args.objective.labels=target",
+                                "--set", "model.init_args.draft.projector_type=dflash"],
                                f"the DFlash baseline at {n}x the data and steps")
        for n in (2, 4, 16)},
 }
@@ -183,7 +183,7 @@ def run_variant(name: str, flags: list[str], common: list[str], out: Path, first
                             "interval": r.get("interval"), "speedup": r.get("speedup"),
                             "lossless": r.get("lossless")} for p, r in summary["eval"]["paths"].items()}
         row["draft"] = summary["draft"]
-    from dflash2_lightning.quickstart_report import last_validation
+    from dflash2_lightning.quickstart.report import last_validation
 
     row["validation"] = last_validation(target / "train" / "metrics.csv")  # incl. selector coverage/accuracy
     return row

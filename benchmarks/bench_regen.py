@@ -44,10 +44,10 @@ CONFIGS = [("hf-generate", "float32"), ("transformers-cache", "float32"), ("stat
 def run_one(loop: str, dtype: str, target: str, prompts: int, new: int) -> dict:
     import torch
 
-    from dflash2_lightning.generate import generate
-    from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
-    from dflash2_lightning.regen import target_spec_from_arg
-    from dflash2_lightning.target import load_target
+    from dflash2_lightning.target.generate import generate
+    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.target.arguments import target_spec_from_arg
+    from dflash2_lightning.target.load import load_target
 
     tgt = load_target(target_spec_from_arg(target, dtype))
     ids = [encode_prompt(tgt.tokenizer, m) for m in read_prompts(SEED_PROMPTS, prompts)]
@@ -78,11 +78,11 @@ def run_mix(schedule: str, dtype: str, target: str, prompts: int, new: int, samp
     """Regeneration's job mix under one scheduler (``batches`` or ``continuous``); see the module docstring."""
     import torch
 
-    from dflash2_lightning.generate import generate, generate_stream
-    from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
-    from dflash2_lightning.regen import target_spec_from_arg
-    from dflash2_lightning.sampling import Sampling
-    from dflash2_lightning.target import load_target
+    from dflash2_lightning.target.generate import generate, generate_stream
+    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.target.arguments import target_spec_from_arg
+    from dflash2_lightning.decode.sampling import Sampling
+    from dflash2_lightning.target.load import load_target
 
     tgt = load_target(target_spec_from_arg(target, dtype))
     ids = [encode_prompt(tgt.tokenizer, m) for m in read_prompts(SEED_PROMPTS, prompts)]

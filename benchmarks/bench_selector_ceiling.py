@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dflash2_lightning.intervals import paired_ratio_interval, paired_tau_ratio_interval
+from dflash2_lightning.evaluate.intervals import paired_ratio_interval, paired_tau_ratio_interval
 from record import load_average, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selector_ceiling.json"
@@ -52,12 +52,12 @@ def main() -> None:
     p.add_argument("--results", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from dflash2_lightning.checkpoint import load_draft
-    from dflash2_lightning.evaluate import greedy_outputs, replay_lengths, replay_summary
-    from dflash2_lightning.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
-    from dflash2_lightning.regen import target_spec_from_arg
-    from dflash2_lightning.speculative import target_greedy
-    from dflash2_lightning.target import load_target
+    from dflash2_lightning.export.checkpoint import load_draft
+    from dflash2_lightning.evaluate.replay import greedy_outputs, replay_lengths, replay_summary
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.target.arguments import target_spec_from_arg
+    from dflash2_lightning.decode.speculative import target_greedy
+    from dflash2_lightning.target.load import load_target
 
     load_before = load_average()
     target = load_target(target_spec_from_arg(args.target))

@@ -48,10 +48,11 @@ TARGETS = {
 }
 DRAFTS = {
     "tiny": dict(num_hidden_layers=1, block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=16,
-                 selector_top_k=8, num_anchors=16),
+                 selector_top_k=8),
     "smollm2": dict(num_hidden_layers=1, block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=32,
-                    selector_top_k=8, num_anchors=16),
+                    selector_top_k=8),
 }
+ANCHORS = {"tiny": 16, "smollm2": 16}
 DATA = {"tiny": dict(seq_len=64, batch_size=8), "smollm2": dict(seq_len=192, batch_size=8)}
 
 
@@ -60,9 +61,9 @@ def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str, prec
     import torch
     from lightning.pytorch import Callback, Trainer
 
-    from dflash2_lightning.data import DraftDataModule
-    from dflash2_lightning.module import DFlash2Module
-    from dflash2_lightning.target import TargetSpec
+    from dflash2_lightning.data.datamodule import DraftDataModule
+    from dflash2_lightning.train.module import DFlash2Module
+    from dflash2_lightning.target.spec import TargetSpec
 
     class Timer(Callback):
         def __init__(self) -> None:
@@ -79,8 +80,9 @@ def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str, prec
             self.tokens.append(float(trainer.callback_metrics["train/supervised_positions"]))
 
     spec = TargetSpec(tiny=TARGETS[name])
-    model = DFlash2Module(target=spec, token_loss="ce", position_weighting="decay", decay_gamma=4.0, lr=3e-3,
-                          **DRAFTS[name])
+    model = DFlash2Module(target=spec, draft=DRAFTS[name], optimizer={"lr": 3e-3},
+                          objective={"token_loss": "ce", "position_weighting": "decay", "decay_gamma": 4.0,
+                                     "num_anchors": ANCHORS[name]})
     cfg = model.draft_config
     data = DraftDataModule(target=spec, mode=mode, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
                            max_samples=(warmup + steps) * DATA[name]["batch_size"] + 8, val_fraction=0.0,

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any, Literal
 
+from dflash2_lightning.errors import ConfigError, check
+
+__all__ = ["DraftConfig", "ConfigError", "default_target_layer_ids", "check_target_layer_ids", "rope_theta_of"]
+
 ProjectorType = Literal["dflash2", "dflash"]
 
 ARCHITECTURES: dict[str, str] = {"dflash2": "DFlash2DraftModel", "dflash": "DFlashDraftModel"}
@@ -20,10 +24,6 @@ DEFAULT_ROPE_THETA = 1_000_000.0
 #: dflash_config keys the engines honour (output logit scale, softcap, embedding scale) with their no-op value.
 UNSUPPORTED_SCALES: dict[str, Any] = {"output_multiplier": 1.0, "final_logit_softcapping": 0.0,
                                       "input_embedding_scale": 1.0}
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of its allowed range (the message names field, value, bound)."""
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -93,11 +93,6 @@ def rope_theta_of(hf_config: Any) -> float:
     return float(theta) if theta is not None else DEFAULT_ROPE_THETA
 
 
-def _require(ok: bool, name: str, value: Any, bound: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name}={value!r} is invalid: must satisfy {bound}")
-
-
 @dataclass
 class DraftConfig:
     """Geometry of a DFlash / DFlash2 draft.
@@ -151,41 +146,42 @@ class DraftConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                      "block_size", "max_position_embeddings"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
-                     f"an integer >= 1")
-        _require(self.block_size >= 2, "block_size", self.block_size, "block_size >= 2 (anchor + at least one draft)")
-        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-                 self.num_key_value_heads, f"divides num_attention_heads={self.num_attention_heads}")
-        _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "an even number (RoPE rotates pairs)")
-        _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
-        _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
-        _require(self.hidden_act == "silu", "hidden_act", self.hidden_act, "== 'silu' (Qwen3 MLP)")
-        _require(0 <= self.mask_token_id < self.vocab_size, "mask_token_id", self.mask_token_id,
-                 f"0 <= mask_token_id < vocab_size={self.vocab_size}")
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
+                  "an integer >= 1")
+        check(self.block_size >= 2, "block_size", self.block_size, "block_size >= 2 (the anchor and at least one draft)",
+              verb="satisfy")
+        check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+              self.num_key_value_heads, f"num_attention_heads={self.num_attention_heads}", verb="divide")
+        check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "an even number (RoPE rotates pairs)")
+        check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
+        check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
+        check(self.hidden_act == "silu", "hidden_act", self.hidden_act, "'silu' (the Qwen3 MLP)")
+        check(0 <= self.mask_token_id < self.vocab_size, "mask_token_id", self.mask_token_id,
+              f"0 <= mask_token_id < vocab_size={self.vocab_size}", verb="satisfy")
         check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
         if self.sliding_window is not None:
-            _require(self.sliding_window >= self.block_size, "sliding_window", self.sliding_window,
-                     f"sliding_window >= block_size={self.block_size}")
-        _require(self.projector_type in ARCHITECTURES, "projector_type", self.projector_type,
-                 f"one of {sorted(ARCHITECTURES)}")
-        _require(self.torch_dtype in ("float32", "bfloat16", "float16", "float64"), "torch_dtype",
-                 self.torch_dtype, "one of float32, bfloat16, float16, float64")
+            check(self.sliding_window >= self.block_size, "sliding_window", self.sliding_window,
+                  f"sliding_window >= block_size={self.block_size}", verb="satisfy")
+        check(self.projector_type in ARCHITECTURES, "projector_type", self.projector_type,
+              f"one of {sorted(ARCHITECTURES)}")
+        check(self.torch_dtype in ("float32", "bfloat16", "float16", "float64"), "torch_dtype",
+              self.torch_dtype, "one of float32, bfloat16, float16, float64")
         if self.projector_type == "dflash2":
             for name in DFLASH2_FIELDS:
                 value = getattr(self, name)
-                _require(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
-            _require(1 <= self.conv_kernel_size <= self.block_size, "conv_kernel_size", self.conv_kernel_size,
-                     f"1 <= conv_kernel_size <= block_size={self.block_size}")
-            _require(self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0,
-                     "conv_group_size", self.conv_group_size, f"divides hidden_size={self.hidden_size}")
-            _require(1 <= self.selector_top_k <= self.vocab_size, "selector_top_k", self.selector_top_k,
-                     f"1 <= selector_top_k <= vocab_size={self.vocab_size}")
-            _require(self.selector_rank >= 1, "selector_rank", self.selector_rank, "selector_rank >= 1")
+                check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
+            check(1 <= self.conv_kernel_size <= self.block_size, "conv_kernel_size", self.conv_kernel_size,
+                  f"1 <= conv_kernel_size <= block_size={self.block_size}", verb="satisfy")
+            check(self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0,
+                  "conv_group_size", self.conv_group_size, f"hidden_size={self.hidden_size}", verb="divide")
+            check(1 <= self.selector_top_k <= self.vocab_size, "selector_top_k", self.selector_top_k,
+                  f"1 <= selector_top_k <= vocab_size={self.vocab_size}", verb="satisfy")
+            check(self.selector_rank >= 1, "selector_rank", self.selector_rank, "selector_rank >= 1", verb="satisfy")
 
     def check_sequence_length(self, seq_len: int, name: str = "seq_len") -> None:
         """Sequences are cut into whole blocks: raise unless ``seq_len`` is a multiple of ``block_size``."""
-        _require(seq_len > 0 and seq_len % self.block_size == 0, name, seq_len,
-                 f"a positive multiple of block_size={self.block_size}")
+        check(seq_len > 0 and seq_len % self.block_size == 0, name, seq_len,
+              f"a positive multiple of block_size={self.block_size}")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -9,9 +9,9 @@
 - ``--debug`` (anywhere on the command line) or ``DFLASH2_DEBUG=1`` lets every exception through
   with its full traceback.
 
-User errors are recognised by type (:data:`USER_ERROR_TYPES`, found anywhere in the exception's
-cause/context chain, since Lightning and jsonargparse wrap them), plus file-system errors that name
-a file (a missing or unreadable path the user gave). ``argparse`` usage errors of any subcommand are
+User errors are recognised by type (:class:`UserError` and its subclasses, found anywhere in the
+exception's cause/context chain, since Lightning and jsonargparse wrap them), plus file-system errors that
+name a file (a missing or unreadable path the user gave). ``argparse`` usage errors of any subcommand are
 routed here too, so a new subcommand gets this style without doing anything.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import sys
 import traceback
@@ -31,33 +30,34 @@ DEBUG_FLAG = "--debug"
 USER_EXIT = 2
 BUG_EXIT = 1
 
-# "module:Class" names (imported lazily: building the list must not import torch-heavy modules early).
-_USER_ERROR_NAMES = (
-    "dflash2_lightning.config:ConfigError",
-    "dflash2_lightning.target:TargetError",
-    "dflash2_lightning.data:DataError",
-    "dflash2_lightning.objective:ObjectiveError",
-    "dflash2_lightning.checkpoint:CheckpointError",
-    "dflash2_lightning.module:NonFiniteLossError",
-    "dflash2_lightning.regen:RegenError",
-    "dflash2_lightning.quickstart_config:QuickstartError",
-)
+class UserError(Exception):
+    """Base of every error that means "the input is wrong", not "the program is wrong".
+
+    Subclasses name their stage (``ConfigError``, ``TargetError``, ``DataError``, ``CheckpointError`` ...);
+    :func:`run_command` prints their message as one line and exits with status 2.
+    """
 
 
-class UsageError(Exception):
+class ConfigError(UserError, ValueError):
+    """A setting is out of its allowed range (the message names the field, the value and the bound)."""
+
+
+class UsageError(UserError):
     """A command-line usage error (unknown option, bad value); the message says which and how to get help."""
+
+
+def check(ok: bool, name: str, value: Any, bound: str, error: type[UserError] = ConfigError,
+          verb: str = "be") -> None:
+    """Unless ``ok``, raise ``error`` saying ``<name>=<value> is invalid: must <verb> <bound>``: the one form of
+    every setting's range check (``verb="satisfy"`` where the bound is an expression,
+    ``1 <= conv_kernel_size <= block_size=4``)."""
+    if not ok:
+        raise error(f"{name}={value!r} is invalid: must {verb} {bound}")
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exception types that mean "the input is wrong", not "the program is wrong"."""
-    types: list[type[BaseException]] = [UsageError]
-    for spec in _USER_ERROR_NAMES:
-        module, _, name = spec.partition(":")
-        try:
-            types.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):  # an optional part missing must not hide the real error
-            continue
-    return tuple(types)
+    return (UserError,)
 
 
 _PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)

@@ -1,19 +1,14 @@
-"""Build TensorRT engines from the exported drafting graphs and check them against onnxruntime.
+"""Build TensorRT engines (with the dflash plugins) from an ONNX export and check them against onnxruntime.
 
-    python export/to_trt.py --onnx <export dir or .onnx file> --out <engine file or dir>
-                            [--graph draft_step] [--batch 1,1,16] [--context 1,256,4096]
-                            [--dim NAME=min,opt,max ...] [--timing-cache FILE] [--no-compare]
+    python export/to_trt.py --onnx exported/ --out engines/ [--batch 1,1,16] [--context 1,256,4096]
 
-The code lives in ``dflash2_lightning.tensorrt`` (``build.py``: options, exit codes, what needs a GPU);
-this script only runs it.
+The same command as ``dflash2 export-trt`` (``--help`` lists the options); it needs the package installed
+(``pip install -e .`` or ``make install``) and, to build, TensorRT and an NVIDIA GPU.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout works without installing
-
-from dflash2_lightning.tensorrt.build import main  # noqa: E402
+from dflash2_lightning.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["export-trt", *sys.argv[1:]]))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dflash2_lightning.callbacks import AtomicCheckpointIO
+from dflash2_lightning.train.run_files import AtomicCheckpointIO
 
 
 class StallingCheckpointIO(AtomicCheckpointIO):

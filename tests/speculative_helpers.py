@@ -17,10 +17,12 @@ import functools
 import torch
 
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.objective import DraftObjective, Teacher
-from dflash2_lightning.prompts import encode_prompt
-from dflash2_lightning.speculative import target_features, target_greedy
-from dflash2_lightning.target import Target, TargetSpec, load_target
+from dflash2_lightning.train.objective import DraftObjective, Teacher
+from dflash2_lightning.data.prompts import encode_prompt
+from dflash2_lightning.decode.speculative import target_features, target_greedy
+from dflash2_lightning.target.target import Target
+from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.target.load import load_target
 
 TARGET_SPEC = {"tiny": {}, "dtype": "float64"}
 BLOCK_SIZE = 4

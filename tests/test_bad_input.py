@@ -107,9 +107,9 @@ def untouched(base):
     (["--model.init_args.selector_rnak", "3"], ["model.init_args.selector_rnak", "did you mean selector_rank"]),
     (["--trainer.max_stepz", "3"], ["--trainer.max_stepz", "did you mean --trainer.max_steps"]),
     (["--data.init_args.bach_size", "3"], ["data.init_args.bach_size", "did you mean batch_size"]),
-    (["--model.init_args.selector_rank", "sixteen"], ["model.init_args.selector_rank='sixteen'", "int"]),
-    (["--model.init_args.projector_type", "dflash3"], ["projector_type='dflash3'", "dflash2"]),
-    (["--model.init_args.conv_kernel_size", "9"], ["conv_kernel_size=9", "block_size=8"]),
+    (["--model.init_args.draft.selector_rank", "sixteen"], ["model.init_args.draft.selector_rank='sixteen'", "int"]),
+    (["--model.init_args.draft.projector_type", "dflash3"], ["projector_type='dflash3'", "dflash2"]),
+    (["--model.init_args.draft.conv_kernel_size", "9"], ["conv_kernel_size=9", "block_size=8"]),
     (["--data.init_args.seq_len", "60"], ["seq_len=60", "multiple of block_size=8"]),
     (["--model.init_args.target", "null"], ["model.init_args.target is missing"]),
     (["--model.init_args.target.path", "/nonexistent/model"], ["/nonexistent/model", "not a Hugging Face model"]),
@@ -254,7 +254,7 @@ def test_ckpt_path_last_without_a_checkpoint_starts_fresh_and_says_so(tmp_path, 
 
 
 def test_non_finite_loss_is_reported_once(tmp_path, base, untouched):
-    done = run(["fit", "--config", str(small_config(tmp_path)), "--model.init_args.lr", "1e15",
+    done = run(["fit", "--config", str(small_config(tmp_path)), "--model.init_args.optimizer.lr", "1e15",
                 "--trainer.gradient_clip_val", "null"], tmp_path, base["cache"])
     assert_user_error(done, "non-finite loss at global step", "lower the learning rate")
 

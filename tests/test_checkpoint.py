@@ -10,8 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dflash2_lightning import checkpoint
-from dflash2_lightning.checkpoint import CheckpointError, load_config, load_draft, save_draft
+from dflash2_lightning import files
+from dflash2_lightning.export import checkpoint
+from dflash2_lightning.export.checkpoint import CheckpointError, load_config, load_draft, save_draft
 from dflash2_lightning.model import DraftModel
 
 
@@ -173,7 +174,7 @@ def test_failed_write_leaves_previous_checkpoint_intact(tiny_draft_config, rando
 
 def test_atomic_write_text_failure_leaves_no_temp_file(tmp_path, monkeypatch):
     target = tmp_path / "notes.txt"
-    checkpoint.atomic_write_text(target, "old")
+    files.atomic_write_text(target, "old")
 
     def boom(tmp):
         with open(tmp, "w") as f:
@@ -181,6 +182,6 @@ def test_atomic_write_text_failure_leaves_no_temp_file(tmp_path, monkeypatch):
         raise RuntimeError("interrupted")
 
     with pytest.raises(RuntimeError, match="interrupted"):
-        checkpoint.atomic_write(target, boom)
+        files.atomic_write(target, boom)
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from dflash2_lightning import cli
-from dflash2_lightning.data import DataError
+from dflash2_lightning.train import lightning_cli
+from dflash2_lightning.data.records import DataError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -51,11 +52,11 @@ def test_fit_end_to_end_in_process(tmp_path, argv, capsys):
     run = tmp_path / "runs" / "tiny" / "default"
     # What a killed earlier run left in every directory a fit writes atomically into (its plot and metrics in
     # the run directory, the export in hf/, checkpoints): a dead process's temporaries, removed by this fit.
-    from dflash2_lightning import tempfiles
+    from dflash2_lightning import files
 
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()
-    host = tempfiles.owner_prefix("x").split(".")[2].rsplit("-", 1)[0]
+    host = files.owner_prefix("x").split(".")[2].rsplit("-", 1)[0]
     orphans = [d / f".{name}.{host}-{done.pid}.abc123.tmp" for d, name in
                [(run, "acceptance.png"), (run, "metrics.csv"), (run / "hf", "model.safetensors"),
                 (run / "checkpoints", "last.ckpt")]]
@@ -88,14 +89,14 @@ def test_print_config_round_trips(tmp_path, argv, capsys):
     printed = []
     for source in (TINY, tmp_path / "printed.yaml"):
         with pytest.raises(SystemExit) as exc:
-            cli.main(["fit", "--config", str(source), "--model.init_args.lr", "0.001", "--print_config"])
+            cli.main(["fit", "--config", str(source), "--model.init_args.optimizer.lr", "0.001", "--print_config"])
         assert exc.value.code == 0
         text = capsys.readouterr().out
         (tmp_path / "printed.yaml").write_text(text)
         printed.append(text)
     assert printed[0] == printed[1]
     full = yaml.safe_load(printed[0])
-    assert full["model"]["init_args"]["lr"] == 0.001
+    assert full["model"]["init_args"]["optimizer"]["lr"] == 0.001
     assert full["model"]["init_args"]["target"]["tiny"] == {}
     assert "target" not in full["data"]["init_args"]  # linked from the model, given once
 
@@ -112,9 +113,9 @@ GPU_OFFLINE = REPO / "configs" / "qwen3_8b_offline.yaml"
     (GPU, ["--model.init_args.target.path", "/nonexistent/Qwen3-8B"], "train_files: data/train.jsonl does not exist"),
     (GPU, ["--model.init_args.target.path", "/nonexistent/Qwen3-8B", "--data.init_args.train_files", f"[{TINY}]"],
      "is not a Hugging Face model directory"),
-    (TINY, ["--model.init_args.conv_kernel_size", "9"], "conv_kernel_size=9 is invalid: must satisfy 1 <= "
-                                                         "conv_kernel_size <= block_size=8"),
-    (TINY, ["--model.init_args.block_size", "1"], "block_size=1 is invalid"),
+    (TINY, ["--model.init_args.draft.conv_kernel_size", "9"], "conv_kernel_size=9 is invalid: must satisfy "
+                                                               "1 <= conv_kernel_size <= block_size=8"),
+    (TINY, ["--model.init_args.draft.block_size", "1"], "block_size=1 is invalid"),
     (TINY, ["--data.init_args.seq_len", "60"], "seq_len=60 is invalid: must be a positive multiple of block_size=8"),
 ])
 def test_bad_configs_fail_with_clear_messages(config, override, message, argv, capsys):
@@ -130,7 +131,7 @@ def test_bad_data_names_the_file_and_line(tmp_path, argv, capsys):
     assert cli.main(["fit", "--config", str(config)]) == 2  # the exit status of the console script
     assert f"dflash2: error: {data}:2: invalid JSON" in capsys.readouterr().err
     with pytest.raises(DataError, match=r"train.jsonl:2: invalid JSON"):  # build_cli callers get the exception
-        cli.build_cli(["fit", "--config", str(config)])
+        lightning_cli.build_cli(["fit", "--config", str(config)])
 
 
 def test_kd_offline_without_teacher_logits_is_refused(tmp_path, argv, capsys):
@@ -143,11 +144,30 @@ def _hello(args: list[str]) -> int:
     return len(args)
 
 
-def test_extra_subcommands_are_routed_before_lightning(monkeypatch):
-    monkeypatch.setitem(cli.EXTRA_COMMANDS, "hello", f"{__name__}:_hello")
+def test_actions_are_routed_before_lightning(monkeypatch):
+    monkeypatch.setitem(cli.ACTIONS, "hello", cli.Action(f"{__name__}:_hello", "says hello"))
     assert cli.main(["hello", "a", "b"]) == 2
-    for name, spec in cli.EXTRA_COMMANDS.items():  # every registered command resolves to a function
-        assert callable(cli._resolve(spec)), name
+    for name, action in cli.ACTIONS.items():  # every registered action resolves to a function
+        assert callable(cli._entry(action.entry)), name
+
+
+def test_help_lists_every_action_and_an_unknown_action_is_one_line(capsys):
+    assert cli.main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for name in [*cli.LIGHTNING_ACTIONS, *cli.ACTIONS]:
+        assert f"\n  {name} " in listed
+    assert cli.main(["evl"]) == 2
+    assert capsys.readouterr().err == ("dflash2: error: 'evl' is not an action; did you mean 'eval'? "
+                                       "`dflash2 --help` lists the actions\n")
+
+
+@pytest.mark.parametrize("action", sorted(cli.ACTIONS))
+def test_every_action_says_what_it_writes_in_its_help(action, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main([action, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: ") and len(text) > 200
 
 
 def _script(name: str) -> Path:

@@ -16,8 +16,8 @@ LAYER_BOUND = "strictly increasing unique ints in 0 .. num_target_layers - 2 = 4
 INVALID = [
     (dict(conv_kernel_size=0), "conv_kernel_size", "0", "1 <= conv_kernel_size <= block_size=4"),
     (dict(conv_kernel_size=5), "conv_kernel_size", "5", "1 <= conv_kernel_size <= block_size=4"),
-    (dict(conv_group_size=5), "conv_group_size", "5", "divides hidden_size=32"),
-    (dict(conv_group_size=0), "conv_group_size", "0", "divides hidden_size=32"),
+    (dict(conv_group_size=5), "conv_group_size", "5", "divide hidden_size=32"),
+    (dict(conv_group_size=0), "conv_group_size", "0", "divide hidden_size=32"),
     (dict(selector_top_k=0), "selector_top_k", "0", "1 <= selector_top_k <= vocab_size=96"),
     (dict(selector_top_k=97), "selector_top_k", "97", "1 <= selector_top_k <= vocab_size=96"),
     (dict(selector_rank=0), "selector_rank", "0", "selector_rank >= 1"),
@@ -33,7 +33,7 @@ INVALID = [
     (dict(mask_token_id=96), "mask_token_id", "96", "0 <= mask_token_id < vocab_size=96"),
     (dict(mask_token_id=-1), "mask_token_id", "-1", "0 <= mask_token_id < vocab_size=96"),
     (dict(sliding_window=3), "sliding_window", "3", "sliding_window >= block_size=4"),
-    (dict(num_key_value_heads=3), "num_key_value_heads", "3", "divides num_attention_heads=4"),
+    (dict(num_key_value_heads=3), "num_key_value_heads", "3", "divide num_attention_heads=4"),
     (dict(block_size=1, conv_kernel_size=1), "block_size", "1", "block_size >= 2"),
     (dict(projector_type="eagle"), "projector_type", "'eagle'", "one of ['dflash', 'dflash2']"),
 ]

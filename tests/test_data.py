@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from dflash2_lightning.config import ConfigError
-from dflash2_lightning.data import (MANIFEST, DataError, DraftDataModule, encode_chat, encode_records,
-                                    held_out_by_prompt, prompt_key)
-from dflash2_lightning.target import Target, TargetSpec, load_target
+from dflash2_lightning.data.datamodule import MANIFEST, DraftDataModule
+from dflash2_lightning.data.records import DataError, held_out_by_prompt, prompt_key
+from dflash2_lightning.data.encode import encode_chat, encode_records
+from dflash2_lightning.target.target import Target
+from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.target.load import load_target
 
 TINY = TargetSpec(tiny={})
 CHAT = [{"role": "system", "content": "Be brief."},
@@ -146,7 +149,7 @@ def test_samples_without_supervision_are_skipped_and_counted(tmp_path, caplog):
     records = [{"text": "kept one"}, {"text": ""}, {"messages": [{"role": "user", "content": "no answer"}]},
                long_user, {"messages": CHAT}]
     dm = module(tmp_path, records, val_fraction=0.0)
-    with caplog.at_level(logging.WARNING, logger="dflash2_lightning.data"):
+    with caplog.at_level(logging.WARNING, logger="dflash2_lightning.data.datamodule"):
         dm.setup()
     assert dm.skipped_samples == 3
     assert len(dm.train_dataset) == 2

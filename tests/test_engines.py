@@ -15,9 +15,10 @@ from torch.utils.data import DataLoader
 
 from dflash2_lightning import cli
 from dflash2_lightning.config import ConfigError
-from dflash2_lightning.engines import TargetInfo, choose_export_dtype, engine_findings
-from dflash2_lightning.module import DFlash2Module
-from dflash2_lightning.target import TargetSpec
+from dflash2_lightning.export.engines import TargetInfo, choose_export_dtype, engine_findings
+from dflash2_lightning.train.module import DFlash2Module
+from dflash2_lightning.target.spec import TargetSpec
+from module_helpers import grouped
 
 
 # ----------------------------------------------------------------------------- the dtype rule
@@ -36,7 +37,7 @@ def test_a_requested_export_dtype_wins_and_says_what_it_costs():
 
 
 def _fit(tmp_path, target: TargetSpec, **kwargs) -> DFlash2Module:
-    model = DFlash2Module(target=target, export_dir=str(tmp_path / "hf"), **{**SMALL, **kwargs})
+    model = DFlash2Module(target=target, **grouped(export_dir=str(tmp_path / "hf"), **{**SMALL, **kwargs}))
     loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(2)]), batch_size=2)
     _trainer(tmp_path, max_steps=1).fit(model, train_dataloaders=loader)
     return model
@@ -109,13 +110,13 @@ def test_dtype_warnings(tiny_draft_config, dtype, target_dtype, expected):
 ])
 def test_layer_ids_are_refused_when_the_module_is_built(ids, message):
     with pytest.raises(ConfigError, match=message):  # the tiny target has 4 layers
-        DFlash2Module(target=TargetSpec(tiny={}), target_layer_ids=ids, **SMALL)
+        DFlash2Module(target=TargetSpec(tiny={}), **grouped(target_layer_ids=ids, **SMALL))
 
 
 def test_fit_with_bad_layer_ids_stops_before_training(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["dflash2"])
     config = small_config(tmp_path)
-    assert cli.main(["fit", "--config", str(config), "--model.init_args.target_layer_ids", "[2, 1]"]) == 2
+    assert cli.main(["fit", "--config", str(config), "--model.init_args.draft.target_layer_ids", "[2, 1]"]) == 2
     assert "target_layer_ids=[2, 1] is invalid: not in increasing order" in capsys.readouterr().err
     assert not list(tmp_path.glob("runs/**/*.ckpt"))
 

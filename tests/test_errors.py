@@ -11,18 +11,19 @@ import sys
 import numpy as np
 import pytest
 
-from dflash2_lightning import data, tempfiles
-from dflash2_lightning.cli import replace_target_overrides
-from dflash2_lightning.config_errors import explain
-from dflash2_lightning.data import DataError
+from dflash2_lightning import files
+from dflash2_lightning.data import feature_cache as data
+from dflash2_lightning.train.lightning_cli import replace_target_overrides
+from dflash2_lightning.train.config_messages import explain
+from dflash2_lightning.data.records import DataError
 from dflash2_lightning.errors import run_command, split_debug
 from dflash2_lightning.threads import timing_warning
 
 NOT_ACCEPTED = """Parser key "model":
   Does not validate against any of the Union subtypes
-  Subtypes: [<class 'dflash2_lightning.module.DFlash2Module'>, <class 'NoneType'>]
+  Subtypes: [<class 'dflash2_lightning.train.module.DFlash2Module'>, <class 'NoneType'>]
   Errors:
-    - Problem with given class_path 'dflash2_lightning.module.DFlash2Module':
+    - Problem with given class_path 'dflash2_lightning.train.module.DFlash2Module':
         Option 'selector_rnak' is not accepted
     - Expected a <class 'NoneType'>
   Given value type: <class 'jsonargparse._util.NestedArg'>
@@ -32,14 +33,14 @@ NOT_ACCEPTED = """Parser key "model":
 def test_explain_names_the_key_and_the_closest_valid_one():
     text = explain(NOT_ACCEPTED, ["c.yaml"])
     assert text.startswith("model.init_args.selector_rnak is not a setting of DFlash2Module (on the command line)")
-    assert "did you mean selector_rank?" in text and "\n" not in text
+    assert "did you mean draft.selector_rank?" in text and "\n" not in text
     from_file = explain(NOT_ACCEPTED.replace("jsonargparse._util.NestedArg", "dict").replace(
         "NestedArg(key='selector_rnak', val='3')", "{'class_path': '...', 'init_args': {'selector_rnak': 3}}"), ["c.yaml"])
     assert "(in config c.yaml)" in from_file
     assert "did you mean --trainer.max_steps?" in explain("unrecognized arguments: fit --trainer.max_stepz 3")
     wrong = NOT_ACCEPTED.replace("Option 'selector_rnak' is not accepted",
-                                 'Parser key "selector_rank":\n          Expected a <class \'int\'>. Got value: sixteen')
-    assert explain(wrong).startswith("model.init_args.selector_rank='sixteen' is invalid (on the command line): "
+                                 'Parser key "draft.selector_rank":\n          Expected a <class \'int\'>. Got value: sixteen')
+    assert explain(wrong).startswith("model.init_args.draft.selector_rank='sixteen' is invalid (on the command line): "
                                      "expected int")
     assert explain('Parser key "config": File does not exist: \'x.yaml\'') == \
         "config file 'x.yaml' does not exist: check the --config path"
@@ -97,7 +98,7 @@ def test_run_command_styles_user_errors_and_bugs(capsys):
 def test_only_dead_processes_temporaries_are_removed(tmp_path):
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()
-    host = tempfiles.owner_prefix("x").split(".")[2].rsplit("-", 1)[0]
+    host = files.owner_prefix("x").split(".")[2].rsplit("-", 1)[0]
     dead = tmp_path / f".last.ckpt.{host}-{done.pid}.abc123.tmp"
     live = tmp_path / f".last.ckpt.{host}-{os.getppid()}.def456.tmp"
     other_host = tmp_path / f".last.ckpt.elsewhere-{done.pid}.ghi789.tmp"
@@ -107,10 +108,10 @@ def test_only_dead_processes_temporaries_are_removed(tmp_path):
         p.write_bytes(b"partial")
     cache_dir.mkdir()
     (cache_dir / "features.npy").write_bytes(b"x")
-    fd, mine = tempfiles.make_file(tmp_path / "last.ckpt")
+    fd, mine = files.make_temp_file(tmp_path / "last.ckpt")
     os.close(fd)
-    assert tempfiles.remove_stale(tmp_path, "last.ckpt") == [dead]
-    assert tempfiles.remove_stale(tmp_path) == [cache_dir]
+    assert files.remove_stale(tmp_path, "last.ckpt") == [dead]
+    assert files.remove_stale(tmp_path) == [cache_dir]
     assert live.exists() and other_host.exists() and unowned.exists() and os.path.exists(mine)
 
 

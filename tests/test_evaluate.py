@@ -8,10 +8,13 @@ import pytest
 import torch
 from speculative_helpers import BLOCK_SIZE, NEW_TOKENS, TARGET_SPEC, continuations, prompts, tiny_target, trained_draft
 
-from dflash2_lightning.checkpoint import save_draft
-from dflash2_lightning.evaluate import (EstimateStats, evaluate_draft, eval_main, replay_eval, replay_summary,
-                                       summary_lines, teacher_forced)
-from dflash2_lightning.speculative import AcceptanceStats, speculative_generate
+from dflash2_lightning.export.checkpoint import save_draft
+from dflash2_lightning.evaluate.teacher_forced import EstimateStats, teacher_forced
+from dflash2_lightning.evaluate.loop import evaluate_draft
+from dflash2_lightning.evaluate.command import eval_main
+from dflash2_lightning.evaluate.replay import replay_eval, replay_summary
+from dflash2_lightning.evaluate.report import summary_lines
+from dflash2_lightning.decode.speculative import AcceptanceStats, speculative_generate
 
 # The trainer's estimate may differ from the measured τ by at most this fraction of the measured τ.
 # Both apply the same per-anchor acceptance (the replay below shows it exactly); they differ only in
@@ -128,8 +131,8 @@ def test_replay_summary_counts_cycles_and_offsets() -> None:
 
 def test_replay_options_are_checked_before_any_work(tmp_path) -> None:
     from dflash2_lightning.config import ConfigError
-    from dflash2_lightning.evaluate import run_eval
-    from dflash2_lightning.prompts import EVAL_PROMPTS, read_prompts
+    from dflash2_lightning.evaluate.command import run_eval
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, read_prompts
 
     held_out = len(read_prompts(EVAL_PROMPTS))
     missing = tmp_path / "no-draft"  # never loaded: the options fail first
@@ -162,7 +165,7 @@ def _normalised(messages: list[dict[str, str]]) -> str:
 
 
 def test_held_out_prompts_share_none_with_the_seed_prompts() -> None:
-    from dflash2_lightning.prompts import EVAL_PROMPTS, SEED_PROMPTS, read_prompts
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, SEED_PROMPTS, read_prompts
 
     seed = {_normalised(m) for m in read_prompts(SEED_PROMPTS)}
     held_out = [_normalised(m) for m in read_prompts(EVAL_PROMPTS)]

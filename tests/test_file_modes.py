@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from test_cli import small_config
 
-from dflash2_lightning import checkpoint, cli
-from dflash2_lightning.checkpoint import load_draft, save_draft
+from dflash2_lightning import cli, files
+from dflash2_lightning.export import checkpoint
+from dflash2_lightning.export.checkpoint import load_draft, save_draft
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.onnx.export import export_drafter, random_embedding_and_head
+from dflash2_lightning.export.onnx.export import export_drafter, random_embedding_and_head
 
 
 @pytest.fixture(params=[0o022, 0o027], ids=["umask022", "umask027"])
@@ -41,11 +42,11 @@ def wrong_modes(root: Path, umask: int) -> list[str]:
 
 
 def test_atomic_writers_give_umask_modes(tmp_path, umask, tiny_draft_config):
-    checkpoint.atomic_write_text(tmp_path / "out" / "a.txt", "x")
-    checkpoint.atomic_write(tmp_path / "out" / "b.bin", lambda tmp: Path(tmp).write_bytes(b"y"))
+    files.atomic_write_text(tmp_path / "out" / "a.txt", "x")
+    files.atomic_write(tmp_path / "out" / "b.bin", lambda tmp: Path(tmp).write_bytes(b"y"))
     save_draft(DraftModel(tiny_draft_config()), tmp_path / "out" / "hf")  # safetensors rewrites its temp file
     assert wrong_modes(tmp_path / "out", umask) == []
-    assert checkpoint.file_mode() == 0o666 & ~umask and checkpoint.dir_mode() == 0o777 & ~umask
+    assert files.file_mode() == 0o666 & ~umask and files.dir_mode() == 0o777 & ~umask
 
 
 def test_every_file_of_an_offline_fit_and_an_onnx_export(tmp_path, umask, monkeypatch):

@@ -10,11 +10,11 @@ import pytest
 import torch
 from speculative_helpers import tiny_target
 
-from dflash2_lightning.generate import generate
-from dflash2_lightning.sampling import Sampling, probabilities
-from dflash2_lightning.prompts import SEED_PROMPTS, encode_prompt, read_prompts
-from dflash2_lightning.regen import regen
-from dflash2_lightning.speculative import target_greedy
+from dflash2_lightning.target.generate import generate
+from dflash2_lightning.decode.sampling import Sampling, probabilities
+from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
+from dflash2_lightning.data.regen import regen
+from dflash2_lightning.decode.speculative import target_greedy
 
 
 def _prompts(target, n: int) -> list[list[int]]:
@@ -124,7 +124,7 @@ def _tiny_family(family: str) -> torch.nn.Module:
 @pytest.mark.parametrize("temperature", [0.0, 2.0])
 def test_static_cache_loop_equals_the_transformers_loop(family, temperature) -> None:
     """Same tokens from the static-cache loop and transformers' own cache, left padding and early eos included."""
-    import dflash2_lightning.generate as gen
+    import dflash2_lightning.target.generate as gen
 
     hf = _tiny_family(family)
     assert gen.static_cache_supported(hf)
@@ -144,7 +144,7 @@ def test_static_cache_loop_equals_the_transformers_loop(family, temperature) -> 
 
 
 def test_unsupported_layouts_use_the_transformers_loop() -> None:
-    import dflash2_lightning.generate as gen
+    import dflash2_lightning.target.generate as gen
 
     hf = _tiny_family("qwen3")
     hf.config.use_sliding_window = True
@@ -161,7 +161,7 @@ def test_unsupported_layouts_use_the_transformers_loop() -> None:
 def test_continuous_batching_equals_one_batch(temperature) -> None:
     """Two cache rows for seven prompts: finished rows take the next prompts (mixed greedy and sampled rows,
     rows ending at different steps); every response is the one the reference loop gives."""
-    import dflash2_lightning.generate as gen
+    import dflash2_lightning.target.generate as gen
 
     hf = _tiny_family("llama")
     target = tiny_target()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash2_lightning.metrics import BlockAcceptance, DraftMetrics, acceptance_curves, plot_acceptance
+from dflash2_lightning.train.metrics import BlockAcceptance, DraftMetrics, acceptance_curves, plot_acceptance
 
 T, F = True, False
 # Six blocks of block_size 4 (offsets 1..3): whether the draft is right, and whether the slot counts.
@@ -87,14 +87,14 @@ def test_ddp_two_processes_count_the_same_totals_as_one(tmp_path):
     """Validation with Lightning's ddp_spawn on 2 CPU processes (gloo) == one process, over the same data."""
     from lightning.pytorch import Trainer
 
-    from dflash2_lightning.data import DraftDataModule
-    from dflash2_lightning.module import DFlash2Module
-    from dflash2_lightning.target import TargetSpec
+    from dflash2_lightning.data.datamodule import DraftDataModule
+    from dflash2_lightning.train.module import DFlash2Module
+    from dflash2_lightning.target.spec import TargetSpec
 
     spec = TargetSpec(tiny={})
     # selector_top_k = half the vocabulary, so coverage is far from 0 and 1 and tells totals apart.
-    model = DFlash2Module(target=spec, block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=256,
-                          num_anchors=6)
+    model = DFlash2Module(target=spec, draft={"block_size": 4, "conv_group_size": 16, "selector_rank": 8,
+                                              "selector_top_k": 256}, objective={"num_anchors": 6})
 
     def run(**trainer_kwargs):
         data = DraftDataModule(target=spec, max_samples=40, val_fraction=0.1, seq_len=32, block_size=4,
@@ -116,7 +116,7 @@ def test_ddp_two_processes_count_the_same_totals_as_one(tmp_path):
 
 # ----------------------------------------------------------------------------- under sampling
 def test_sampled_acceptance_on_a_hand_built_pattern():
-    from dflash2_lightning.metrics import SampledAcceptance
+    from dflash2_lightning.train.metrics import SampledAcceptance
 
     metric = SampledAcceptance(block_size=4)
     alpha = torch.tensor([[0.5, 0.4, 1.0], [1.0, 0.5, 0.2], [0.9, 0.9, 0.9]], dtype=torch.float64)
@@ -131,7 +131,7 @@ def test_sampled_acceptance_on_a_hand_built_pattern():
 
 def _sampled_output(target_logits, draft_logits, cand=None, scores=None):
     """One sequence (S = L = 3 slots, sources 0..2) with the target's logits at hand."""
-    from dflash2_lightning.objective import Teacher
+    from dflash2_lightning.train.objective import Teacher
 
     sources = torch.arange(3)[None, None]
     return SimpleNamespace(reference=torch.zeros(1, 1, 3, dtype=torch.long), draft_tokens=draft_logits.argmax(-1),
@@ -142,8 +142,8 @@ def _sampled_output(target_logits, draft_logits, cand=None, scores=None):
 
 
 def test_draft_metrics_log_the_expected_acceptance_at_a_temperature():
-    from dflash2_lightning.metrics import sampled_alpha
-    from dflash2_lightning.sampling import Sampling, probabilities
+    from dflash2_lightning.train.metrics import sampled_alpha
+    from dflash2_lightning.decode.sampling import Sampling, probabilities
 
     gen = torch.Generator().manual_seed(0)
     target = torch.randn(1, 1, 3, 7, generator=gen, dtype=torch.float64)

@@ -9,10 +9,12 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
-from dflash2_lightning.checkpoint import load_draft
+from dflash2_lightning.export.checkpoint import load_draft
 from dflash2_lightning.config import ConfigError
-from dflash2_lightning.module import DFlash2Module, NonFiniteLossError, WarmupCosine
-from dflash2_lightning.target import TargetSpec, load_target
+from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine
+from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.target.load import load_target
+from module_helpers import grouped
 
 SPEC = TargetSpec(tiny={})
 SMALL = dict(block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=8, num_anchors=4)
@@ -20,7 +22,7 @@ SMALL = dict(block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=8
 
 @pytest.fixture(scope="module")
 def module() -> DFlash2Module:
-    return DFlash2Module(target=SPEC, **SMALL)
+    return DFlash2Module(target=SPEC, **grouped(**SMALL))
 
 
 def _batch(seq: int = 16, batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -38,9 +40,9 @@ def test_draft_geometry_comes_from_the_target(module):
     assert cfg.num_target_layers == target.num_layers and cfg.block_size == 4
     assert cfg.target_layer_ids == target.default_layer_ids(1)
     assert cfg.mask_token_id == target.mask_token_id
-    assert module.hparams["target_layer_ids"] == cfg.target_layer_ids  # resolved ids are recorded
-    other = DFlash2Module(target=SPEC, target_layer_ids=[0, 2], mask_token_id=7, projector_type="dflash", **{
-        k: v for k, v in SMALL.items() if k == "block_size"})
+    assert module.hparams["draft"]["target_layer_ids"] == cfg.target_layer_ids  # resolved ids are recorded
+    other = DFlash2Module(target=SPEC, draft={"target_layer_ids": [0, 2], "mask_token_id": 7, "projector_type": "dflash",
+                                              "block_size": SMALL["block_size"]})
     assert other.draft_config.target_layer_ids == [0, 2] and other.draft_config.mask_token_id == 7
     assert other.draft.candidate_selector is None
 
@@ -111,7 +113,7 @@ def test_bad_batches_fail_with_clear_messages(module):
 ])
 def test_bad_geometry_and_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        DFlash2Module(target=SPEC, **{**SMALL, **kwargs})
+        DFlash2Module(target=SPEC, **grouped(**{**SMALL, **kwargs}))
 
 
 def test_missing_target_is_a_clear_error():
@@ -143,7 +145,7 @@ def _trainer(tmp_path, **kwargs) -> Trainer:
 
 
 def test_non_finite_loss_names_the_step_and_batch(tmp_path):
-    model = DFlash2Module(target=SPEC, **SMALL)
+    model = DFlash2Module(target=SPEC, **grouped(**SMALL))
     target = load_target(SPEC)
     rows = []
     for i in range(3):
@@ -161,7 +163,7 @@ def test_non_finite_loss_names_the_step_and_batch(tmp_path):
 
 def test_training_steps_then_export(tmp_path):
     """A few real steps: the loss moves, the HF checkpoint equals the trained draft."""
-    model = DFlash2Module(target=SPEC, export_dir=str(tmp_path / "hf"), lr=1e-2, warmup_ratio=0.0, **SMALL)
+    model = DFlash2Module(target=SPEC, **grouped(export_dir=str(tmp_path / "hf"), lr=1e-2, warmup_ratio=0.0, **SMALL))
     before = {k: v.clone() for k, v in model.draft.state_dict().items()}
     loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
     _trainer(tmp_path, max_steps=3, gradient_clip_val=1.0).fit(model, train_dataloaders=loader)
@@ -175,7 +177,7 @@ def test_training_steps_then_export(tmp_path):
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 def test_selector_lr_scale_gives_the_selector_its_own_rate(tmp_path, scale):
     """Scaled: the selector's parameters (and only they) train at scale x lr through the schedule."""
-    model = DFlash2Module(target=SPEC, lr=1e-2, warmup_ratio=0.0, selector_lr_scale=scale, **SMALL)
+    model = DFlash2Module(target=SPEC, **grouped(lr=1e-2, warmup_ratio=0.0, selector_lr_scale=scale, **SMALL))
     loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
     trainer = _trainer(tmp_path, max_steps=2)
     trainer.fit(model, train_dataloaders=loader)
@@ -194,8 +196,8 @@ def test_selector_lr_scale_gives_the_selector_its_own_rate(tmp_path, scale):
 @pytest.mark.parametrize("warm", [False, True])
 def test_normalized_features_are_folded_into_fc_at_export(tmp_path, warm):
     """Training on unit-RMS features: the exported draft computes the same context on raw features."""
-    model = DFlash2Module(target=SPEC, export_dir=str(tmp_path / "hf"), lr=1e-2, warmup_ratio=0.0,
-                          normalize_features=True, init_from_target=warm, **SMALL)
+    model = DFlash2Module(target=SPEC, **grouped(export_dir=str(tmp_path / "hf"), lr=1e-2, warmup_ratio=0.0,
+                                                 normalize_features=True, init_from_target=warm, **SMALL))
     target = load_target(SPEC)
     batch = _batch(seed=9)
     with torch.no_grad():
@@ -213,7 +215,7 @@ def test_normalized_features_are_folded_into_fc_at_export(tmp_path, warm):
     torch.testing.assert_close(theirs.keys, ours.keys, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(theirs.values, ours.values, rtol=1e-4, atol=1e-5)
     if warm:  # measuring the scale did not change the warm-started function (only training did)
-        fresh = DFlash2Module(target=SPEC, normalize_features=True, init_from_target=True, **SMALL).train()
+        fresh = DFlash2Module(target=SPEC, **grouped(normalize_features=True, init_from_target=True, **SMALL)).train()
         fresh.forward_batch(batch, torch.Generator().manual_seed(0))
         with torch.no_grad():
             after = fresh.draft.context_kv(raw * fresh.feature_scale, pos).layers[0].keys
@@ -221,11 +223,11 @@ def test_normalized_features_are_folded_into_fc_at_export(tmp_path, warm):
 
 
 def test_selector_init_target_embedding() -> None:
-    module = DFlash2Module(target=SPEC, selector_init="target_embedding", **SMALL)
+    module = DFlash2Module(target=SPEC, **grouped(selector_init="target_embedding", **SMALL))
     selector = module.draft.candidate_selector
     assert torch.equal(selector.predecessor_codebook, selector.successor_codebook)
     assert selector.successor_codebook.abs().sum() > 0 and selector.hidden_projection.weight.abs().sum() == 0
-    with pytest.raises(ConfigError, match="needs projector_type='dflash2'"):
-        DFlash2Module(target=SPEC, selector_init="target_embedding", projector_type="dflash", **SMALL)
+    with pytest.raises(ConfigError, match="needs draft.projector_type='dflash2'"):
+        DFlash2Module(target=SPEC, **grouped(selector_init="target_embedding", projector_type="dflash", **SMALL))
     with pytest.raises(ConfigError, match="selector_init.*'bigram'"):
-        DFlash2Module(target=SPEC, selector_init="bigram", **SMALL)
+        DFlash2Module(target=SPEC, **grouped(selector_init="bigram", **SMALL))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.objective import (DraftObjective, ObjectiveError, Teacher, block_attention_mask,
+from dflash2_lightning.train.objective import (DraftObjective, ObjectiveError, Teacher, block_attention_mask,
                                          decay_weights, dpace_weights, layout_blocks, sample_anchors,
                                          soft_cross_entropy, sparse_soft_cross_entropy)
 

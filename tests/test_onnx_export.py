@@ -16,13 +16,14 @@ import torch
 from conftest import TINY_DRAFT, randomize_draft_
 from onnx import TensorProto, helper
 
-from dflash2_lightning.checkpoint import save_draft
+from dflash2_lightning.export.checkpoint import save_draft
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.onnx import cli, ops
-from dflash2_lightning.onnx.export import export_drafter, random_embedding_and_head
-from dflash2_lightning.onnx.graphs import DraftStepGraph
-from dflash2_lightning.onnx.verify import choice_margins, verify_export
+from dflash2_lightning.export.onnx import command as cli
+from dflash2_lightning.ops import onnx_functions as ops
+from dflash2_lightning.export.onnx.export import export_drafter, random_embedding_and_head
+from dflash2_lightning.export.onnx.graphs import DraftStepGraph
+from dflash2_lightning.export.onnx.verify import choice_margins, verify_export
 from dflash2_lightning.ops import block_conv, lattice_walk
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -284,7 +285,7 @@ def test_bad_arguments_name_the_field(tmp_path):
         export_drafter(draft, embed, head, tmp_path, graphs=("head",))
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["--draft", "d", "--target", "tiny", "--out", "o", "--verify-cases", "2x"])
-    from dflash2_lightning.target import TargetError
+    from dflash2_lightning.target.spec import TargetError
 
     with pytest.raises(TargetError, match="path='nowhere' is not a Hugging Face model directory"):
         cli.resolve_target("nowhere", draft)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash2_lightning import ops
+from dflash2_lightning.ops.lattice_walk import torch_op as walk_op
 from dflash2_lightning.model import DFlashGroupedConv
 from dflash2_lightning.ops import (block_conv, block_conv_reference, edge_scores, lattice_walk,
                                    lattice_walk_per_position, walk_edge_scores)
@@ -236,7 +237,7 @@ def test_edge_scores_table_matches_definition():
 
 def test_host_and_device_pointer_walks_agree():
     best = torch.randint(0, 5, (3, 8, 5), generator=torch.Generator().manual_seed(7))
-    assert torch.equal(ops._follow_on_host(best), ops._follow_on_device(best))
+    assert torch.equal(walk_op._follow_on_host(best), walk_op._follow_on_device(best))
 
 
 def test_lattice_walk_rejects_mismatched_shapes():

@@ -19,12 +19,13 @@ import pytest
 import torch
 import yaml
 
+from dflash2_lightning.data import regen as regen_module
 from dflash2_lightning import cli as cli_module
-from dflash2_lightning import regen as regen_module
+from dflash2_lightning.train import lightning_cli
 from dflash2_lightning import threads
-from dflash2_lightning.checkpoint import load_draft
-from dflash2_lightning.quickstart import quickstart_main
-from dflash2_lightning.quickstart_config import QuickstartError, find_config, fit_config, parse_override, uses_bf16
+from dflash2_lightning.export.checkpoint import load_draft
+from dflash2_lightning.quickstart.run import quickstart_main
+from dflash2_lightning.quickstart.config import QuickstartError, find_config, fit_config, parse_override, uses_bf16
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -126,16 +127,17 @@ def test_fit_config_points_the_run_at_out(tmp_path):
     base = {"trainer": {"max_steps": 300, "val_check_interval": 100,
                         "logger": [{"class_path": "CSVLogger", "init_args": {"save_dir": "runs", "name": "x"}}],
                         "callbacks": [{"class_path": "ModelCheckpoint", "init_args": {"every_n_train_steps": 100}}]},
-            "model": {"init_args": {"target": {"gguf": "smollm2"}, "target_layer_ids": [1, 27], "lr": 1e-3}},
+            "model": {"init_args": {"target": {"gguf": "smollm2"}, "draft": {"target_layer_ids": [1, 27]},
+                                    "optimizer": {"lr": 1e-3}}},
             "data": {"init_args": {"seq_len": 192}}}
     out = tmp_path / "runs" / "mine"
-    cfg = fit_config(base, out, {"tiny": {}}, max_steps=7, overrides=["model.init_args.lr=0.01",
+    cfg = fit_config(base, out, {"tiny": {}}, max_steps=7, overrides=["model.init_args.optimizer.lr=0.01",
                                                                        "trainer.logger.0.init_args.flush_logs_every_n_steps=5"])
     assert cfg["model"]["init_args"]["target"] == {"tiny": {}}
-    assert "target_layer_ids" not in cfg["model"]["init_args"]  # they numbered the config's own target
+    assert "target_layer_ids" not in cfg["model"]["init_args"]["draft"]  # they numbered the config's own target
     same = fit_config(base, out, {"gguf": "smollm2"}, max_steps=None, overrides=[])
-    assert same["model"]["init_args"]["target_layer_ids"] == [1, 27]
-    assert cfg["model"]["init_args"]["lr"] == 0.01
+    assert same["model"]["init_args"]["draft"]["target_layer_ids"] == [1, 27]
+    assert cfg["model"]["init_args"]["optimizer"]["lr"] == 0.01
     assert cfg["data"]["init_args"]["train_files"] == [str(out / "data" / "responses.jsonl")]
     assert cfg["trainer"]["logger"][0]["init_args"] == {"save_dir": str(out.parent), "name": "mine",
                                                         "version": "train", "flush_logs_every_n_steps": 5}
@@ -171,7 +173,7 @@ def test_shipped_quickstart_config_is_a_valid_fit_config(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["dflash2"])  # pytest's own arguments are not the CLI's
     path = find_config(None)
     with pytest.raises(SystemExit) as exit_info:
-        cli_module.build_cli(["fit", "--config", str(path), "--print_config"])
+        lightning_cli.build_cli(["fit", "--config", str(path), "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "DFlash2Module" in printed and "mode: offline" in printed and "gguf: smollm2" in printed
@@ -220,7 +222,7 @@ def test_own_load_follows_the_kernels_one_minute_average():
 
 
 def test_eval_sampling_options_are_checked_before_any_work():
-    from dflash2_lightning.quickstart import QuickstartOptions, build_parser
+    from dflash2_lightning.quickstart.run import QuickstartOptions, build_parser
 
     args = build_parser().parse_args(["--eval-temperature", "0", "0.7", "--eval-temperature", "1.2",
                                       "--eval-samples", "3", "--eval-top-p", "0.9"])

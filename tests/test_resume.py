@@ -14,7 +14,8 @@ import yaml
 from lightning.pytorch import Callback
 
 from dflash2_lightning import cli
-from dflash2_lightning.sampler import ResumableOrder
+from dflash2_lightning.train import lightning_cli
+from dflash2_lightning.data.order import ResumableOrder
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -79,7 +80,7 @@ def test_resume_is_exact(tmp_path, argv):
     straight_dir.mkdir(), resumed_dir.mkdir()
     cli.main(["fit", "--config", str(config(straight_dir, every=INTERRUPT))])
 
-    interrupted = cli.build_cli(["--config", str(config(resumed_dir, every=INTERRUPT))], run=False)
+    interrupted = lightning_cli.build_cli(["--config", str(config(resumed_dir, every=INTERRUPT))], run=False)
     interrupted.trainer.callbacks.append(Interrupt(INTERRUPT))
     with pytest.raises(SimulatedCrash):
         interrupted.trainer.fit(interrupted.model, datamodule=interrupted.datamodule)

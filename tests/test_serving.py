@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2_lightning import cli
-from dflash2_lightning.checkpoint import CheckpointError, load_draft, save_draft, verify_checkpoint
+from dflash2_lightning.export.checkpoint import CheckpointError, load_draft, save_draft, verify_checkpoint
 from dflash2_lightning.config import ConfigError
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.serving import SERVING_NAME
+from dflash2_lightning.export.serving import SERVING_NAME
 
 
 def edit_config(change: Callable[[dict], None]) -> Callable[[Path], None]:

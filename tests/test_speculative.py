@@ -8,8 +8,8 @@ import torch
 from speculative_helpers import BLOCK_SIZE, NEW_TOKENS, continuations, prompts, tiny_target, trained_draft
 
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.speculative import (AcceptanceStats, SpecResult, TorchDrafter, low_precision_head,
-                                           speculative_generate, target_features, target_greedy)
+from dflash2_lightning.decode.speculative import AcceptanceStats, SpecResult, speculative_generate, target_features, target_greedy
+from dflash2_lightning.decode.drafter import TorchDrafter, low_precision_head
 
 CASES = [("dflash2", "selector"), ("dflash2", "backbone"), ("dflash", "backbone")]
 

@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 from dflash2_lightning.config import ConfigError, DraftConfig
-from dflash2_lightning.target import (
-    Target, TargetError, TargetSpec, build_target, load_target, resolve_gguf, tiny_tokenizer, tokenizer_fingerprint,
-)
-import dflash2_lightning.target as target_mod
+from dflash2_lightning.target.target import Target, tokenizer_fingerprint
+from dflash2_lightning.target.spec import TargetError, TargetSpec
+from dflash2_lightning.target.load import build_target, load_target
+from dflash2_lightning.target.gguf import resolve_gguf
+from dflash2_lightning.target.tiny import tiny_tokenizer
+import dflash2_lightning.target.tiny as tiny_mod
 
 TINY = TargetSpec(tiny={})
 
@@ -64,7 +66,7 @@ def test_tiny_target_is_deterministic_per_seed(tiny):
 
 def test_tiny_tokenizer_retrains_identically(monkeypatch):
     first = tokenizer_fingerprint(tiny_tokenizer(512))
-    monkeypatch.setattr(target_mod, "_TOKENIZERS", {})
+    monkeypatch.setattr(tiny_mod, "_TOKENIZERS", {})
     assert tokenizer_fingerprint(tiny_tokenizer(512)) == first
 
 

@@ -1,4 +1,5 @@
-"""``export/to_trt.py`` (``dflash2_lightning.tensorrt.build``): refuses cleanly without TensorRT/GPU; graph discovery and profiles; engine on a GPU."""
+"""``dflash2 export-trt`` / ``export/to_trt.py``: refuses cleanly without TensorRT or a GPU; graph discovery and
+profiles. Engines themselves are built in test_tensorrt.py (``pytest -m gpu``)."""
 
 import importlib.util
 import subprocess
@@ -8,18 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash2_lightning.export.tensorrt import build as to_trt
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "export" / "to_trt.py"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"dflash2_export_{name}", REPO / "export" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-from dflash2_lightning.tensorrt import build as to_trt  # noqa: E402
 HAS_TRT_AND_GPU = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
 
 
@@ -82,7 +75,7 @@ def test_profile_shapes():
 
 
 def test_read_graph_on_the_single_op_graphs(tmp_path):
-    gpu_check = _load("gpu_check")
+    import gpu_helpers as gpu_check
     paths = gpu_check.single_op_graphs(tmp_path, "float16")
     inputs, custom = to_trt.read_graph(paths["block_conv"])
     assert custom == 1
@@ -96,7 +89,7 @@ def test_read_graph_on_the_single_op_graphs(tmp_path):
 def test_dflash_nodes_get_the_aot_switch(tmp_path):
     import onnx
 
-    gpu_check = _load("gpu_check")
+    import gpu_helpers as gpu_check
     path = gpu_check.single_op_graphs(tmp_path, "float32")["block_conv"]
     model = onnx.load_from_string(to_trt.with_aot_attribute(path))
     (node,) = model.graph.node
@@ -115,29 +108,3 @@ def test_compare_outputs():
     lines = to_trt.compare_outputs(bad, ref, reduced_precision=False)
     assert [line.split()[0] for line in lines] == ["MISMATCH", "MISMATCH"]
     assert "75.0% of 4 values equal" in lines[1]
-
-
-@pytest.mark.tensorrt
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_TRT_AND_GPU, reason="needs TensorRT and a CUDA device")
-def test_engine_from_single_op_graphs_matches_reference(tmp_path):
-    from dflash2_lightning import ops
-
-    from dflash2_lightning.tensorrt import plugins
-
-    plugins.register_plugins()
-    gpu_check = _load("gpu_check")
-    for name, path in gpu_check.single_op_graphs(tmp_path, "float32").items():
-        inputs, _ = to_trt.read_graph(path)
-        shapes = to_trt.profile_shapes(inputs, (1, 2, 4), (1, 1, 1), {})
-        plan, summary = to_trt.build_engine(to_trt.GraphFiles(name, path, None), shapes, tmp_path / "tc",
-                                            tf32=False, workspace_gib=0)
-        assert len(summary["plugin_layers"]) == 1
-        feed = gpu_check._engine_inputs(name, torch.float32, 2)
-        got = next(iter(to_trt.run_engine(plan, feed).values()))
-        if name == "block_conv":
-            want = ops.block_conv_reference(feed["x"], feed["base"], feed["delta"], gpu_check.BS)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        else:
-            assert torch.equal(got, ops.lattice_walk(*(feed[k] for k in ("cand", "unary", "proj", "anchor",
-                                                                           "pred", "succ"))))

@@ -9,7 +9,7 @@ from speculative_helpers import tiny_target
 
 from dflash2_lightning.config import ConfigError
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.warm_start import init_from_target, init_selector_from_embedding
+from dflash2_lightning.train.warm_start import init_from_target, init_selector_from_embedding
 
 
 def test_context_kv_is_the_target_layer_after_the_features() -> None:

@@ -1,0 +1,7 @@
+"""Training data: records and chat templates, the DataModule, the offline feature cache, the training order,
+the built-in corpus and prompts, and regeneration of the target's own responses (in-process or via a server)."""
+
+from dflash2_lightning.data.datamodule import DraftDataModule
+from dflash2_lightning.data.records import DataError
+
+__all__ = ["DraftDataModule", "DataError"]

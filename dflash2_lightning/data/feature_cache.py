@@ -1,0 +1,189 @@
+"""The offline feature cache: the target's features, greedy tokens and top-k logits, computed once, checked on open.
+
+Offline features are computed once into a directory of ``.npy`` files loaded memory-mapped. Features
+are stored as ``float16`` by default (half the disk; an overflow is an error that says to use
+``feature_dtype="float32"``), ``target_next`` / top-k indices as int32, top-k values as float32.
+The directory holds a ``manifest.json`` recording the target fingerprint, tokenizer, layer ids,
+``seq_len``, top-k, storage dtype and a hash of the data; it is written into a temporary directory and
+renamed into place, so a crash never leaves a complete-looking cache, and a cache whose manifest differs
+from the current run is an error naming the fields that differ.
+
+Integrity. The manifest records, for every ``.npy`` file, its size, its sha256 and the sha256 of 64
+sampled 64 KiB blocks (the first one holds the ``.npy`` header, the last one the end of the data).
+Opening the cache checks every file is there with its recorded size, then (``cache_verify``):
+
+- ``"full"``: the sha256 of every byte, once per process for a given file (size, mtime);
+- ``"sampled"``: the sampled blocks only (milliseconds whatever the size);
+- ``"auto"`` (default): full when the cache holds at most :data:`FULL_VERIFY_BYTES` (4 GiB), sampled above.
+
+Why: sha256 runs at 0.5-1 GB/s on one core (``benchmarks/bench_cache_verify.py``: a 316 MB cache in
+0.31-0.57 s on a loaded 2-core machine, load average 5-10; the sampled check 3-8 ms), so a cache of a
+few GB is verified completely in seconds, which training on a corrupted cache is worth. A real target's cache is
+terabytes (Qwen3-8B, 5 layers, 100k x 2048 tokens in float16 is ~8 TB): hashing it at every start
+would take hours, so it gets the size check (truncation, a missing file) plus the sampled blocks
+(a damaged header, damage that hits a sampled block); ``cache_verify: full`` forces the whole check.
+A damaged file is a :class:`DataError` naming the file and saying to rebuild the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash2_lightning.data.records import DataError
+from dflash2_lightning.target.target import Target
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 2  # 2: the manifest records a checksum of every file
+MANIFEST = "manifest.json"
+FULL_VERIFY_BYTES = 4 << 30  # cache_verify="auto": hash every byte up to this cache size
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 64, 64 << 10
+_VERIFIED: set[tuple[str, int, int]] = set()  # (file, size, mtime_ns) fully hashed by this process
+
+
+def compute_features(tgt: Target, arrays: dict[str, np.ndarray], out: Path, layer_ids: list[int], teacher_top_k: int,
+                     feature_dtype: str, batch_size: int, feature_device: str | None = None,
+                     feature_autocast: str = "none") -> None:
+    """Write one split of the cache into ``out``: the tokenised ``arrays``, then the target's features, greedy
+    next tokens and (``teacher_top_k > 0``) top-k logits, computed ``batch_size`` samples at a time."""
+    from numpy.lib.format import open_memmap
+    from tqdm.auto import tqdm
+
+    out.mkdir(parents=True)
+    for name, arr in arrays.items():
+        np.save(out / f"{name}.npy", arr)
+    k = teacher_top_k
+    n, s = arrays["input_ids"].shape
+    width = len(layer_ids) * tgt.hidden_size
+    store = {"features": open_memmap(out / "features.npy", "w+", np.dtype(feature_dtype), (n, s, width)),
+             "target_next": open_memmap(out / "target_next.npy", "w+", np.int32, (n, s))}
+    if k:
+        store["teacher_topk_values"] = open_memmap(out / "teacher_topk_values.npy", "w+", np.float32, (n, s, k))
+        store["teacher_topk_indices"] = open_memmap(out / "teacher_topk_indices.npy", "w+", np.int32, (n, s, k))
+    device = torch.device(feature_device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    home = tgt.device
+    tgt.to(device)
+    try:
+        for start in tqdm(range(0, n, batch_size), desc=f"target features ({out.name})", unit="batch"):
+            rows = slice(start, start + batch_size)
+            attn = arrays["attention_mask"][rows]
+            length = max(int(attn.sum(1).max()), 1)  # right padding: positions past it never matter
+            ids = torch.from_numpy(arrays["input_ids"][rows, :length]).long().to(device)
+            am = torch.from_numpy(attn[:, :length]).to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=feature_autocast == "bf16"):
+                res = tgt.features(ids, am, layer_ids)
+            valid = am.unsqueeze(-1)
+            feats = (res.features.float() * valid).cpu().numpy().astype(feature_dtype)
+            if not np.isfinite(feats).all():
+                raise DataError(f"target features overflow {feature_dtype} (max |x| = "
+                                f"{res.features.float().abs().max().item():.3g}); set feature_dtype='float32'")
+            logits = res.logits.float()
+            block = np.zeros((attn.shape[0], s, width), dtype=feature_dtype)
+            block[:, :length] = feats
+            store["features"][rows] = block
+            nxt = np.zeros((attn.shape[0], s), dtype=np.int32)
+            nxt[:, :length] = (logits.max(-1).indices * am).cpu().numpy()  # = argmax (first max), faster on CPU
+            store["target_next"][rows] = nxt
+            if k:
+                vals, idx = logits.topk(k, dim=-1)
+                v = np.zeros((attn.shape[0], s, k), dtype=np.float32)
+                v[:, :length] = vals.cpu().numpy()
+                i = np.zeros((attn.shape[0], s, k), dtype=np.int32)
+                i[:, :length] = idx.cpu().numpy()
+                store["teacher_topk_values"][rows] = v
+                store["teacher_topk_indices"][rows] = i
+    finally:
+        tgt.to(home)
+    for arr in store.values():
+        arr.flush()
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The cache's ``manifest.json``; unreadable or damaged is a :class:`DataError` naming it."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"offline feature cache manifest {file} is damaged ({e}); delete {path} to rebuild "
+                        "the cache") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"offline feature cache manifest {file} is not a JSON object; delete {path} to rebuild it")
+    return manifest
+
+
+def _sample_offsets(size: int) -> list[int]:
+    if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+        return list(range(0, size, SAMPLE_BLOCK_BYTES))
+    last = size - SAMPLE_BLOCK_BYTES
+    return [round(i * last / (SAMPLE_BLOCKS - 1)) for i in range(SAMPLE_BLOCKS)]
+
+
+def _sampled_digest(file: Path, size: int) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for offset in _sample_offsets(size):
+            f.seek(offset)
+            h.update(f.read(SAMPLE_BLOCK_BYTES))
+    return h.hexdigest()
+
+
+def _full_digest(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_checksums(file: Path) -> dict[str, Any]:
+    """What the manifest records of a cache file: ``bytes``, ``sha256`` and ``sampled_sha256``."""
+    size = file.stat().st_size
+    return {"bytes": size, "sha256": _full_digest(file), "sampled_sha256": _sampled_digest(file, size)}
+
+
+def verify_cache(path: Path, manifest: dict[str, Any], mode: str = "auto") -> str:
+    """Check the cache's files against the manifest's checksums (see the module docstring); the mode used.
+
+    Raises :class:`DataError` naming the first missing or damaged file.
+    """
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise DataError(f"offline feature cache {path}: {MANIFEST} records no file checksums (damaged, or written "
+                        "by another version); delete the directory to rebuild it")
+    total = 0
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            raise DataError(f"offline feature cache file {file} is missing; delete {path} to rebuild the cache")
+        size = file.stat().st_size
+        if size != want.get("bytes"):
+            raise DataError(f"offline feature cache file {file} is damaged: {size} bytes, the manifest recorded "
+                            f"{want.get('bytes')} (truncated or overwritten); delete {path} to rebuild the cache")
+        total += size
+    full = mode == "full" or (mode == "auto" and total <= FULL_VERIFY_BYTES)
+    if not full:
+        log.info("offline feature cache %s: %.1f GB, checked by size and sampled blocks (cache_verify='full' "
+                 "hashes every byte)", path, total / 1e9)
+    for name, want in files.items():
+        file = path / name
+        st = file.stat()
+        if full:
+            key = (str(file.resolve()), st.st_size, st.st_mtime_ns)
+            if key in _VERIFIED:
+                continue
+            ok = _full_digest(file) == want.get("sha256")
+        else:
+            ok = _sampled_digest(file, st.st_size) == want.get("sampled_sha256")
+        if not ok:
+            raise DataError(f"offline feature cache file {file} is damaged: its checksum differs from the one "
+                            f"recorded when the cache was built; delete {path} to rebuild the cache")
+        if full:
+            _VERIFIED.add(key)
+    return "full" if full else "sampled"

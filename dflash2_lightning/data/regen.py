@@ -1,0 +1,231 @@
+"""`dflash2 regen`: the target's own greedy responses to a prompts file, resumable, written atomically.
+
+A drafter learns the distribution it is trained on; training it on the target's own outputs makes
+that the distribution it meets when serving. For every prompt (chat jsonl), the target generates
+greedily, in batches with left padding and the chat template applied, and the result is a chat
+jsonl the DataModule reads::
+
+    {"messages": [<the prompt's turns>..., {"role": "assistant", "content": "<target's response>"}]}
+
+Crash safety. Work goes to an append-only log ``<out>.partial`` beside the output:
+
+- line 1 is a header with the settings that shape the responses (target, ``max_new_tokens``); a
+  resume with different settings is refused instead of mixing two generations in one file;
+- then one line per finished response, ``{"index", "hash", "messages"}``, in the order they finish
+  (continuous batching); every :data:`LOG_EVERY` of them are written with one ``write``, flushed and fsynced;
+- on start the log is read back: a torn last line (a kill in the middle of a write) is cut off, the
+  finished prompt indices are skipped (a changed prompt at a finished index is an error), the rest is
+  generated;
+- at the end the records are sorted by prompt index and ``<out>`` is written atomically (temporary
+  file, fsync, rename); only then is the log removed.
+
+So a kill at any moment loses at most the responses in flight and the last few finished ones,
+never duplicates a sample, and ``<out>``
+either does not exist or is complete. An existing ``<out>`` means the job is done (``--overwrite``
+starts again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
+from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
+
+LOG_EVERY = 16  # finished responses per write to the log: a kill loses at most these and those in flight
+
+
+def generate_responses(target: Any, prompts: list[list[int]], max_new_tokens: int, sampling: Any = None,
+                       seeds: list[int | None] | None = None, slots: int = 64) -> Iterator[tuple[int, list[int]]]:
+    """``(index into prompts, response token ids)`` as each response ends, ``slots`` generated together.
+
+    Greedy unless ``sampling`` (a :class:`~dflash2_lightning.decode.sampling.Sampling`) samples; then ``seeds``
+    gives each prompt its own generator, and a ``None`` seed keeps that prompt greedy. See
+    :func:`dflash2_lightning.target.generate.generate_stream` (continuous batching).
+    """
+    from dflash2_lightning.target.generate import generate_stream
+    from dflash2_lightning.decode.sampling import Sampling
+
+    eos = list(target.eos_token_ids)
+    pad = target.tokenizer.pad_token_id
+    return generate_stream(target.hf, prompts, max_new_tokens, eos, eos[0] if pad is None else pad,
+                           sampling or Sampling(), seeds, slots=slots)
+
+
+def response_text(tokenizer: Any, tokens: list[int]) -> str:
+    """The assistant content of a response: decoded without special tokens (the template adds the end of turn)."""
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _settings(target: Any, max_new_tokens: int, sampled: int, sampling: Any, seed: int) -> dict[str, Any]:
+    spec = getattr(target, "spec", None)
+    settings: dict[str, Any] = {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
+                                "max_new_tokens": max_new_tokens}
+    if sampled:  # greedy-only logs keep their original header
+        settings.update(sampled=sampled, seed=seed, sampling=dataclasses.asdict(sampling))
+    return settings
+
+
+def sample_seed(seed: int, prompt_digest: str, sample: int) -> int:
+    """The generator seed of one sampled response: from the run seed and the prompt's content, not its batch."""
+    digest = hashlib.sha256(f"{seed}:{prompt_digest}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: str | os.PathLike,
+          max_new_tokens: int = 256, batch_size: int = 8, max_prompts: int | None = None,
+          overwrite: bool = False, progress: bool = True, sampled: int = 0, sampling: Any = None,
+          seed: int = 0) -> Path:
+    """Generate the target's responses to every prompt and write them as chat jsonl to ``out_file``.
+
+    Every prompt gets its greedy response, then ``sampled`` sampled ones (several answers per prompt:
+    more, and more varied, training text from the same prompts).
+
+    Args:
+        target_spec: a :class:`~dflash2_lightning.target.target.TargetSpec`, its dict, or a loaded ``Target``.
+        prompts_file: chat jsonl prompts (``None``: the shipped seed prompts).
+        out_file: the output chat jsonl; ``<out_file>.partial`` is the resumable work log.
+        max_new_tokens: response budget (a response that hits it is kept, cut there).
+        batch_size: responses generated together; as one ends the next prompt takes its place
+            (prompts start in order of length, left-padded with the others that start with them).
+        max_prompts: only the first ``max_prompts`` prompts of the file.
+        overwrite: regenerate even if ``out_file`` exists (and forget any partial log).
+        sampled: sampled responses per prompt besides the greedy one.
+        sampling: how they are sampled (:class:`~dflash2_lightning.target.generate.Sampling`; default temperature
+            0.8, top-p 0.95).
+        seed: seeds the sampled responses; each draws from its own generator seeded by (seed, prompt
+            content, sample number), so the output does not depend on batching or interruptions.
+
+    Returns ``out_file``: one record per response, prompt by prompt (greedy first). Interrupted runs
+    resume where they stopped (see the module docstring).
+    """
+    from tqdm.auto import tqdm
+
+    from dflash2_lightning.files import atomic_write_text
+    from dflash2_lightning.decode.sampling import Sampling
+    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.target.load import load_target
+
+    from dflash2_lightning.config import ConfigError
+
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} is invalid: must be >= 1")
+    if sampled < 0:
+        raise ConfigError(f"sampled={sampled} is invalid: must be >= 0 (sampled responses per prompt)")
+    sampling = sampling or Sampling(temperature=0.8, top_p=0.95)
+    if sampled and sampling.greedy:
+        raise ConfigError("sampled responses need a temperature > 0 (temperature=0 would repeat the greedy one)")
+    per_prompt = 1 + sampled
+    out, log, finished = output_paths(out_file, overwrite)
+    if finished:
+        return out
+
+    target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
+    chats = read_prompts(prompts_file or SEED_PROMPTS, max_prompts)
+    hashes = [prompt_hash(m) for m in chats]
+    jobs = len(chats) * per_prompt  # job j: prompt j // per_prompt, response j % per_prompt (0 = greedy)
+    settings = _settings(target, max_new_tokens, sampled, sampling, seed)
+    done = open_log(log, settings, hashes, per_prompt)
+
+    tokenised = {i: encode_prompt(target.tokenizer, chats[i]) for i in range(len(chats))
+                 if any(i * per_prompt + s not in done for s in range(per_prompt))}
+    todo = [j for j in range(jobs) if j not in done and j // per_prompt in tokenised]
+    # Similar prompt lengths start together, so a refill of the batch pads little. Greedy and sampled
+    # responses share the batch (a None seed is greedy).
+    todo.sort(key=lambda j: (len(tokenised[j // per_prompt]), j))
+    seeds = [sample_seed(seed, hashes[j // per_prompt], j % per_prompt) if j % per_prompt else None for j in todo]
+    bar = tqdm(total=jobs, initial=len(done), desc="regen", unit="response", disable=not progress)
+    lines: list[str] = []
+    for k, tokens in generate_responses(target, [tokenised[j // per_prompt] for j in todo], max_new_tokens,
+                                        sampling, seeds, slots=batch_size):
+        j = todo[k]
+        i = j // per_prompt
+        messages = chats[i] + [{"role": "assistant", "content": response_text(target.tokenizer, tokens)}]
+        record = {"index": j, "hash": hashes[i], "messages": messages}
+        done[j] = record
+        lines.append(json.dumps(record, ensure_ascii=False))
+        if len(lines) >= LOG_EVERY:
+            append_lines(log, lines)
+            bar.update(len(lines))
+            lines = []
+    append_lines(log, lines)
+    bar.update(len(lines))
+    bar.close()
+
+    text = "".join(json.dumps({"messages": done[j]["messages"]}, ensure_ascii=False) + "\n" for j in range(jobs))
+    atomic_write_text(out, text)
+    log.unlink(missing_ok=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- command line
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--server`` and its sampling options (see :mod:`dflash2_lightning.data.regen_server`)."""
+    group = parser.add_argument_group("OpenAI-compatible server (vLLM, SGLang, llama-server)")
+    group.add_argument("--server", default=None, metavar="URL",
+                       help="generate through this server's completions endpoint, e.g. http://127.0.0.1:8080/v1 "
+                            "(prompts rendered with the target's chat template here, sent as token ids)")
+    group.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    group.add_argument("--server-temperature", type=float, default=0.0,
+                       help="0 = greedy (default); > 0 samples on the server with --top-p, prompt i with seed + i")
+
+
+def regen_main(argv: Sequence[str] | None = None) -> int:
+    """``dflash2 regen``: generate the target's own responses for a prompts file (resumable)."""
+    parser = argparse.ArgumentParser(
+        prog="dflash2 regen",
+        description="Generate the target's own responses to a prompts file (chat jsonl): the greedy one and "
+                    "optionally --sampled more per prompt, batched with left padding and the chat template. Resumable: rerun the same command after an interruption "
+                    "and it continues from OUT.partial. OUT is written atomically at the end.")
+    add_target_arguments(parser)
+    parser.add_argument("--prompts", default=None,
+                        help="prompts, chat jsonl {'messages': [...]} (default: the shipped seed prompts)")
+    parser.add_argument("--out", required=True, help="output chat jsonl (responses appended as assistant turns)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="response budget in tokens (default 256)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="responses generated together; a finished one makes room for the next prompt (default 8)")
+    parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--overwrite", action="store_true", help="start over even if OUT or OUT.partial exists")
+    parser.add_argument("--sampled", type=int, default=0,
+                        help="sampled responses per prompt besides the greedy one (default 0)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="temperature of sampled responses (default 0.8)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="top-p of sampled responses (default 0.95)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k of sampled responses (default 0: off)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled responses (default 0)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_server_arguments(parser)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from dflash2_lightning.decode.sampling import Sampling
+
+    if args.server:
+        from dflash2_lightning.data.regen_server import regen_server
+
+        if args.sampled:
+            parser.error("--sampled is not supported with --server: give --server-temperature for sampled "
+                         "responses from the server (with --top-p and --seed)")
+        path = regen_server(args.server, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
+                            args.concurrency, args.server_temperature, args.top_p if args.server_temperature else 1.0,
+                            args.seed, args.max_prompts, args.overwrite, not args.no_progress)
+    else:
+        sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        path = regen(target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens, args.batch_size,
+                     args.max_prompts, args.overwrite, not args.no_progress, sampled=args.sampled, sampling=sampling,
+                     seed=args.seed)
+    with open(path, encoding="utf-8") as f:
+        count = sum(1 for line in f if line.strip())
+    print(f"{count} responses in {path}")
+    return 0

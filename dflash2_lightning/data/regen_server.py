@@ -1,0 +1,178 @@
+"""`dflash2 regen --server URL`: the target's responses from an OpenAI-compatible server (vLLM, SGLang, llama-server).
+
+At scale the target is served by an inference engine, not run in the training process. This sends
+every prompt to the server's **completions** endpoint (``POST {URL}/completions``) as **token ids**:
+the prompt is rendered with the target tokenizer's chat template on the project's side
+(:func:`~dflash2_lightning.data.prompts.encode_prompt`, exactly as in-process regen and training do), so
+the server generates from the very tokens the trainer will later see, whatever the server's own chat
+handling. The response text is stored as the assistant turn, in the same records as in-process regen.
+
+Greedy (``temperature=0``, the default) or sampled (``temperature > 0``, ``top_p``; each prompt gets its
+own seed ``seed + index``, so a resumed run asks for the same sample). ``concurrency`` requests are in
+flight at once; the server batches them.
+
+Resumable and atomic like in-process regen (same ``<out>.partial`` log, same final write): every
+finished response is appended (flushed, fsynced) as it arrives, in completion order, so a crash or a
+dead server loses only the requests in flight. The log header records the settings that shape the
+responses (target, budget, sampling, the served model's id), so a resume against another model or
+with other settings is refused. A server that stops answering raises :class:`ServerError` saying how
+many responses are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
+
+
+class ServerError(RuntimeError):
+    """The server did not answer, or answered with an error (the message names the URL and what is kept)."""
+
+
+def request_json(url: str, payload: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if payload is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")[:500]
+        raise ServerError(f"{url} answered HTTP {e.code}: {body}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ServerError(f"{url} did not answer ({reason})") from None
+
+
+def served_model(base_url: str, timeout: float = 30.0) -> str:
+    """The id of the model an OpenAI-compatible server serves (``GET {base_url}/models``, first entry)."""
+    listing = request_json(base_url.rstrip("/") + "/models", None, timeout)
+    models = listing.get("data") or []
+    if not models or "id" not in models[0]:
+        raise ServerError(f"{base_url}/models lists no model: {str(listing)[:300]}")
+    return str(models[0]["id"])
+
+
+def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None, timeout: float = 600.0) -> dict[str, Any]:
+    """One ``POST {base_url}/completions`` with token-id prompt; returns the first choice (text, finish_reason)."""
+    payload: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                               "temperature": temperature, "top_p": top_p, "stream": False}
+    if temperature == 0.0:
+        payload["top_k"] = 1  # greedy on engines that otherwise keep sampling settings (vLLM, SGLang, llama.cpp)
+    if seed is not None:
+        payload["seed"] = seed
+    answer = request_json(base_url.rstrip("/") + "/completions", payload, timeout)
+    choices = answer.get("choices") or []
+    if not choices or "text" not in choices[0]:
+        raise ServerError(f"{base_url}/completions returned no choice: {str(answer)[:300]}")
+    return choices[0]
+
+
+def _tokenizer(target_spec: Any) -> tuple[Any, Any]:
+    """``(tokenizer, spec)`` of a target without loading its weights where that can be avoided."""
+    from dflash2_lightning.target.spec import TargetSpec
+    from dflash2_lightning.target.load import hf_dir_of
+    from dflash2_lightning.target.tiny import tiny_tokenizer
+
+    if hasattr(target_spec, "tokenizer"):
+        return target_spec.tokenizer, getattr(target_spec, "spec", None)
+    spec = target_spec if isinstance(target_spec, TargetSpec) else TargetSpec(**target_spec)
+    if spec.tiny is not None:
+        from dflash2_lightning.target.tiny import TINY_DEFAULTS
+
+        return tiny_tokenizer(int({**TINY_DEFAULTS, **spec.tiny}["vocab_size"])), spec
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(hf_dir_of(spec)), local_files_only=True), spec
+
+
+def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathLike | None,
+                 out_file: str | os.PathLike, max_new_tokens: int = 256, concurrency: int = 8,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_prompts: int | None = None,
+                 overwrite: bool = False, progress: bool = True, timeout: float = 600.0) -> Path:
+    """Generate every prompt's response through an OpenAI-compatible server; chat jsonl to ``out_file``.
+
+    Args:
+        server_url: the server's OpenAI base URL, e.g. ``http://127.0.0.1:8000/v1``.
+        target_spec: the target the server serves (its tokenizer renders the prompts): a
+            :class:`~dflash2_lightning.target.target.TargetSpec`, its dict, or a loaded ``Target``.
+        prompts_file: chat jsonl prompts (``None``: the shipped seed prompts).
+        out_file: the output chat jsonl; ``<out_file>.partial`` is the resumable work log.
+        max_new_tokens: response budget; concurrency: requests in flight at once.
+        temperature: 0 for greedy; above 0 samples with ``top_p`` and the per-prompt seed ``seed + index``.
+        timeout: seconds one request may take before the server counts as dead.
+
+    Returns ``out_file``; raises :class:`ServerError` (what was finished stays in the log) if the server dies.
+    """
+    from tqdm.auto import tqdm
+
+    from dflash2_lightning.files import atomic_write_text
+    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
+
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("concurrency", concurrency, 1)):
+        if value < low:
+            raise ValueError(f"{name}={value} is invalid: must be >= {low}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature={temperature}, top_p={top_p} are invalid: need temperature >= 0, 0 < top_p <= 1")
+    out, log, finished = output_paths(out_file, overwrite)
+    if finished:
+        return out
+
+    tokenizer, spec = _tokenizer(target_spec)
+    model = served_model(server_url, min(timeout, 30.0))
+    chats = read_prompts(prompts_file or SEED_PROMPTS, max_prompts)
+    hashes = [prompt_hash(m) for m in chats]
+    settings = {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
+                "max_new_tokens": max_new_tokens, "engine": "openai-completions", "served_model": model,
+                "temperature": temperature, "top_p": top_p, "seed": seed}
+    done = open_log(log, settings, hashes)
+
+    todo = [i for i in range(len(chats)) if i not in done]
+    bar = tqdm(total=len(chats), initial=len(done), desc="regen (server)", unit="prompt", disable=not progress)
+
+    def one(i: int) -> tuple[int, str]:
+        choice = complete(server_url, model, encode_prompt(tokenizer, chats[i]), max_new_tokens, temperature,
+                          top_p, None if temperature == 0.0 else seed + i, timeout)
+        return i, choice["text"]
+
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
+        pending: set[Future] = {pool.submit(one, i) for i in todo}
+        while pending:
+            # As each response arrives (not when all have): every finished one is durable at once.
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            lines, error = [], None
+            for f in finished:
+                if f.exception() is not None:
+                    error = error or f.exception()
+                    continue
+                i, text = f.result()
+                record = {"index": i, "hash": hashes[i],
+                          "messages": chats[i] + [{"role": "assistant", "content": text}]}
+                done[i] = record
+                lines.append(json.dumps(record, ensure_ascii=False))
+            if lines:
+                append_lines(log, lines)
+                bar.update(len(lines))
+            if error is not None:
+                for f in pending:
+                    f.cancel()
+                raise ServerError(f"{error}; {len(done)} of {len(chats)} responses are kept in {log}: rerun the "
+                                  "same command once the server is back to resume") from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+
+    text = "".join(json.dumps({"messages": done[i]["messages"]}, ensure_ascii=False) + "\n"
+                   for i in range(len(chats)))
+    atomic_write_text(out, text)
+    log.unlink(missing_ok=True)
+    return out

@@ -1,0 +1,196 @@
+"""``dflash2 eval``: load a draft checkpoint and its target, measure τ, write ``eval.json`` and the plot.
+
+Measures with real speculative decoding (:mod:`dflash2_lightning.evaluate.loop`), optionally the T=0
+replay on more prompts (:mod:`dflash2_lightning.evaluate.replay`) and llama.cpp
+(:mod:`dflash2_lightning.evaluate.llama_cpp`); reports with :mod:`dflash2_lightning.evaluate.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash2_lightning.decode.drafter import DraftPath
+from dflash2_lightning.evaluate.intervals import RESAMPLES
+from dflash2_lightning.evaluate.loop import evaluate_draft
+from dflash2_lightning.evaluate.replay import replay_eval
+from dflash2_lightning.evaluate.report import plot_eval, summary_lines
+from dflash2_lightning.evaluate.teacher_forced import ORACLE_TOP_K, PATHS
+
+
+def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str | os.PathLike | None,
+             out_dir: str | os.PathLike, max_new_tokens: int = 128, paths: Sequence[DraftPath] = PATHS,
+             max_prompts: int | None = None, estimate: bool = True, progress: bool = True,
+             temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             samples: int = 1, resamples: int = RESAMPLES,
+             llama_cpp: dict[str, Any] | None = None, own_load: float = 0.0,
+             oracle_top_k: int | None = None, replay_prompts: int = 0,
+             replay_max_new_tokens: int | None = None, draft_vocab: str | os.PathLike | None = "auto") -> dict[str, Any]:
+    """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
+
+    Args:
+        draft_dir: a draft checkpoint directory (``config.json`` + ``model.safetensors``).
+        target_spec: a :class:`~dflash2_lightning.target.target.TargetSpec`, its dict, or a loaded ``Target``.
+        prompts_file: chat jsonl of held-out prompts (``None``: the shipped evaluation prompts).
+        out_dir: where ``eval.json`` and ``acceptance.png`` are written (atomically).
+        max_new_tokens: generation budget per prompt; paths: decoding paths to measure.
+        max_prompts: use only the first ``max_prompts`` prompts; estimate: also compute the
+            trainer's teacher-forced estimate on the target's continuations.
+        temperatures, top_p, top_k: the sampling settings measured (0 = greedy); seed: seeds every
+            sampled generation and the bootstrap; samples: generations per prompt at temperature > 0;
+            resamples: bootstrap draws for the intervals.
+        llama_cpp: also measure in llama.cpp (keyword arguments of
+            :func:`~dflash2_lightning.evaluate.llama_cpp.evaluate_llama_cpp`, e.g. ``{"target_gguf": "f32"}``);
+            the report gains a ``"llama.cpp"`` section.
+        own_load: how much of the load average at the start is this process's own earlier work (the
+            quickstart's training step; :func:`~dflash2_lightning.threads.own_load`), not other processes'.
+        oracle_top_k: candidates of the T=0 top-k oracle (see :func:`~dflash2_lightning.evaluate.loop.evaluate_draft`).
+        replay_prompts: also replay the loop at T=0 on the first ``replay_prompts`` prompts of the file
+            (:func:`~dflash2_lightning.evaluate.replay.replay_eval`: τ with a narrow interval at a fraction of the loop's cost), up to
+            ``replay_max_new_tokens`` tokens each (default ``max_new_tokens``); the report gains ``replay``.
+        draft_vocab: the loop drafts through a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`:
+            ``"auto"`` (default) with ``draft_dir/draft_vocab.json`` when it exists, a path for that file,
+            ``None`` or ``"off"`` never. The report's ``draft_vocab`` names the file and its size.
+
+    Returns the report dict (also written to ``out_dir/eval.json``). Its ``machine`` entry records the
+    torch threads, the cores and the load average before and after; when other processes' load and
+    these threads exceed the cores, a note says the timings cannot be trusted
+    (:func:`~dflash2_lightning.threads.timing_warning`).
+    """
+    from dflash2_lightning.export.checkpoint import load_draft
+    from dflash2_lightning.files import atomic_write_text
+    from dflash2_lightning.decode.draft_vocab import draft_vocab_head, find_draft_vocab
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.target.load import load_target
+    from dflash2_lightning.threads import load_average, timing_warning
+
+    from dflash2_lightning.config import ConfigError
+
+    if replay_prompts < 0:
+        raise ConfigError(f"replay_prompts={replay_prompts} is invalid: must be >= 0 (0 = no replay)")
+    replay_tokens = max_new_tokens if replay_max_new_tokens is None else replay_max_new_tokens
+    if replay_prompts and replay_tokens < 1:
+        raise ConfigError(f"replay_max_new_tokens={replay_tokens} is invalid: must be >= 1")
+    prompts_file = prompts_file or EVAL_PROMPTS
+    all_chats = read_prompts(prompts_file)  # before the draft and the target: a bad file fails at once
+    if replay_prompts > len(all_chats):
+        raise ConfigError(f"replay_prompts={replay_prompts} is invalid: {prompts_file} holds only "
+                          f"{len(all_chats)} prompts")
+    if max_prompts is not None and max_prompts < 1:
+        raise ConfigError(f"max_prompts={max_prompts} is invalid: must be >= 1 (or None for all prompts)")
+    draft = load_draft(draft_dir)  # before the target: a bad checkpoint path fails in a second
+    target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
+    chats = all_chats[:max_prompts] if max_prompts is not None else all_chats
+    prompts = [encode_prompt(target.tokenizer, m) for m in chats]
+    vocab_file = (find_draft_vocab(draft_dir) if draft_vocab == "auto" else
+                  None if draft_vocab in (None, "off") else Path(draft_vocab))
+    draft_head = draft_vocab_head(target, vocab_file) if vocab_file is not None else None
+    load_start = load_average()
+    report = evaluate_draft(draft, target, prompts, max_new_tokens, paths, estimate=estimate, progress=progress,
+                            temperatures=temperatures, top_p=top_p, top_k=top_k, seed=seed, samples=samples,
+                            resamples=resamples, oracle_top_k=oracle_top_k, draft_head=draft_head)
+    report["draft_vocab"] = ({"file": str(vocab_file), "size": draft_head.size, "vocab_size": draft_head.vocab_size}
+                             if draft_head is not None else None)
+    cores = os.cpu_count() or 1
+    report["machine"].update(cpus=cores, load_average_start=load_start, load_average_end=load_average())
+    warning = timing_warning(torch.get_num_threads(), cores, load_start, report["machine"]["load_average_end"],
+                             own_start=own_load)
+    report["machine"]["timing_trusted"] = warning is None
+    if warning is not None:
+        report.setdefault("notes", []).append(warning)
+    if replay_prompts:
+        report["replay"] = replay_eval(draft, target, [encode_prompt(target.tokenizer, m)
+                                                       for m in all_chats[:replay_prompts]],
+                                       replay_tokens, resamples=resamples, seed=seed, oracle_top_k=oracle_top_k,
+                                       progress=progress)
+    report = {"draft": str(draft_dir), "target": _describe(target), "prompts_file": str(prompts_file), **report}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if llama_cpp is not None:
+        from dflash2_lightning.evaluate.llama_cpp import attach_llama_cpp
+
+        attach_llama_cpp(report, draft_dir, target, prompts, max_new_tokens, out / "llama.cpp", **llama_cpp)
+    atomic_write_text(out / "eval.json", json.dumps(report, indent=2) + "\n")
+    plot_eval(report, out / "acceptance.png")
+    return report
+
+
+def _describe(target: Any) -> Any:
+    spec = getattr(target, "spec", None)
+    return json.loads(spec.key()) if spec is not None else type(target).__name__
+
+
+def eval_main(argv: Sequence[str] | None = None) -> int:
+    """``dflash2 eval``: measure τ with real speculative decoding. Exit status 1 if a greedy path was not lossless."""
+    from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
+
+    parser = argparse.ArgumentParser(
+        prog="dflash2 eval",
+        description="Measure a draft checkpoint with real speculative decoding against its target, greedy and "
+                    "sampled (--temperature): acceptance length (tau) per decoding path and temperature with a 95% "
+                    "bootstrap interval over prompts, per-position acceptance, histogram of accepted lengths, "
+                    "tokens/s against target-only decoding, and the trainer's estimated tau on the same "
+                    "continuations. Writes OUT/eval.json and OUT/acceptance.png.")
+    parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
+    add_target_arguments(parser)
+    parser.add_argument("--prompts", default=None,
+                        help="held-out prompts, chat jsonl {'messages': [...]} (default: the shipped eval prompts)")
+    parser.add_argument("--out", required=True, help="output directory for eval.json and acceptance.png")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt (default 128)")
+    parser.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                        help="decoding paths to measure (default: selector backbone)")
+    parser.add_argument("--temperature", type=float, nargs="+", action="extend", default=None, metavar="T",
+                        help="sampling temperatures to measure, e.g. --temperature 0 0.7 1.0 (repeatable; "
+                             "default 0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the top k tokens (default 0 = all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs and the bootstrap (default 0)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="generations per prompt at temperature > 0 (default 1; T=0 is deterministic: one)")
+    parser.add_argument("--resamples", type=int, default=RESAMPLES,
+                        help=f"bootstrap resamples over prompts for the 95%% intervals (default {RESAMPLES})")
+    parser.add_argument("--no-estimate", action="store_true",
+                        help="skip the trainer's teacher-forced estimate (and the top-k oracle)")
+    parser.add_argument("--replay-prompts", type=int, default=0,
+                        help="also replay the loop at T=0 (teacher-forced along the target's batched greedy "
+                             "outputs, equal to the measured tau) on the first N prompts: a narrow tau interval "
+                             "at a fraction of the loop's cost (default 0 = off)")
+    parser.add_argument("--replay-max-new-tokens", type=int, default=None,
+                        help="tokens per replayed prompt (default: --max-new-tokens)")
+    parser.add_argument("--oracle-top-k", type=int, default=None,
+                        help="candidates per position of the T=0 top-k oracle (default: the selector's top_k; "
+                             f"{ORACLE_TOP_K} for a DFlash draft)")
+    parser.add_argument("--threads", default="auto",
+                        help="torch CPU threads: a number, or 'auto' (default: the cores other processes leave free "
+                             "by the 1-minute load average, as the quickstart chooses; the report records it)")
+    parser.add_argument("--draft-vocab", default="auto", metavar="auto|off|FILE",
+                        help="draft through the target head's rows of a drafting vocabulary only (lossless: the "
+                             "target verifies with its full head): 'auto' (default) uses DRAFT/draft_vocab.json "
+                             "when it exists, 'off' never, or a file (python -m dflash2_lightning.decode.draft_vocab)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from dflash2_lightning.evaluate.llama_cpp import add_engine_arguments, llama_cpp_options
+
+    add_engine_arguments(parser)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
+    from dflash2_lightning.threads import auto_threads
+
+    torch.set_num_threads(auto_threads(torch.get_num_threads()) if args.threads == "auto" else int(args.threads))
+    report = run_eval(args.draft, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
+                      args.paths, args.max_prompts, not args.no_estimate, not args.no_progress,
+                      temperatures=args.temperature or [0.0], top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      samples=args.samples, resamples=args.resamples, llama_cpp=llama_cpp_options(args),
+                      oracle_top_k=args.oracle_top_k, replay_prompts=args.replay_prompts,
+                      replay_max_new_tokens=args.replay_max_new_tokens, draft_vocab=args.draft_vocab)
+    print("\n".join(summary_lines(report)))
+    print(f"report: {Path(args.out) / 'eval.json'}  plot: {Path(args.out) / 'acceptance.png'}")
+    lossy = [r for blk in report["temperatures"].values() for r in blk["paths"].values() if r["lossless"] is False]
+    return 1 if lossy else 0

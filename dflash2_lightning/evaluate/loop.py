@@ -1,0 +1,213 @@
+"""τ measured by real speculative decoding, per decoding path and temperature, beside the trainer's estimate.
+
+For every prompt of a held-out prompts file (chat jsonl) the target decodes greedily on its own (the
+reference output and the tokens/s baseline), then speculatively with the draft, once per decoding path
+(DFlash2's selector walk and the backbone argmax). Every speculative output is checked token for token
+against the reference. The report gives, per path, the measured acceptance length τ, the per-position
+acceptance, the histogram of accepted lengths and the speed-up, and beside it two teacher-forced figures
+computed from the draft's *training* forward on the target's own continuations
+(:mod:`dflash2_lightning.evaluate.teacher_forced`).
+
+Temperatures (``--temperature 0 0.7 1``): every one is measured in turn and reported under
+``temperatures`` (the top-level ``paths``/``tau`` are the first one's). At ``T > 0`` the target alone
+and the loop sample (``--top-p``/``--top-k``, ``--samples`` generations per prompt, each seeded from
+``--seed``); the estimate beside the measurement is then the trainer's expected acceptance under
+sampling (:class:`~dflash2_lightning.train.metrics.SampledAcceptance`) on the target's sampled continuation.
+Every measured figure carries a 95% bootstrap interval over prompts (:mod:`dflash2_lightning.evaluate.intervals`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dflash2_lightning.decode.drafter import DraftPath, Head, TorchDrafter
+from dflash2_lightning.decode.sampling import Sampling
+from dflash2_lightning.decode.speculative import AcceptanceStats, GreedyResult, SpecResult, speculative_generate, target_greedy, target_handles, target_sample
+from dflash2_lightning.evaluate.intervals import RESAMPLES, bootstrap_intervals
+from dflash2_lightning.evaluate.teacher_forced import PATHS, EstimateStats, default_oracle_top_k, teacher_forced
+from dflash2_lightning.model.draft import DraftModel
+
+
+@dataclass
+class PathRun:
+    """Everything measured for one decoding path over the prompts."""
+
+    results: list[SpecResult]
+    estimate: EstimateStats | None
+    mismatched: list[int]
+    by_prompt: list[list[SpecResult]] = field(default_factory=list)  # the bootstrap's unit
+
+
+def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   paths: Sequence[DraftPath] = PATHS, stop_token_ids: Sequence[int] | None = None,
+                   estimate: bool = True, warmup: bool = True, progress: bool = True,
+                   temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                   samples: int = 1, resamples: int = RESAMPLES, oracle_top_k: int | None = None,
+                   draft_head: Head | None = None) -> dict[str, Any]:
+    """Measure ``draft`` against ``target`` on tokenised ``prompts``; the report as a dict (see :func:`~dflash2_lightning.evaluate.command.run_eval`).
+
+    ``paths`` not available to the draft (the selector of a DFlash baseline) are skipped and noted.
+    ``stop_token_ids`` default to the target's eos ids. Every temperature in ``temperatures`` is
+    measured (``0`` greedy, checked token for token against the target; ``> 0`` sampled with
+    ``top_p``/``top_k``, ``samples`` generations per prompt, each seeded from ``seed``, the prompt and
+    the sample). The top-level ``paths``/``tau``/``target_only`` are those of the first temperature;
+    ``temperatures`` holds every one. Intervals: bootstrap over prompts (:mod:`~dflash2_lightning.evaluate.intervals`).
+    ``oracle_top_k``: candidates of the T=0 top-k oracle (default: the selector's ``top_k``, or
+    :data:`~dflash2_lightning.evaluate.teacher_forced.ORACLE_TOP_K` for a DFlash draft). ``draft_head``: the loop drafts through this head instead of
+    the target's (e.g. a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`; the target still verifies
+    with its own); the teacher-forced estimates keep the target's head.
+    """
+    from dflash2_lightning.config import ConfigError
+
+    check_inputs(prompts, max_new_tokens, oracle_top_k, "evaluate")
+    if samples < 1:
+        raise ConfigError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
+    temps = [float(t) for t in temperatures]
+    if not temps or len(set(temps)) != len(temps):
+        raise ConfigError(f"temperatures={temps} is invalid: need at least one, without repeats")
+    settings = [Sampling(t, top_p, top_k) for t in temps]  # validates every setting before any work
+    if hasattr(target, "check_fits"):
+        target.check_fits(draft.config, "the draft")
+    hf = target_handles(target).hf
+    draft = draft.to(hf.device).eval()
+    stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
+    usable = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
+    notes = [f"path {x!r} skipped: a DFlash baseline draft has no candidate selector"
+             for x in paths if x not in usable]
+    drafters = {x: TorchDrafter(draft, x, head=draft_head) for x in usable}
+    if warmup:  # first calls pay for allocation and lazy init; keep them out of the timings
+        target_greedy(target, prompts[0], min(4, max_new_tokens), stop)
+        for drafter in drafters.values():
+            speculative_generate(target, drafter, prompts[0], min(4, max_new_tokens), stop)
+            if any(not st.greedy for st in settings):
+                speculative_generate(target, drafter, prompts[0], min(4, max_new_tokens), stop,
+                                     temperature=1.0, seed=seed)
+    if any(not st.greedy for st in settings):
+        notes.append("temperature > 0: outputs are samples, so losslessness is not checked token for token "
+                     "(lossless: null); the loop's output law is proven equal to the target's in "
+                     "tests/test_sampling.py")
+
+    if oracle_top_k is None:
+        oracle_top_k = default_oracle_top_k(draft)
+    blocks = {}
+    for ti, st in enumerate(settings):
+        blocks[_temperature_key(st.temperature)] = _evaluate_at(
+            draft, drafters, target, prompts, max_new_tokens, stop, estimate, progress, st,
+            seed, ti, samples if not st.greedy else 1, resamples, oracle_top_k)
+    first = next(iter(blocks.values()))
+    report: dict[str, Any] = {
+        "architecture": draft.config.architecture,
+        "block_size": draft.config.block_size,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "generated_tokens": first["target_only"]["tokens"],
+        "stopped_at_eos": first["stopped_at_eos"],
+        "target_only": first["target_only"],
+        "machine": {"device": str(hf.device), "torch_threads": torch.get_num_threads(),
+                    "target_dtype": str(next(hf.parameters()).dtype).replace("torch.", ""),
+                    "draft_dtype": str(next(draft.parameters()).dtype).replace("torch.", "")},
+        "sampling": {"temperatures": temps, "top_p": top_p, "top_k": top_k, "seed": seed,
+                     "samples_per_prompt": samples, "bootstrap_resamples": resamples},
+        "paths": first["paths"],
+        "tau": first["tau"],
+        "temperatures": blocks,
+        "notes": notes,
+    }
+    return report
+
+
+def check_inputs(prompts: Sequence[Sequence[int]], max_new_tokens: int, oracle_top_k: int | None,
+                  verb: str) -> None:
+    """The checks every evaluation (the loop's, the replay's) makes before any work."""
+    from dflash2_lightning.config import ConfigError
+
+    if not prompts:
+        raise ConfigError(f"prompts is empty: need at least one prompt to {verb}")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    if oracle_top_k is not None and oracle_top_k < 1:
+        raise ConfigError(f"oracle_top_k={oracle_top_k} is invalid: must be >= 1 (candidates per position)")
+
+
+def _temperature_key(t: float) -> str:
+    return f"{t:g}"
+
+
+def _run_seed(seed: int, *parts: int) -> int:
+    """A seed for one generation, fixed by the run's seed and (temperature, prompt, sample, stream)."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, *parts]).generate_state(1)[0])
+
+
+def _evaluate_at(draft: DraftModel, drafters: dict[DraftPath, TorchDrafter], target: Any,
+                 prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: list[int], estimate: bool,
+                 progress: bool, st: Sampling, seed: int, ti: int, samples: int, resamples: int,
+                 oracle_top_k: int) -> dict[str, Any]:
+    """One temperature: target-only and speculative runs of every prompt, the per-path figures and intervals."""
+    from tqdm.auto import tqdm
+
+    usable = list(drafters)
+    kw = {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k}
+    references: list[list[GreedyResult]] = []
+    runs = {x: PathRun([], EstimateStats.empty(draft.config.block_size, not st.greedy) if estimate else None, [])
+            for x in usable}
+    oracle = EstimateStats.empty(draft.config.block_size) if estimate and st.greedy else None
+    desc = "eval" if st.greedy else f"eval T={st.temperature:g}"
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
+        refs = []
+        for x in usable:
+            runs[x].by_prompt.append([])
+        for j in range(samples):
+            ref = (target_greedy(target, prompt, max_new_tokens, stop) if st.greedy else
+                   target_sample(target, prompt, max_new_tokens, stop, seed=_run_seed(seed, ti, i, j, 0), **kw))
+            refs.append(ref)
+            for xi, x in enumerate(usable):
+                r = speculative_generate(target, drafters[x], prompt, max_new_tokens, stop,
+                                         **({} if st.greedy else {"seed": _run_seed(seed, ti, i, j, 1 + xi), **kw}))
+                r.context = None  # drop the cache: the report keeps only numbers
+                runs[x].results.append(r)
+                runs[x].by_prompt[-1].append(r)
+                if st.greedy and r.tokens != ref.tokens:
+                    runs[x].mismatched.append(i)
+        references.append(refs)
+        if estimate:
+            # At temperature > 0 on the target's first sampled continuation, with the sampled estimate.
+            for x, tf in teacher_forced(draft, target, prompt, refs[0].tokens, usable, sampling=st,
+                                        oracle_top_k=oracle_top_k).items():
+                (oracle if x == "oracle" else runs[x].estimate).add(tf)
+
+    flat = [r for refs in references for r in refs]
+    base_tokens = sum(len(r.tokens) for r in flat)
+    base_seconds = sum(r.seconds for r in flat)
+    base_tps = base_tokens / base_seconds if base_seconds > 0 else None
+    block: dict[str, Any] = {
+        "temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k, "samples_per_prompt": samples,
+        "stopped_at_eos": sum(r.stopped for r in flat),
+        "target_only": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_second": base_tps},
+        "paths": {},
+    }
+    for x, run in runs.items():
+        measured = AcceptanceStats.from_results(run.results).summary()
+        tps = measured["tokens_per_second"]
+        per_prompt = [AcceptanceStats.from_results(rs) for rs in run.by_prompt]
+        block["paths"][x] = {
+            "measured": measured,
+            "estimated": run.estimate.summary() if run.estimate is not None else None,
+            "lossless": not run.mismatched if st.greedy else None,
+            "mismatched_prompts": run.mismatched,
+            "speedup": tps / base_tps if tps and base_tps else None,
+            "interval": bootstrap_intervals(
+                [s.histogram for s in per_prompt], [s.tokens for s in per_prompt], [s.seconds for s in per_prompt],
+                [sum(len(r.tokens) for r in refs) for refs in references],
+                [sum(r.seconds for r in refs) for refs in references], resamples=resamples, seed=seed),
+            "per_prompt_accepted": [int(sum(sum(r.accepted) for r in rs)) for rs in run.by_prompt],
+        }
+    block["tau"] = {x: v["measured"]["tau"] for x, v in block["paths"].items()}
+    if oracle is not None:
+        block["oracle"] = {"top_k": oracle_top_k, **oracle.summary()}
+    return block

@@ -1,0 +1,209 @@
+"""The trainer's estimate of τ on the target's own continuations, and the loop's cycles replayed from it.
+
+For a prompt and the target's continuation, the draft's *training* forward runs with an anchor at
+every continuation position (:func:`teacher_forced`). Two figures come from it:
+
+``estimated``
+    the trainer's estimator, computed by the trainer's own objective and metric
+    (:class:`~dflash2_lightning.train.objective.DraftObjective`, :class:`~dflash2_lightning.train.metrics.BlockAcceptance`):
+    an anchor at every continuation position where a whole block fits (``a <= S - bs``, the positions
+    the trainer samples anchors from), the block sees the context strictly before it,
+    ``accept_k`` = P(offsets 1..k all right), ``τ = 1 + Σ_k accept_k``;
+``replayed``
+    the same teacher-forced per-anchor acceptance, read only at the anchors where the loop starts a
+    cycle (``a_0`` = first generated token, ``a_{i+1} = a_i + accepted_i + 1``). Up to floating-point
+    ties it equals the measured τ exactly, which shows the draft computes the same thing in both.
+
+At T=0 the report also gives the **top-k oracle** (``oracle``): the same replay where a slot counts when
+the target's token is anywhere among the draft's top-k candidates (``k`` = the selector's ``top_k``; 8
+for a DFlash draft unless ``oracle_top_k`` says otherwise). It is the τ of a selector that always
+picked right among the candidates it is given: how much of the gap between the backbone argmax and
+that ceiling the selector walk closes says whether the selector or the candidates limit DFlash2.
+
+With ``replay_prompts`` the report also has the **T=0 replay** (``replay``, :func:`~dflash2_lightning.evaluate.replay.replay_eval`): the target
+decodes more held-out prompts greedily in batches and the loop's cycles are replayed along those outputs,
+which gives the loop's τ exactly on many more tokens than the sequential loop can afford (a narrow interval).
+
+Why the estimate and the measurement differ (and the replay does not):
+
+* anchors: the loop starts a cycle only right after a rejection (or a fully accepted block), the
+  estimator averages over every position. Positions right after a draft mistake are a biased sample
+  (usually harder: the tiny test drafts measure 8-12% below their estimate), and positions inside
+  long easy runs are counted once per position by the estimator but skipped by the loop;
+* blocks near the end: the estimator never anchors in the last ``bs - 1`` positions; the loop does,
+  and drops its final cycle when a stop token or the token budget cut it;
+* numerics: a full forward and the loop's cached verify passes agree up to rounding, which can flip an
+  argmax at a near tie (bf16 much more than float32).
+
+The selector is not a source of difference: the trainer's acceptance follows the same greedy walk,
+seeded with the anchor, as the loop (its teacher-forced ``selector/accuracy`` is another quantity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dflash2_lightning.decode.drafter import DraftPath
+from dflash2_lightning.decode.sampling import Sampling
+from dflash2_lightning.decode.speculative import target_features, target_handles
+from dflash2_lightning.model.draft import DraftModel
+
+PATHS: tuple[DraftPath, ...] = ("selector", "backbone")
+ORACLE_TOP_K = 8  # the top-k oracle's candidates for a draft without a selector (the quickstart's selector_top_k)
+
+
+def default_oracle_top_k(draft: DraftModel) -> int:
+    """The top-k oracle's candidates for ``draft``: its selector's ``top_k``, or :data:`ORACLE_TOP_K` for DFlash."""
+    return draft.config.selector_top_k if draft.candidate_selector is not None else ORACLE_TOP_K
+
+
+@dataclass
+class TeacherForced:
+    """Per-anchor results of the draft's training forward on one sequence, for one decoding path.
+
+    Anchors are every position of the continuation (``anchors [N]``, absolute); ``right``/``valid``
+    ``[N, bs-1]``: the draft token at offset ``k`` equals the target's greedy token / lies inside the data.
+    """
+
+    anchors: Tensor
+    right: Tensor
+    valid: Tensor
+    seq_len: int
+    block_size: int
+    alpha: Tensor | None = None  # [N, bs-1] acceptance probability of each slot under sampling
+
+    def trainer_blocks(self) -> tuple[Tensor, Tensor]:
+        """``(right, valid)`` of the anchors the trainer samples from: blocks that fit (``a <= S - bs``)."""
+        fits = self.anchors <= self.seq_len - self.block_size
+        return self.right[fits], self.valid[fits]
+
+    def replay(self) -> list[int]:
+        """The accepted lengths of the speculative loop's untruncated cycles, replayed from these anchors.
+
+        The first cycle anchors on the first generated token, the next one ``accepted + 1`` later. A
+        cycle counts when its bonus token lies inside the data; the replay stops at the first one that
+        does not (the loop's final, truncated cycle).
+        """
+        right = (self.right & self.valid).long().cumprod(-1)
+        lengths = right.sum(-1).tolist()
+        # A length is final once a wrong token was seen inside the data or the whole block fit.
+        known = ((self.valid & ~self.right).any(-1) | self.valid.all(-1)).tolist()
+        out, i = [], 0
+        while i < len(lengths):
+            n = lengths[i]
+            if not known[i] or int(self.anchors[i]) + n + 1 >= self.seq_len:
+                break
+            out.append(n)
+            i += n + 1
+        return out
+
+
+@torch.no_grad()
+def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], continuation: Sequence[int],
+                   paths: Sequence[DraftPath] = PATHS, chunk: int = 32,
+                   sampling: Sampling | None = None, oracle_top_k: int | None = None) -> dict[str, TeacherForced]:
+    """Run the trainer's objective (:class:`~dflash2_lightning.train.objective.DraftObjective`) on
+    ``prompt + continuation`` with an anchor at every continuation position.
+
+    The target runs once over the whole sequence (features, and its greedy next tokens: what "right"
+    means); the continuation is the supervised region, as an assistant turn is in training. The
+    selector path uses the objective's greedy walk (``walk=True``). Anchors go ``chunk`` at a time.
+    With a sampling ``sampling`` each slot also gets its acceptance probability under speculative
+    sampling (:func:`~dflash2_lightning.train.metrics.sampled_alpha`, the trainer's ``val/t<T>`` metric).
+    With ``oracle_top_k`` (greedy only) the result also has an ``"oracle"`` entry: a slot is right when
+    the target's token is among the draft's top ``oracle_top_k`` logits.
+    """
+    from dflash2_lightning.train.metrics import sampled_alpha
+    from dflash2_lightning.train.objective import DraftObjective, Teacher
+
+    t = target_handles(target)
+    cfg, dtype = draft.config, next(draft.parameters()).dtype
+    bs, device = cfg.block_size, t.hf.device
+    ids = torch.tensor([list(prompt) + list(continuation)], dtype=torch.long, device=device)
+    p, s = len(prompt), ids.shape[1]
+    out = t.hf(input_ids=ids, use_cache=False, output_hidden_states=True)
+    features = target_features(out.hidden_states, cfg.target_layer_ids or []).to(dtype)
+    sampled = sampling is not None and not sampling.greedy
+    teacher = Teacher(greedy=out.logits.argmax(-1), logits=out.logits if sampled else None)
+    loss_mask = torch.arange(s, device=device)[None] >= p
+    embed = lambda x: t.embed(x).to(dtype)  # noqa: E731 (target and draft may differ in dtype)
+    head_dtype = t.hf.get_output_embeddings().weight.dtype
+    head = lambda h: t.head(h.to(head_dtype))  # noqa: E731
+    objective = DraftObjective(token_loss="ce", selector_loss_alpha=0.0)
+    want = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
+    oracle = bool(oracle_top_k) and not sampled
+    rights: dict[str, list[Tensor]] = {x: [] for x in want + (["oracle"] if oracle else [])}
+    alphas: dict[str, list[Tensor]] = {x: [] for x in want}
+    valids = []
+    anchors = torch.arange(p, s, device=device)
+    for lo in range(0, anchors.shape[0], chunk):
+        a = anchors[lo:lo + chunk][None]
+        res = objective(draft, embed, head, ids, loss_mask, features, teacher,
+                        anchors=(a, torch.ones_like(a, dtype=torch.bool)), walk="selector" in want)
+        valids.append(res.blocks.valid[0])
+        for x in want:
+            tokens = res.draft_tokens if x == "backbone" else res.selector_tokens
+            rights[x].append((tokens == res.reference)[0])
+        if oracle:
+            top = res.logits.topk(min(oracle_top_k, res.logits.shape[-1]), dim=-1).indices
+            rights["oracle"].append((top == res.reference[..., None]).any(-1)[0])
+        if sampled:
+            for x, alpha in sampled_alpha(res, sampling).items():
+                if x in alphas:
+                    alphas[x].append(alpha[0])
+    valid = torch.cat(valids) if valids else torch.zeros(0, bs - 1, dtype=torch.bool)
+    return {x: TeacherForced(anchors.cpu(), (torch.cat(r) if r else valid).cpu(), valid.cpu(), s, bs,
+                             torch.cat(alphas.get(x, [])).cpu() if alphas.get(x) else None)
+            for x, r in rights.items()}
+
+
+@dataclass
+class EstimateStats:
+    """The trainer's acceptance estimate accumulated over sequences, plus the loop replay.
+
+    ``metric`` is the trainer's own :class:`~dflash2_lightning.train.metrics.BlockAcceptance` (same
+    ``accept_k`` and ``tau``); ``replayed`` the loop's accepted lengths recovered from the same forward.
+    """
+
+    block_size: int
+    metric: Any
+    replayed: list[int]
+    updates: int = 0
+    sampled: Any = None  # a SampledAcceptance at temperature > 0 (then the greedy figures are not reported)
+
+    @classmethod
+    def empty(cls, block_size: int, sampled: bool = False) -> "EstimateStats":
+        from dflash2_lightning.train.metrics import BlockAcceptance, SampledAcceptance
+
+        return cls(block_size, BlockAcceptance(block_size), [],
+                   sampled=SampledAcceptance(block_size) if sampled else None)
+
+    def add(self, tf: TeacherForced) -> None:
+        right, valid = tf.trainer_blocks()
+        if right.shape[0]:
+            self.metric.update(right, valid)
+            if self.sampled is not None and tf.alpha is not None:
+                self.sampled.update(tf.alpha[tf.anchors <= tf.seq_len - tf.block_size], valid)
+            self.updates += 1
+        self.replayed += tf.replay()
+
+    def summary(self) -> dict[str, Any]:
+        if self.sampled is not None:  # expected acceptance under sampling, teacher-forced (no replay: random)
+            if not self.updates:
+                return {"tau": None, "accept": None, "alpha": None, "blocks": 0, "kind": "sampled"}
+            r = self.sampled.compute()
+            return {"tau": float(r["tau"]), "accept": [float(x) for x in r["accept"]],
+                    "alpha": [float(x) for x in r["alpha"]], "blocks": int(r["num_blocks"]), "kind": "sampled"}
+        if not self.updates:  # every continuation shorter than a block: nothing the trainer would count
+            return {"tau": None, "accept": None, "acc": None, "blocks": 0,
+                    "replayed_tau": None, "replayed_cycles": len(self.replayed)}
+        result = self.metric.compute()
+        replay_tau = 1.0 + sum(self.replayed) / len(self.replayed) if self.replayed else 0.0
+        return {"tau": float(result["tau"]), "accept": [float(x) for x in result["accept"]],
+                "acc": [float(x) for x in result["acc"]], "blocks": int(result["num_blocks"]),
+                "replayed_tau": replay_tau, "replayed_cycles": len(self.replayed)}

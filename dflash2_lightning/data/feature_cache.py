@@ -16,12 +16,11 @@ Opening the cache checks every file is there with its recorded size, then (``cac
 - ``"sampled"``: the sampled blocks only (milliseconds whatever the size);
 - ``"auto"`` (default): full when the cache holds at most :data:`FULL_VERIFY_BYTES` (4 GiB), sampled above.
 
-Why: sha256 runs at 0.5-1 GB/s on one core (``benchmarks/bench_cache_verify.py``: a 316 MB cache in
-0.31-0.57 s on a loaded 2-core machine, load average 5-10; the sampled check 3-8 ms), so a cache of a
-few GB is verified completely in seconds, which training on a corrupted cache is worth. A real target's cache is
-terabytes (Qwen3-8B, 5 layers, 100k x 2048 tokens in float16 is ~8 TB): hashing it at every start
-would take hours, so it gets the size check (truncation, a missing file) plus the sampled blocks
-(a damaged header, damage that hits a sampled block); ``cache_verify: full`` forces the whole check.
+Why: sha256 reads about a gigabyte a second on one core (``benchmarks/bench_cache_verify.py``), so a cache of
+a few GB is verified completely in seconds, which training on a corrupted cache is worth. A real target's
+cache is terabytes (Qwen3-8B, 5 layers, 100k x 2048 tokens in float16 is ~8 TB): hashing it at every start
+would take hours, so it gets the size check (truncation, a missing file) plus the sampled blocks (a
+damaged header, damage that hits a sampled block); ``cache_verify: full`` forces the whole check.
 A damaged file is a :class:`DataError` naming the file and saying to rebuild the cache.
 """
 

@@ -1,14 +1,13 @@
 """The drafting vocabulary: a draft step's head over the tokens the target actually writes.
 
 Every draft step sends its block_size - 1 drafted slots through the target's lm_head, and on a CPU that
-is the largest part of the step: SmolLM2-135M's head is 49152 x 576 (113 MB of float32 read per cycle,
-5.8 of the 9.9 ms a draft step takes on 2 cores). The target's responses use a few thousand distinct
-tokens (8,036 in the quickstart's 124k response tokens), and a draft token that is accepted is almost
-always one of the frequent ones. :class:`DraftVocabHead` multiplies only those rows (8,193 of them: 0.4 ms,
-the rows stay in the cache) and gives every other token a logit of -inf: the same idea as FR-Spec's
-frequency-ranked drafting and EAGLE-3's draft vocabulary, here without retraining (the rows are the
-target head's own). Lossless by construction: the target verifies with its full head, so only τ can change
-(measured on the quickstart's draft: unchanged, every accepted token was in the set)::
+is the largest part of the step (SmolLM2-135M's head is 49152 x 576: 113 MB of float32 read per cycle).
+The target's responses use a few thousand distinct tokens, and a draft token that is accepted is almost
+always one of the frequent ones. :class:`DraftVocabHead` multiplies only those rows (they stay in the
+cache) and gives every other token a logit of -inf: the same idea as FR-Spec's frequency-ranked drafting
+and EAGLE-3's draft vocabulary, here without retraining (the rows are the target head's own). Lossless by
+construction: the target verifies with its full head, so only τ can change (its effect on τ and on a
+cycle's cost: docs/cpu-linears.md)::
 
     responses.jsonl --count tokens--> the size most frequent + the stop tokens --> DRAFT_VOCAB_FILE
                                                                                   (beside the checkpoint)
@@ -17,7 +16,7 @@ target head's own). Lossless by construction: the target verifies with its full 
 
 The file sits in the draft's checkpoint directory (serving engines ignore it); ``dflash2 eval`` and
 the quickstart's evaluation draft with it when it is there. Write one for any run with
-``python -m dflash2_lightning.decode.draft_vocab --draft DIR --responses FILE.jsonl --target SPEC``.
+``dflash2 draft-vocab --draft DIR --responses FILE.jsonl --target SPEC``.
 """
 
 from __future__ import annotations
@@ -174,19 +173,24 @@ def make_draft_vocab(draft_dir: str | os.PathLike, responses: str | os.PathLike,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m dflash2_lightning.decode.draft_vocab``: write a draft checkpoint's drafting vocabulary."""
-    from dflash2_lightning.target.arguments import target_spec_from_arg
+    """``dflash2 draft-vocab``: write a draft checkpoint's drafting vocabulary."""
+    from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
     from dflash2_lightning.target.load import load_target
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="dflash2 draft-vocab",
+        description="Write DRAFT/draft_vocab.json: the tokens the draft step's head covers (the most frequent "
+                    "tokens of the target's responses, and its stop tokens). `dflash2 eval` drafts through those "
+                    "rows of the target head when the file is there; lossless (the target verifies with its full "
+                    "head), serving engines ignore the file.")
     p.add_argument("--draft", required=True, help="the draft checkpoint directory (the file is written there)")
     p.add_argument("--responses", required=True, help="chat jsonl of the target's responses (the training data)")
-    p.add_argument("--target", required=True, help="the target, as `dflash2 regen --target`")
+    add_target_arguments(p)
     p.add_argument("--size", type=int, default=DEFAULT_SIZE, help="most frequent tokens kept (default %(default)s)")
     args = p.parse_args(argv)
     if args.size < 1:
         p.error(f"--size {args.size} is invalid: must be >= 1")
-    path = make_draft_vocab(args.draft, args.responses, load_target(target_spec_from_arg(args.target)), args.size)
+    path = make_draft_vocab(args.draft, args.responses, load_target(target_spec_from_args(args)), args.size)
     print(f"wrote {path}: {json.loads(path.read_text())['source']}")
     return 0
 

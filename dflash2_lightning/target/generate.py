@@ -26,10 +26,8 @@ regeneration reproduces an uninterrupted one exactly); finished rows stop costin
 Why a loop of its own over the model's modules (Llama, Qwen2, Qwen3): transformers' growing cache
 copies every layer's K/V at every step, and its attention with padding masks runs PyTorch's slow
 reference kernel on CPU. The static loop calls the model's own norms, projections, rotary embedding
-and MLPs, and replaces only the cache and the attention call. On 2 AMX cores (128 prompts x 96 tokens,
-``benchmarks/bench_regen.py``) it generates 1.09x the tokens per second of the transformers-cache loop in
-float32, and 763 tok/s in bfloat16: 2.5x the float32 loop, where the transformers-cache loop gets slower
-in bfloat16 (251 vs 303 tok/s). Other architectures decode through transformers' cache
+and MLPs, and replaces only the cache and the attention call (its speed against the transformers-cache
+loop, float32 and bfloat16: ``benchmarks/bench_regen.py``, docs/benchmarks.md). Other architectures decode through transformers' cache
 (:func:`_decode_transformers`), with eager attention when the target is bfloat16 on CPU.
 """
 

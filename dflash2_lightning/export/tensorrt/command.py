@@ -38,8 +38,12 @@ from dflash2_lightning.export.tensorrt.build import (EXIT_BUILD, EXIT_MISMATCH, 
 
 def parser() -> argparse.ArgumentParser:
     """The options of ``dflash2 export-trt``."""
-    p = argparse.ArgumentParser(prog="dflash2 export-trt", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="dflash2 export-trt",
+        description="Build TensorRT engines with the dflash plugins from an ONNX export (dflash2 export-onnx) and "
+                    "check them against onnxruntime on the same random inputs. Writes OUT (one engine) or "
+                    "OUT/<graph>.engine per graph, and a timing cache beside them. Needs TensorRT (whose "
+                    "libraries come from NVIDIA's package index) and an NVIDIA GPU; exit 2 says which is missing.")
     p.add_argument("--onnx", required=True, type=Path, help="export directory (from export/to_onnx.py) or one .onnx")
     p.add_argument("--out", required=True, type=Path,
                    help="engine file (one graph) or directory (one <graph>.engine per graph)")

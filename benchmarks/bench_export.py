@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -213,8 +212,10 @@ class TrtGraph:
         self.outputs = [n for n in names if self.engine.get_tensor_mode(n) != mode]
 
     def dtype(self, name: str) -> torch.dtype:
-        """The torch dtype of the engine's tensor ``name``."""
-        return torch.from_numpy(np.empty(0, self._trt.nptype(self.engine.get_tensor_dtype(name)))).dtype
+        """The torch dtype of the engine's tensor ``name`` (by name: ``trt.nptype`` has no bfloat16)."""
+        names = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
+                 "INT32": torch.int32, "BOOL": torch.bool, "INT8": torch.int8}
+        return names[self.engine.get_tensor_dtype(name).name]
 
     def __call__(self, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
         for name in self.inputs:

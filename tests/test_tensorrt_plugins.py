@@ -127,3 +127,12 @@ def test_register_plugins_needs_tensorrt():
         pytest.skip("tensorrt is installed")
     with pytest.raises(ImportError):
         plugins.register_plugins()
+
+
+def test_tensorrt_older_than_11_2_1_is_refused_with_the_reason():
+    assert common.tensorrt_version_problem("11.4.0.106") is None
+    assert common.tensorrt_version_problem("11.2.1.3") is None and common.tensorrt_version_problem("12.0.0") is None
+    for old in ("10.16.1.11", "11.1.0.2", "11.2.0.1"):
+        problem = common.tensorrt_version_problem(old)
+        assert problem.startswith(f"TensorRT {old} is too old for the dflash plugins (needs >= 11.2.1")
+        assert "tensorrt-cu13==11.4.0.106" in problem

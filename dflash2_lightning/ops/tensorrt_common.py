@@ -9,7 +9,15 @@ import os
 from typing import Any, Optional, Sequence
 
 __all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "FLOAT_TYPES", "Dim", "Shape", "check_rank", "must_equal",
-           "triton_type_of", "known", "known_shape", "triton_type", "build_arch"]
+           "triton_type_of", "known", "known_shape", "triton_type", "build_arch", "MIN_TENSORRT",
+           "TENSORRT_REQUIREMENT", "tensorrt_version_problem"]
+
+#: The oldest TensorRT the plugins work with: before 11.2.1 creating a plugin with an integer attribute as the
+#: ONNX parser passes it (INT32, length 1) fails under numpy 2.4 ("only 0-dimensional arrays can be converted
+#: to Python scalars"), read from the real bindings of 10.16 and 11.0-11.1.
+MIN_TENSORRT = (11, 2, 1)
+#: What the ``tensorrt`` extra installs (its libraries come from NVIDIA's package index, not PyPI).
+TENSORRT_REQUIREMENT = "tensorrt-cu13==11.4.0.106"
 
 PLUGIN_NAMESPACE = "dflash"
 PLUGIN_VERSION = "1"
@@ -19,6 +27,19 @@ TRITON_TYPE_OF_TRT = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT64": 
 
 Dim = Optional[int]  # a known size, or None where the size is only known at run time
 Shape = Sequence[Dim]
+
+
+def tensorrt_version_problem(version: str) -> Optional[str]:
+    """Why TensorRT ``version`` cannot run the plugins, or None when it can (at least :data:`MIN_TENSORRT`)."""
+    parts = []
+    for piece in str(version).split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) >= MIN_TENSORRT:
+        return None
+    floor = ".".join(map(str, MIN_TENSORRT))
+    return (f"TensorRT {version} is too old for the dflash plugins (needs >= {floor}: older versions cannot create "
+            f"a plugin with an integer attribute under numpy 2); install {TENSORRT_REQUIREMENT}")
 
 
 def check_rank(name: str, shape: Shape, rank: int, layout: str) -> None:

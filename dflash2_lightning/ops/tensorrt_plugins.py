@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dflash2_lightning.ops.block_conv import tensorrt_plugin as block_conv_plugin
 from dflash2_lightning.ops.lattice_walk import tensorrt_plugin as lattice_walk_plugin
-from dflash2_lightning.ops.tensorrt_common import PLUGIN_NAMESPACE, PLUGIN_VERSION
+from dflash2_lightning.ops.tensorrt_common import PLUGIN_NAMESPACE, PLUGIN_VERSION, tensorrt_version_problem
 
 __all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "BLOCK_CONV_ID", "LATTICE_WALK_ID", "register_plugins"]
 
@@ -24,12 +24,17 @@ _REGISTERED = False
 
 
 def register_plugins() -> None:
-    """Register both plugins with TensorRT's plugin registry (idempotent). Needs ``tensorrt`` >= 10.9."""
+    """Register both plugins with TensorRT's plugin registry (idempotent). Needs TensorRT >= 11.2.1
+    (:data:`~dflash2_lightning.ops.tensorrt_common.MIN_TENSORRT`); an older one is refused with the reason."""
     global _REGISTERED
     if _REGISTERED:
         return
     import tensorrt as trt
     import tensorrt.plugin as trtp
+
+    problem = tensorrt_version_problem(trt.__version__)
+    if problem is not None:
+        raise RuntimeError(problem)
 
     block_conv_plugin.register(trt, trtp)
     lattice_walk_plugin.register(trt, trtp)

@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from dflash2_lightning.ops.tensorrt_common import TENSORRT_REQUIREMENT, tensorrt_version_problem
+
 TENSORRT_INSTALL = (
-    "TensorRT's libraries are not on PyPI (the tensorrt-cu1x-libs packages there only download from NVIDIA's "
-    "index). Install them from NVIDIA's package index, matching torch 2.13's CUDA 13 build:\n"
-    "    pip install --extra-index-url https://pypi.nvidia.com 'tensorrt-cu13>=11,<12'\n"
+    "TensorRT's Python packages are on PyPI, but its libraries (tensorrt-cu13-libs) are placeholders there that "
+    f"download the real wheels from NVIDIA's package index when installed. With that index reachable, "
+    f"pip install -e '.[tensorrt]' installs {TENSORRT_REQUIREMENT} (torch 2.13's CUDA 13), or:\n"
+    f"    pip install --extra-index-url https://pypi.nvidia.com '{TENSORRT_REQUIREMENT}'\n"
     "or follow https://docs.nvidia.com/deeplearning/tensorrt/latest/installing-tensorrt/installing.html "
     "(TensorRT 11 needs an NVIDIA driver >= r580).")
 EXIT_OK, EXIT_MISSING, EXIT_BUILD, EXIT_MISMATCH = 0, 2, 3, 4
@@ -36,9 +39,13 @@ def missing_requirements() -> list[str]:
         missing.append(f"TensorRT is not installed (no 'tensorrt' module). {TENSORRT_INSTALL}")
     else:
         try:
-            import tensorrt  # noqa: F401  (the bindings install without the libraries they link)
+            import tensorrt  # the bindings install without the libraries they link
         except ImportError as err:
             missing.append(f"TensorRT is installed but cannot load its libraries ({err}). {TENSORRT_INSTALL}")
+        else:
+            problem = tensorrt_version_problem(getattr(tensorrt, "__version__", "0"))
+            if problem is not None:
+                missing.append(problem)
     import torch
 
     if not torch.cuda.is_available():
@@ -239,6 +246,9 @@ def run_engine(plan: bytes, inputs: dict) -> dict:
                 trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool, trt.int8: torch.int8}
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     engine = runtime.deserialize_cuda_engine(plan)
+    if engine is None:
+        raise RuntimeError("TensorRT could not deserialize the engine (built by another TensorRT version or for "
+                           "another GPU, or the dflash plugins are not registered in this process)")
     context = engine.create_execution_context()
     device = {name: t.cuda().contiguous() for name, t in inputs.items()}
     for name, tensor in device.items():

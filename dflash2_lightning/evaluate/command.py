@@ -173,7 +173,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--draft-vocab", default="auto", metavar="auto|off|FILE",
                         help="draft through the target head's rows of a drafting vocabulary only (lossless: the "
                              "target verifies with its full head): 'auto' (default) uses DRAFT/draft_vocab.json "
-                             "when it exists, 'off' never, or a file (python -m dflash2_lightning.decode.draft_vocab)")
+                             "when it exists, 'off' never, or a file (written by dflash2 draft-vocab)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     from dflash2_lightning.evaluate.llama_cpp import add_engine_arguments, llama_cpp_options
 

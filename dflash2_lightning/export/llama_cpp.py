@@ -225,7 +225,7 @@ def require_llama_cpp(cache_dir: str | os.PathLike | None = None, tools: Sequenc
     found = find_llama_cpp(cache_dir, tools)
     if found is None:
         raise LlamaCppError(f"llama.cpp {VERSION} with {', '.join(tools)} is not built in {build_root(cache_dir)}: "
-                            "run `make llama-cpp` (or `python -m dflash2_lightning.export.llama_cpp`) first")
+                            "run `dflash2 build-llama-cpp` (or `make llama-cpp`) first")
     return found
 
 

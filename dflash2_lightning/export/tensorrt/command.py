@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
                     "check them against onnxruntime on the same random inputs. Writes OUT (one engine) or "
                     "OUT/<graph>.engine per graph, and a timing cache beside them. Needs TensorRT (whose "
                     "libraries come from NVIDIA's package index) and an NVIDIA GPU; exit 2 says which is missing.")
-    p.add_argument("--onnx", required=True, type=Path, help="export directory (from export/to_onnx.py) or one .onnx")
+    p.add_argument("--onnx", required=True, type=Path, help="export directory (from dflash2 export-onnx) or one .onnx")
     p.add_argument("--out", required=True, type=Path,
                    help="engine file (one graph) or directory (one <graph>.engine per graph)")
     p.add_argument("--graph", action="append", help="build only this graph (repeatable), e.g. draft_step")

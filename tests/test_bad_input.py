@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from module_helpers import grouped
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -37,7 +38,8 @@ def small_config(directory: Path, name: str = "fit.yaml", model: dict | None = N
     for logger in trainer["logger"]:
         logger["init_args"]["save_dir"] = str(directory / "runs")
     trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
-    config["model"]["init_args"].update(model or {})
+    for group, fields in grouped(**(model or {})).items():  # flat setting names -> the module's option groups
+        config["model"]["init_args"].setdefault(group, {}).update(fields)
     config["data"]["init_args"].update({"max_samples": 48, **data})
     path = directory / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -104,7 +106,7 @@ def untouched(base):
 
 # ----------------------------------------------------------------------------- fit: config and CLI
 @pytest.mark.parametrize("override, needles", [
-    (["--model.init_args.selector_rnak", "3"], ["model.init_args.selector_rnak", "did you mean selector_rank"]),
+    (["--model.init_args.selector_rnak", "3"], ["model.init_args.selector_rnak", "did you mean draft.selector_rank"]),
     (["--trainer.max_stepz", "3"], ["--trainer.max_stepz", "did you mean --trainer.max_steps"]),
     (["--data.init_args.bach_size", "3"], ["data.init_args.bach_size", "did you mean batch_size"]),
     (["--model.init_args.draft.selector_rank", "sixteen"], ["model.init_args.draft.selector_rank='sixteen'", "int"]),
@@ -126,7 +128,7 @@ def test_typo_in_a_config_file_names_the_file(tmp_path, base, untouched):
     config = small_config(tmp_path)
     config.write_text(config.read_text().replace("selector_rank:", "selector_rnak:"))
     assert_user_error(run(["fit", "--config", str(config)], tmp_path, base["cache"]),
-                      "selector_rnak", "did you mean selector_rank", str(config))
+                      "selector_rnak", "did you mean draft.selector_rank", str(config))
     assert_user_error(run(["fit", "--config", str(tmp_path / "nope.yaml")], tmp_path, base["cache"]),
                       "nope.yaml", "does not exist")
 

@@ -64,8 +64,8 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     assert draft.config.architecture == "DFlash2DraftModel"
     shipped = yaml.safe_load((Path(__file__).parents[1] / "configs" / "quickstart.yaml").read_text())
     shipped_model = shipped["model"]["init_args"]
-    assert draft.config.block_size == shipped_model["block_size"]
-    assert draft.config.num_hidden_layers == shipped_model["num_hidden_layers"]
+    assert draft.config.block_size == shipped_model["draft"]["block_size"]
+    assert draft.config.num_hidden_layers == shipped_model["draft"]["num_hidden_layers"]
     assert draft.candidate_selector is not None
 
     # the training data: a greedy and two sampled responses per prompt, as chat jsonl with an assistant turn
@@ -98,7 +98,7 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     # the summary was printed, with the paths a user needs
     assert "DFlash2 quickstart" in printed and "tau selector" in printed and "tau backbone" in printed
     oracle = report["temperatures"]["0"]["oracle"]  # the selector's ceiling, at T=0 only
-    assert oracle["top_k"] == shipped_model["selector_top_k"] and "oracle" not in report["temperatures"]["1"]
+    assert oracle["top_k"] == shipped_model["draft"]["selector_top_k"] and "oracle" not in report["temperatures"]["1"]
     assert f"top-{oracle['top_k']} oracle {oracle['replayed_tau']:.2f}" in printed
     assert str(hf) in printed and str(artifacts["eval report"]) in printed
     replay = summary["eval"]["replay"]  # the T=0 replay on more held-out prompts: the narrow-interval tau

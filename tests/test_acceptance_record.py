@@ -71,7 +71,7 @@ def test_written_atomically_and_read_back(record, tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    (None, "no acceptance record at .* dflash2 acceptance-record --draft"),
+    (None, "no acceptance record at .* `dflash2 acceptance-record --draft"),
     ("{trunc", "is not valid JSON"),
     (json.dumps({"format": "dflash2-acceptance-record/0"}), "has format 'dflash2-acceptance-record/0', not"),
     (json.dumps({"format": RECORD_FORMAT, "draft": {}, "prompts": [], "max_new_tokens": 8, "stop_token_ids": [],

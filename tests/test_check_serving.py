@@ -133,6 +133,7 @@ def test_vllm_prometheus_counters_are_summed_over_engines_and_the_width_is_the_p
 def test_llama_cpp_metrics_and_timings():
     c = metrics_counts(LLAMA_CPP, LLAMA_CPP_METRICS)
     assert (c.steps, c.drafted, c.accepted, c.width, c.accepted_per_position) == (61, 183, 37, 3, (24, 9, 4))
+    assert metrics_counts(LLAMA_CPP, llama_cpp_metrics(61, 183, 37, [24, 9, 4])) == c  # the fake engine's text
     assert metrics_counts(LLAMA_CPP, LLAMA_CPP_METRICS.split("# HELP llamacpp:spec")[0]) is None
     assert parse_prometheus(LLAMA_CPP_METRICS)[0] == ("llamacpp:prompt_tokens_total", {}, 212.0)
     served = read_completion(LLAMA_CPP, llama_cpp_completion("m", "Paris.", 33, 60, 12))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,6 +60,32 @@ def randomized_draft() -> Callable[..., DraftModel]:
         return randomize_draft_(DraftModel(cfg).to(dtype), seed).eval()
 
     return make
+
+
+@pytest.fixture(scope="session")
+def trained_smollm2_draft(tmp_path_factory) -> Path:
+    """A SmolLM2 draft trained briefly (the quickstart recipe, 60 online steps on the built-in corpus), shared
+    by the llama.cpp tests of the session (several minutes on 2 cores; trained once).
+
+    In float32 where the CPU emulates bf16 (as the quickstart chooses there): the config's bf16-mixed
+    online steps take minutes each on such a CPU."""
+    from llamacpp_helpers import llama_cpp_or_skip
+
+    from dflash2_lightning.threads import fast_bf16_matmuls
+
+    llama_cpp_or_skip()  # before the training: a skipped test should not pay for it
+    run = tmp_path_factory.mktemp("fit")
+    cmd = [sys.executable, "-m", "dflash2_lightning", "fit", "--config",
+           str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
+           "--trainer.max_steps", "60", "--trainer.val_check_interval", "60", "--data.init_args.train_files", "null",
+           "--data.init_args.mode", "online", "--data.init_args.seq_len", "128"]
+    if not fast_bf16_matmuls():
+        cmd += ["--trainer.precision", "32-true"]
+    done = subprocess.run(cmd, cwd=run, capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hf = next(run.glob("runs/quickstart/train/hf"))
+    assert (hf / "model.safetensors").is_file()
+    return hf
 
 
 @pytest.fixture(autouse=True, scope="session")

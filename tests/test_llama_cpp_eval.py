@@ -3,37 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from llamacpp_helpers import llama_cpp_or_skip
-
-from dflash2_lightning.threads import fast_bf16_matmuls
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def trained_smollm2_draft(tmp_path_factory) -> Path:
-    """A SmolLM2 draft trained briefly (the quickstart recipe, 60 online steps on the built-in corpus).
-
-    In float32 where the CPU emulates bf16 (as the quickstart chooses there): the config's bf16-mixed
-    online steps take minutes each on such a CPU."""
-    llama_cpp_or_skip()  # before the training: a skipped test should not pay for it
-    run = tmp_path_factory.mktemp("fit")
-    cmd = [sys.executable, "-m", "dflash2_lightning", "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
-           "--trainer.max_steps", "60", "--trainer.val_check_interval", "60", "--data.init_args.train_files", "null",
-           "--data.init_args.mode", "online", "--data.init_args.seq_len", "128"]
-    if not fast_bf16_matmuls():
-        cmd += ["--trainer.precision", "32-true"]
-    done = subprocess.run(cmd, cwd=run, capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    hf = next(run.glob("runs/quickstart/train/hf"))
-    assert (hf / "model.safetensors").is_file()
-    return hf
 
 
 @pytest.mark.slow

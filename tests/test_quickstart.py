@@ -63,9 +63,9 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     draft = load_draft(hf)
     assert draft.config.architecture == "DFlash2DraftModel"
     shipped = yaml.safe_load((Path(__file__).parents[1] / "configs" / "quickstart.yaml").read_text())
-    shipped_model = shipped["model"]["init_args"]
-    assert draft.config.block_size == shipped_model["draft"]["block_size"]
-    assert draft.config.num_hidden_layers == shipped_model["draft"]["num_hidden_layers"]
+    shipped_model = shipped["model"]["init_args"]["draft"]  # the draft geometry is an option group of its own
+    assert draft.config.block_size == shipped_model["block_size"]
+    assert draft.config.num_hidden_layers == shipped_model["num_hidden_layers"]
     assert draft.candidate_selector is not None
 
     # the training data: a greedy and two sampled responses per prompt, as chat jsonl with an assistant turn
@@ -98,13 +98,21 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     # the summary was printed, with the paths a user needs
     assert "DFlash2 quickstart" in printed and "tau selector" in printed and "tau backbone" in printed
     oracle = report["temperatures"]["0"]["oracle"]  # the selector's ceiling, at T=0 only
-    assert oracle["top_k"] == shipped_model["draft"]["selector_top_k"] and "oracle" not in report["temperatures"]["1"]
+    assert oracle["top_k"] == shipped_model["selector_top_k"] and "oracle" not in report["temperatures"]["1"]
     assert f"top-{oracle['top_k']} oracle {oracle['replayed_tau']:.2f}" in printed
     assert str(hf) in printed and str(artifacts["eval report"]) in printed
     replay = summary["eval"]["replay"]  # the T=0 replay on more held-out prompts: the narrow-interval tau
     assert replay["prompts"] == 4 and replay["max_new_tokens"] == 10 and replay == report["replay"]
     assert "replay at T=0 on 4 prompts" in printed
     assert f"selector: tau {replay['paths']['selector']['tau']:.2f}" in printed
+
+    # the acceptance record, from the evaluation's replay; no serving check: the tiny target has no GGUF to serve
+    record = json.loads((hf / "acceptance.json").read_text())
+    assert record["format"] == "dflash2-acceptance-record/1" and len(record["prompts"]) == 4
+    assert record["expected"]["tau"] == replay["paths"]["selector"]["tau"] and record["max_new_tokens"] == 10
+    assert summary["artifacts"]["acceptance record"] == str(hf / "acceptance.json")
+    assert summary["serving_check"] is None and "serving check" not in summary["artifacts"]
+    assert "acceptance record: expected tau" in printed and "check-serving" not in printed
 
     # A re-run with the same settings regenerates nothing and trains nothing: it reuses the finished steps.
     responses_mtime = artifacts["responses"].stat().st_mtime_ns
@@ -233,6 +241,20 @@ def test_eval_sampling_options_are_checked_before_any_work():
                           ({"eval_temperatures": [-0.5]}, "eval_temperature"),
                           ({"eval_top_p": 0.0}, "eval_top_p"), ({"eval_samples": 0}, "eval_samples"),
                           ({"eval_replay_prompts": -1}, "eval_replay_prompts=-1"),
+                          ({"check_prompts": 0}, "check_prompts=0"),
                           ({"eval_replay_max_new_tokens": 0}, "eval_replay_max_new_tokens=0")]:
         with pytest.raises(QuickstartError, match=field):
             QuickstartOptions(**kwargs)
+
+
+def test_the_serving_check_line_puts_the_served_tau_beside_the_expected():
+    from dflash2_lightning.quickstart.report import serving_check_line
+
+    verdict = {"engine": "llama.cpp", "target_gguf": "/cache/SmolLM2-f32.gguf", "agree": True, "problems": [],
+               "served": {"tau": 1.4812}, "outputs_equal": 4,
+               "expected": {"tau": 1.4931, "interval": [1.41, 1.58], "prompts": 4}}
+    assert serving_check_line(verdict) == ("check-serving (llama.cpp, target SmolLM2-f32.gguf): served tau 1.48 vs "
+                                           "expected 1.49 [1.41, 1.58] on 4 prompts, outputs 4/4 equal: agree")
+    verdict.update(agree=False, problems=[{"code": "width", "message": "llama.cpp drafts 1 token per verify step"}])
+    assert serving_check_line(verdict).endswith("equal: DISAGREE (llama.cpp drafts 1 token per verify step)")
+    assert serving_check_line({"error": "nothing answers"}) == "check-serving could not run: nothing answers"

@@ -2,7 +2,8 @@
 
 Measures with real speculative decoding (:mod:`dflash2_lightning.evaluate.loop`), optionally the T=0
 replay on more prompts (:mod:`dflash2_lightning.evaluate.replay`) and llama.cpp
-(:mod:`dflash2_lightning.evaluate.llama_cpp`); reports with :mod:`dflash2_lightning.evaluate.report`.
+(:mod:`dflash2_lightning.evaluate.llama_cpp`); reports with :mod:`dflash2_lightning.evaluate.report`. The
+replay is also written as the draft's acceptance record (:mod:`dflash2_lightning.evaluate.acceptance_record`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from dflash2_lightning.decode.drafter import DraftPath
 from dflash2_lightning.evaluate.intervals import RESAMPLES
 from dflash2_lightning.evaluate.loop import evaluate_draft
-from dflash2_lightning.evaluate.replay import replay_eval
+from dflash2_lightning.evaluate.replay import replay_report, run_replay
 from dflash2_lightning.evaluate.report import plot_eval, summary_lines
 from dflash2_lightning.evaluate.teacher_forced import ORACLE_TOP_K, PATHS
 
@@ -31,7 +32,8 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
              samples: int = 1, resamples: int = RESAMPLES,
              llama_cpp: dict[str, Any] | None = None, own_load: float = 0.0,
              oracle_top_k: int | None = None, replay_prompts: int = 0,
-             replay_max_new_tokens: int | None = None, draft_vocab: str | os.PathLike | None = "auto") -> dict[str, Any]:
+             replay_max_new_tokens: int | None = None, draft_vocab: str | os.PathLike | None = "auto",
+             acceptance_record: bool = True) -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
     Args:
@@ -54,6 +56,9 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
         replay_prompts: also replay the loop at T=0 on the first ``replay_prompts`` prompts of the file
             (:func:`~dflash2_lightning.evaluate.replay.replay_eval`: τ with a narrow interval at a fraction of the loop's cost), up to
             ``replay_max_new_tokens`` tokens each (default ``max_new_tokens``); the report gains ``replay``.
+        acceptance_record: with a replay, also write the draft's acceptance record from it into
+            ``draft_dir/acceptance.json`` (:mod:`~dflash2_lightning.evaluate.acceptance_record`; what
+            ``dflash2 check-serving`` compares an engine with); the report's ``acceptance_record`` names it.
         draft_vocab: the loop drafts through a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`:
             ``"auto"`` (default) with ``draft_dir/draft_vocab.json`` when it exists, a path for that file,
             ``None`` or ``"off"`` never. The report's ``draft_vocab`` names the file and its size.
@@ -105,10 +110,11 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     if warning is not None:
         report.setdefault("notes", []).append(warning)
     if replay_prompts:
-        report["replay"] = replay_eval(draft, target, [encode_prompt(target.tokenizer, m)
-                                                       for m in all_chats[:replay_prompts]],
-                                       replay_tokens, resamples=resamples, seed=seed, oracle_top_k=oracle_top_k,
-                                       progress=progress)
+        run = run_replay(draft, target, [encode_prompt(target.tokenizer, m) for m in all_chats[:replay_prompts]],
+                         replay_tokens, oracle_top_k=oracle_top_k, progress=progress)
+        report["replay"] = replay_report(run, draft.config.block_size, resamples, seed)
+        if acceptance_record:
+            report["acceptance_record"] = _write_record(run, draft_dir, target, prompts_file, resamples, seed, report)
     report = {"draft": str(draft_dir), "target": _describe(target), "prompts_file": str(prompts_file), **report}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,6 +125,23 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     atomic_write_text(out / "eval.json", json.dumps(report, indent=2) + "\n")
     plot_eval(report, out / "acceptance.png")
     return report
+
+
+def _write_record(run: Any, draft_dir: str | os.PathLike, target: Any, prompts_file: str | os.PathLike,
+                  resamples: int, seed: int, report: dict[str, Any]) -> str | None:
+    """Write the acceptance record of the replay ``run`` into the draft directory; its path, or None (with a
+    note in the report) when the directory is not writable."""
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS
+    from dflash2_lightning.evaluate.acceptance_record import RECORD_NAME, record_from_replay, write_record
+
+    source = ("the shipped evaluation prompts" if Path(prompts_file) == EVAL_PROMPTS else str(prompts_file)) + \
+        f", first {len(run.prompts)}"
+    record = record_from_replay(run, draft_dir, target, source, resamples, seed)
+    try:
+        return str(write_record(record, Path(draft_dir) / RECORD_NAME))
+    except OSError as error:
+        report.setdefault("notes", []).append(f"acceptance record not written into {draft_dir}: {error}")
+        return None
 
 
 def _describe(target: Any) -> Any:
@@ -136,7 +159,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                     "sampled (--temperature): acceptance length (tau) per decoding path and temperature with a 95% "
                     "bootstrap interval over prompts, per-position acceptance, histogram of accepted lengths, "
                     "tokens/s against target-only decoding, and the trainer's estimated tau on the same "
-                    "continuations. Writes OUT/eval.json and OUT/acceptance.png.")
+                    "continuations. Writes OUT/eval.json and OUT/acceptance.png; with --replay-prompts also the "
+                    "draft's acceptance record DRAFT/acceptance.json (for dflash2 check-serving).")
     parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
     add_target_arguments(parser)
     parser.add_argument("--prompts", default=None,
@@ -164,6 +188,9 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                              "at a fraction of the loop's cost (default 0 = off)")
     parser.add_argument("--replay-max-new-tokens", type=int, default=None,
                         help="tokens per replayed prompt (default: --max-new-tokens)")
+    parser.add_argument("--no-acceptance-record", action="store_true",
+                        help="do not write the replay as the draft's acceptance record (default: with "
+                             "--replay-prompts, DRAFT/acceptance.json is written for `dflash2 check-serving`)")
     parser.add_argument("--oracle-top-k", type=int, default=None,
                         help="candidates per position of the T=0 top-k oracle (default: the selector's top_k; "
                              f"{ORACLE_TOP_K} for a DFlash draft)")
@@ -189,8 +216,11 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                       temperatures=args.temperature or [0.0], top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                       samples=args.samples, resamples=args.resamples, llama_cpp=llama_cpp_options(args),
                       oracle_top_k=args.oracle_top_k, replay_prompts=args.replay_prompts,
-                      replay_max_new_tokens=args.replay_max_new_tokens, draft_vocab=args.draft_vocab)
+                      replay_max_new_tokens=args.replay_max_new_tokens, draft_vocab=args.draft_vocab,
+                      acceptance_record=not args.no_acceptance_record)
     print("\n".join(summary_lines(report)))
+    if report.get("acceptance_record"):
+        print(f"acceptance record (for dflash2 check-serving): {report['acceptance_record']}")
     print(f"report: {Path(args.out) / 'eval.json'}  plot: {Path(args.out) / 'acceptance.png'}")
     lossy = [r for blk in report["temperatures"].values() for r in blk["paths"].values() if r["lossless"] is False]
     return 1 if lossy else 0

@@ -8,6 +8,7 @@ starts, same per-anchor acceptance, so the same τ as the sequential loop, with 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,18 +70,25 @@ def greedy_outputs(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens
     return outputs
 
 
-def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                stop_token_ids: Sequence[int] | None = None, batch_size: int = 96, resamples: int = RESAMPLES,
-                seed: int = 0, oracle_top_k: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """τ at T=0 on many more prompts than the loop can afford: the loop's cycles replayed, teacher-forced.
+@dataclass
+class ReplayRun:
+    """The raw T=0 replay: the prompts, the target's greedy outputs and, per path, each prompt's replayed
+    cycle lengths (what :func:`replay_eval` summarises and an acceptance record keeps)."""
 
-    The target decodes every prompt greedily in batches of ``batch_size``
-    (:func:`~dflash2_lightning.target.generate.generate`; SmolLM2-135M on 2 cores: 176 tok/s at 96, 141 at 32,
-    ~15 for one stream), then :func:`teacher_forced` replays the loop along each output:
-    at T=0 the replay is the loop's τ exactly (same cycle starts, same per-anchor acceptance; tested,
-    and every report checks it on the loop's own prompts: ``estimated.replayed_tau``), at a
-    fraction of its cost, so the interval can be narrow. No timings: the loop's figures give the speed.
-    """
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+    lengths: dict[str, list[list[int]]]
+    stop_token_ids: list[int]
+    max_new_tokens: int
+    oracle_top_k: int
+    seconds: dict[str, float]
+
+
+def run_replay(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               stop_token_ids: Sequence[int] | None = None, batch_size: int = 96, oracle_top_k: int | None = None,
+               progress: bool = True) -> ReplayRun:
+    """Decode ``prompts`` greedily with the target (batches of ``batch_size``) and replay the loop's cycles
+    along the outputs (see :func:`replay_eval`); returns the raw :class:`ReplayRun`."""
     import time
 
     from dflash2_lightning.config import ConfigError
@@ -95,12 +103,35 @@ def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]]
     generated = time.perf_counter() - start
     k = oracle_top_k or default_oracle_top_k(draft)
     lengths = replay_lengths(draft, target, prompts, outputs, k, progress)
-    bs = draft.config.block_size
-    return {"temperature": 0.0, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "generated_tokens": sum(len(o) for o in outputs),
-            "stopped_at_eos": sum(bool(o) and o[-1] in stop for o in outputs),
-            "seconds": {"generate": generated, "replay": time.perf_counter() - start - generated},
-            "paths": {x: replay_summary(v, bs, resamples, seed) for x, v in lengths.items() if x != "oracle"},
-            "oracle": {"top_k": k, **replay_summary(lengths["oracle"], bs, resamples, seed)},
+    return ReplayRun([list(p) for p in prompts], outputs, lengths, stop, max_new_tokens, k,
+                     {"generate": generated, "replay": time.perf_counter() - start - generated})
+
+
+def replay_report(run: ReplayRun, block_size: int, resamples: int = RESAMPLES, seed: int = 0) -> dict[str, Any]:
+    """The ``replay`` section of an eval report from a :class:`ReplayRun` (see :func:`replay_eval`)."""
+    stop = run.stop_token_ids
+    return {"temperature": 0.0, "prompts": len(run.prompts), "max_new_tokens": run.max_new_tokens,
+            "generated_tokens": sum(len(o) for o in run.outputs),
+            "stopped_at_eos": sum(bool(o) and o[-1] in stop for o in run.outputs),
+            "seconds": dict(run.seconds),
+            "paths": {x: replay_summary(v, block_size, resamples, seed) for x, v in run.lengths.items()
+                      if x != "oracle"},
+            "oracle": {"top_k": run.oracle_top_k, **replay_summary(run.lengths["oracle"], block_size, resamples, seed)},
             "method": "teacher-forced replay of the loop's cycles along the target's greedy outputs "
                       "(equals the measured tau at T=0)"}
+
+
+def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                stop_token_ids: Sequence[int] | None = None, batch_size: int = 96, resamples: int = RESAMPLES,
+                seed: int = 0, oracle_top_k: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """τ at T=0 on many more prompts than the loop can afford: the loop's cycles replayed, teacher-forced.
+
+    The target decodes every prompt greedily in batches of ``batch_size``
+    (:func:`~dflash2_lightning.target.generate.generate`; SmolLM2-135M on 2 cores: 176 tok/s at 96, 141 at 32,
+    ~15 for one stream), then :func:`teacher_forced` replays the loop along each output:
+    at T=0 the replay is the loop's τ exactly (same cycle starts, same per-anchor acceptance; tested,
+    and every report checks it on the loop's own prompts: ``estimated.replayed_tau``), at a
+    fraction of its cost, so the interval can be narrow. No timings: the loop's figures give the speed.
+    """
+    run = run_replay(draft, target, prompts, max_new_tokens, stop_token_ids, batch_size, oracle_top_k, progress)
+    return replay_report(run, draft.config.block_size, resamples, seed)

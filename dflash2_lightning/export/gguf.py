@@ -27,6 +27,9 @@ selector ``selector_{predecessor,successor,hidden}.weight``. Storage types follo
 1-D tensors, norms and tensors without a ``.weight`` suffix stay F32; the rest take ``outtype``
 (``f32``, ``f16``, ``bf16`` or ``q8_0``; a tensor whose rows do not split into Q8_0 blocks falls back
 to F16, as llama.cpp does).
+
+The draft's acceptance record (``acceptance.json``, :mod:`dflash2_lightning.evaluate.acceptance_record`)
+is copied beside the GGUF as ``<name>.acceptance.json`` when it describes the same weights.
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ def _quantize(data: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any]:
 
 
 def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out: str | os.PathLike,
-                outtype: str = "f32", name: str | None = None) -> Path:
+                outtype: str = "f32", name: str | None = None, record: bool = True) -> Path:
     """Write the llama.cpp ``dflash`` GGUF of a draft checkpoint; returns ``out`` (written atomically).
 
     Args:
@@ -155,6 +158,8 @@ def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, ou
         out: the ``.gguf`` to write.
         outtype: storage type of the matrices: ``f32``, ``f16``, ``bf16`` or ``q8_0``.
         name: ``general.name`` (default: the draft directory's name).
+        record: copy the draft's acceptance record (``acceptance.json``, when it describes these weights)
+            beside the GGUF as ``<out stem>.acceptance.json``, for ``dflash2 check-serving``.
     """
     import gguf
     from safetensors.torch import load_file
@@ -224,6 +229,10 @@ def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, ou
         w.close()
 
     atomic_write(out, write)
+    from dflash2_lightning.evaluate.acceptance_record import copy_beside_gguf, gguf_record_path
+
+    if not record or copy_beside_gguf(draft_dir, out, outtype) is None:
+        gguf_record_path(out).unlink(missing_ok=True)  # a record left there described the GGUF this replaced
     return Path(out)
 
 
@@ -266,6 +275,10 @@ def export_gguf_main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {args.outtype}); serve with: llama-server -m "
           f"<target.gguf> -md {path} --spec-type draft-dflash")
+    from dflash2_lightning.evaluate.acceptance_record import gguf_record_path
+
+    if gguf_record_path(path).is_file():
+        print(f"acceptance record beside it (for dflash2 check-serving --record): {gguf_record_path(path)}")
     return 0
 
 

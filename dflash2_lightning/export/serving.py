@@ -3,8 +3,11 @@
 ``SERVING.md`` holds the exact command lines for vLLM, SGLang and llama.cpp filled in with this
 checkpoint's numbers (``num_speculative_tokens = block_size - 1`` for vLLM, the draft-token count
 ``block_size`` for SGLang, ``--spec-draft-n-max block_size - 1`` for llama.cpp), its paths and dtype,
-and every engine finding (:mod:`dflash2_lightning.export.engines`). ``fit`` writes it at the end; ``serve-help``
-writes it for any checkpoint; ``check`` runs the loader's checks plus the engine checks and writes nothing.
+and every engine finding (:mod:`dflash2_lightning.export.engines`), and says how to check a running deployment
+against the draft's acceptance record (``acceptance.json``, ``dflash2 check-serving``;
+:func:`serving_commands` are also the commands that check recommends). ``fit`` writes it at the end;
+``serve-help`` writes it for any checkpoint; ``check`` runs the loader's checks plus the engine checks and
+writes nothing.
 
 Exit status of both commands: 0 fine, 1 the checkpoint has an error an engine would hit, 2 bad input
 (the checkpoint cannot be read or is refused by the loader; one ``dflash2: error:`` line on stderr).
@@ -21,9 +24,11 @@ from pathlib import Path
 from dflash2_lightning.export.checkpoint import CONFIG_NAME, CheckpointError, read_config_json, verify_checkpoint
 from dflash2_lightning.files import atomic_write_text
 from dflash2_lightning.config import ConfigError, DraftConfig
-from dflash2_lightning.export.engines import SERVED_DTYPES, Finding, TargetInfo, engine_findings
+from dflash2_lightning.export.engines import (LLAMA_CPP, SERVED_DTYPES, SGLANG, VLLM, Finding, TargetInfo,
+                                             engine_findings)
 
 SERVING_NAME = "SERVING.md"
+RECORD_NAME = "acceptance.json"  # the acceptance record (dflash2_lightning.evaluate.acceptance_record)
 
 
 def _q(path: str) -> str:
@@ -36,8 +41,6 @@ def serving_markdown(cfg: DraftConfig, draft_dir: str | Path, target: TargetInfo
     draft = str(Path(draft_dir).resolve())
     n, bs, dtype = cfg.block_size - 1, cfg.block_size, cfg.torch_dtype
     target = target or TargetInfo()
-    # Both GPU engines should run draft and target in the target's dtype (vLLM does it anyway).
-    served = next((d for d in (target.serving_dtype, dtype) if d in SERVED_DTYPES), "auto")
     hf_target = target.path or "TARGET"
     kind = (f"DFlash2 (convolution {cfg.conv_kernel_size} taps, selector rank {cfg.selector_rank}, "
             f"top-k {cfg.selector_top_k})" if cfg.is_dflash2 else "DFlash baseline (no convolution, no selector)")
@@ -60,32 +63,22 @@ def serving_markdown(cfg: DraftConfig, draft_dir: str | Path, target: TargetInfo
     if target.gguf and not target.path:
         lines.append("- vLLM and SGLang serve a Hugging Face directory, not the GGUF this draft was trained "
                      "against: use the target's original model directory as TARGET.")
-    lines += ["", "## vLLM (GPU; method `dflash`, Model Runner V2)", "", "```bash",
-              f"vllm serve {_q(hf_target)} --dtype {served} \\",
-              "  --speculative-config " + _q('{"method": "dflash", "model": "%s", "num_speculative_tokens": %d}'
-                                               % (draft, n)),
-              "```", "",
+    commands = serving_commands(cfg.block_size, cfg.torch_dtype, draft_dir, target)
+    lines += ["", "## vLLM (GPU; method `dflash`, Model Runner V2)", "", "```bash", *commands[VLLM], "```", "",
               f"`num_speculative_tokens` must be {n} (= block_size - 1): vLLM never reads the checkpoint's "
               "block_size and sizes the query block and the convolution from 1 + num_speculative_tokens. "
               "`\"method\": \"dflash\"` is required (only guessed when the path contains \"dflash\"); "
               "do not set `VLLM_USE_V2_MODEL_RUNNER=0` (DFlash2 drafts only run on Model Runner V2). "
               "vLLM does not check that every draft tensor loaded: run `dflash2 check --draft` on a copied "
               "checkpoint first.",
-              "", "## SGLang (GPU)", "", "```bash",
-              f"python -m sglang.launch_server --model-path {_q(hf_target)} --dtype {served} \\",
-              f"  --speculative-algorithm DFLASH --speculative-draft-model-path {_q(draft)} \\",
-              f"  --speculative-num-draft-tokens {bs}",
-              "```", "",
+              "", "## SGLang (GPU)", "", "```bash", *commands[SGLANG], "```", "",
               f"SGLang counts the anchor: its draft-token count is block_size = {bs} (read from "
               "dflash_config.block_size when the flag is omitted; another value re-sizes the convolution with "
               "only a warning). `--dtype` is explicit because `auto` serves a float32 draft as float16 "
               "beside a bf16 target. SGLang skips unknown tensor names silently.",
               "", "## llama.cpp (CPU / edge)", "",
               "Convert the draft to a GGUF next to the target's GGUF, then serve or try it:", "", "```bash",
-              f"dflash2 export-gguf --draft {_q(draft)} --target {_q(target.path or target.gguf or 'TARGET')} "
-              "--out draft.gguf",
-              f"llama-server -m {_q(target.gguf or 'target.gguf')} -md draft.gguf --spec-type draft-dflash "
-              f"--spec-draft-n-max {n}",
+              *commands[LLAMA_CPP],
               f"llama-speculative-simple -m {_q(target.gguf or 'target.gguf')} -md draft.gguf "
               f"--spec-type draft-dflash --spec-draft-n-max {n} -p \"Write a haiku about speculative decoding.\"",
               "```", ""]
@@ -95,6 +88,19 @@ def serving_markdown(cfg: DraftConfig, draft_dir: str | Path, target: TargetInfo
     lines += [f"`--spec-draft-n-max {n}` = block_size - 1; "
               + ("llama.cpp walks the candidate selector (selector_top_k > 0)." if cfg.is_dflash2 else
                  "llama.cpp drafts it as DFlash (argmax per position)."), ""]
+    lines += ["## Checking a running deployment", "",
+              f"`{RECORD_NAME}` beside this checkpoint (and `draft.acceptance.json` beside a GGUF "
+              "`dflash2 export-gguf` writes) is the acceptance record: held-out prompts as token ids, the target's greedy continuation, and "
+              "the accepted drafts per verify step this draft earns at T=0, with the expected tau and its 95% "
+              "interval. `dflash2 eval --replay-prompts N` and the quickstart write it; `dflash2 acceptance-record "
+              f"--draft {_q(draft)} --target TARGET` writes it for any draft.",
+              "",
+              f"`dflash2 check-serving --server http://HOST:PORT --draft {_q(draft)}` sends those prompts at T=0 to "
+              "the running engine, reads the engine's own acceptance counters (llama-server: per-response "
+              "`timings` and, with `--metrics`, `/metrics`; vLLM: `--per-request-spec-decode-metrics summary` or "
+              "its Prometheus `/metrics`; SGLang: per-request `spec_tokens_details`) and says whether the served "
+              "outputs equal the target's and the served tau lies in the expected interval; if not, which and the "
+              "likely causes (exit 0 agree, 1 disagree, 2 could not check; docs/serving-check.md).", ""]
     lines += ["## Checks", ""]
     problems = [f for f in findings if f.level != "note"]  # the notes are the prose above
     lines += [f"- **{f.level}** [{f.engine}] {f.message}" + (f" Fix: {f.fix}" if f.fix else "") for f in problems]
@@ -103,6 +109,31 @@ def serving_markdown(cfg: DraftConfig, draft_dir: str | Path, target: TargetInfo
                                                     " (not checked against a target: pass --target)"))
     lines += ["", "Re-run with `dflash2 check --draft <this directory> --target <target dir>`.", ""]
     return "\n".join(lines)
+
+
+def serving_commands(block_size: int, dtype: str, draft_dir: str | Path,
+                     target: TargetInfo | None = None) -> dict[str, list[str]]:
+    """The exact serving command lines SERVING.md recommends for a draft of ``block_size`` stored in ``dtype``,
+    per engine (``VLLM``, ``SGLANG``, ``LLAMA_CPP``): ``num_speculative_tokens = block_size - 1`` for vLLM,
+    the draft-token count ``block_size`` for SGLang, ``--spec-draft-n-max block_size - 1`` for llama.cpp."""
+    draft = str(Path(draft_dir).resolve())
+    n, bs = block_size - 1, block_size
+    target = target or TargetInfo()
+    # Both GPU engines should run draft and target in the target's dtype (vLLM does it anyway).
+    served = next((d for d in (target.serving_dtype, dtype) if d in SERVED_DTYPES), "auto")
+    hf_target = target.path or "TARGET"
+    return {
+        VLLM: [f"vllm serve {_q(hf_target)} --dtype {served} \\",
+               "  --speculative-config " + _q('{"method": "dflash", "model": "%s", "num_speculative_tokens": %d}'
+                                                % (draft, n))],
+        SGLANG: [f"python -m sglang.launch_server --model-path {_q(hf_target)} --dtype {served} \\",
+                 f"  --speculative-algorithm DFLASH --speculative-draft-model-path {_q(draft)} \\",
+                 f"  --speculative-num-draft-tokens {bs}"],
+        LLAMA_CPP: [f"dflash2 export-gguf --draft {_q(draft)} --target {_q(target.path or target.gguf or 'TARGET')} "
+                    "--out draft.gguf",
+                    f"llama-server -m {_q(target.gguf or 'target.gguf')} -md draft.gguf --spec-type draft-dflash "
+                    f"--spec-draft-n-max {n} --metrics"],
+    }
 
 
 def write_serving(directory: str | Path, cfg: DraftConfig, target: TargetInfo | None = None,

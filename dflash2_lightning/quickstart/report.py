@@ -84,6 +84,19 @@ def last_validation(metrics_csv: Path) -> dict[str, float]:
     return values
 
 
+def serving_check_line(result: dict[str, Any]) -> str:
+    """One line: the served τ beside the expected one with its interval, and the verdict."""
+    if "error" in result:
+        return f"check-serving could not run: {result['error']}"
+    served, e = result.get("served") or {}, result["expected"]
+    lo, hi = e["interval"]
+    tau = f"{served['tau']:.2f}" if served.get("tau") is not None else "-"
+    iv = f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""
+    return (f"check-serving ({result['engine']}, target {Path(result['target_gguf']).name}): served tau {tau} vs "
+            f"expected {e['tau']:.2f}{iv} on {e['prompts']} prompts, outputs {result['outputs_equal']}/{e['prompts']} "
+            f"equal: {'agree' if result['agree'] else 'DISAGREE (' + result['problems'][0]['message'] + ')'}")
+
+
 def summary_text(s: dict[str, Any]) -> str:
     """The human-readable summary of a finished quickstart (from the ``summary.json`` dict)."""
     r, a = s["eval"], s["artifacts"]
@@ -120,6 +133,8 @@ def summary_text(s: dict[str, Any]) -> str:
         from dflash2_lightning.evaluate.llama_cpp import summary_line
 
         lines.append("  " + summary_line(r["llama.cpp"]))
+    if s.get("serving_check"):
+        lines.append("  " + serving_check_line(s["serving_check"]))
     timing = ", ".join(f"{k} {format_seconds(v['seconds'])}{'*' if v['reused'] else ''}"
                        for k, v in s["timings"].items())
     lines.append(f"  time: {timing}; total {format_seconds(s['total_seconds'])}"

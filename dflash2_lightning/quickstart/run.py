@@ -14,7 +14,10 @@ The default job trains a one-layer DFlash2 draft for SmolLM2-135M-Instruct (the 
                  4x the held-out prompts, for a narrow interval                      (dflash2 eval)
                    -> OUT/eval/{eval.json, acceptance.png}
 
-then a summary (also written to ``OUT/summary.json`` with the time of every step).
+then the draft's acceptance record (``OUT/train/hf/acceptance.json``, from the replay) and, when llama.cpp
+is built and the target is a GGUF, ``dflash2 check-serving`` against ``llama-server`` serving the draft as
+SERVING.md says (``OUT/eval/serving-check.json``: served τ beside the expected one); then a summary (also
+written to ``OUT/summary.json`` with the time of every step).
 
 The training settings are ``configs/quickstart.yaml``, a plain LightningCLI config: the quickstart
 writes the config it actually runs to ``OUT/fit.yaml`` (the same file with the target, the data file
@@ -45,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_lightning.quickstart.config import QuickstartError, find_config, fit_config, uses_bf16, write_yaml
-from dflash2_lightning.quickstart.report import Reporter, last_validation, summary_text
+from dflash2_lightning.quickstart.report import Reporter, last_validation, serving_check_line, summary_text
 from dflash2_lightning.threads import fast_bf16_matmuls, load_average
 
 DEFAULT_OUT = "runs/quickstart"
@@ -79,6 +82,11 @@ class QuickstartOptions:
         eval_replay_prompts, eval_replay_max_new_tokens: the T=0 replay on more held-out prompts
             (``dflash2 eval --replay-prompts/--replay-max-new-tokens``): the τ the loop measures, on enough
             tokens for a ~±0.04 interval (48 prompts), at a fraction of the loop's cost (0 prompts: off).
+            The replay is also the draft's acceptance record (``hf/acceptance.json``; with no replay a
+            record of 8 prompts x 64 tokens is made).
+        check_serving, check_prompts: when llama.cpp is built and the target is a GGUF, serve the draft with
+            ``llama-server`` beside the target's f32 GGUF as SERVING.md says and run ``dflash2 check-serving``
+            on the record's first ``check_prompts`` prompts; the summary shows the served τ beside the expected.
         max_steps: override ``trainer.max_steps`` (validation is moved to fit inside it).
         overrides: ``key.path=value`` settings applied to the config (value parsed as YAML).
         overwrite: redo every step (the target conversion and the feature cache are content-keyed).
@@ -107,6 +115,10 @@ class QuickstartOptions:
     # (all 96: ~±0.03 in ~95 s; the loop's 12 x 48: ~±0.09). Sized to keep the quickstart's time margin.
     eval_replay_prompts: int = 48
     eval_replay_max_new_tokens: int = 96
+    # dflash2 check-serving against llama-server on the first 4 prompts of the acceptance record (the replay's
+    # 96-token continuations): ~400 tokens through llama.cpp, when llama.cpp is built and the target is a GGUF.
+    check_serving: bool = True
+    check_prompts: int = 4
     max_steps: int | None = None
     overrides: list[str] = field(default_factory=list)
     overwrite: bool = False
@@ -115,7 +127,7 @@ class QuickstartOptions:
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "regen_batch_size", "eval_prompts", "eval_max_new_tokens",
-                     "eval_samples", "eval_replay_max_new_tokens"):
+                     "eval_samples", "eval_replay_max_new_tokens", "check_prompts"):
             value = getattr(self, name)
             if value < 1:
                 raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
@@ -380,6 +392,77 @@ def _llama_cpp_options(target: Any) -> dict[str, Any] | None:
     return {"target_gguf": "shipped", "threads": 2}
 
 
+def ensure_record(rep: Reporter, target: Any, hf_dir: Path) -> Path:
+    """The draft's acceptance record: the one the evaluation's replay wrote, or (no replay, or a record of
+    other weights) a new one on the default 8 held-out prompts x 64 tokens."""
+    from dflash2_lightning.evaluate.acceptance_record import (RECORD_NAME, RecordError, make_record, read_record,
+                                                              summary_line, weights_digest, write_record)
+
+    path = hf_dir / RECORD_NAME
+    try:
+        record = read_record(path)
+        if record["draft"].get("weights_sha256") == weights_digest(hf_dir):
+            rep.say(f"  {summary_line(record, path)}")
+            return path
+    except RecordError:
+        pass
+    record = make_record(hf_dir, target)
+    path = write_record(record, path)
+    rep.say(f"  {summary_line(record, path)}")
+    return path
+
+
+def serving_check(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf_dir: Path,
+                  record_file: Path, stamps: Stamps) -> dict[str, Any] | None:
+    """``dflash2 check-serving`` against ``llama-server`` serving the draft beside the target's f32 GGUF (the
+    very weights the record was made with) as SERVING.md says: ``--spec-draft-n-max block_size - 1 --metrics``.
+
+    Runs when ``opts.check_serving`` is set and the quickstart measures in llama.cpp (llama.cpp built, a GGUF
+    target); reused when the draft, the record and the prompt count are unchanged. Returns the verdict (also in
+    ``OUT/eval/serving-check.json``), or None when it does not run; a check that cannot run is reported, not raised.
+    """
+    from dflash2_lightning.evaluate.acceptance_record import read_record
+    from dflash2_lightning.evaluate.check_serving import check_serving, verdict_lines
+    from dflash2_lightning.evaluate.engine_counters import EngineError
+    from dflash2_lightning.export.gguf import export_gguf
+    from dflash2_lightning.export.llama_cpp import LlamaCppError, serve, target_gguf
+    from dflash2_lightning.files import atomic_write_text
+
+    if not opts.check_serving or _llama_cpp_options(target) is None:
+        return None
+    result_path = out / "eval" / "serving-check.json"
+    settings = {"draft": file_digest(hf_dir / "model.safetensors"), "record": file_digest(record_file),
+                "prompts": opts.check_prompts}
+    if stamps.matches("check", settings) and result_path.is_file() and not opts.overwrite:
+        result = json.loads(result_path.read_text())
+        rep.say(f"  {serving_check_line(result)} (reused)")
+        return result
+    stamps.clear("check")
+    record = read_record(record_file)
+    work = out / "eval" / "serving-check"
+    try:
+        model = target_gguf(target.spec, "f32")
+        draft_gguf = export_gguf(hf_dir, model, work / "draft-f32.gguf")
+        prompts = record["prompts"][:opts.check_prompts]
+        ctx = max(len(p["prompt_ids"]) for p in prompts) + int(record["max_new_tokens"]) + 64
+        n = int(record["draft"]["block_size"]) - 1
+        with serve(model, draft_gguf, threads=2, ctx_size=ctx, extra=["--spec-draft-n-max", str(n), "--metrics"],
+                   log_dir=work) as server:
+            verdict = check_serving(server.url, record, max_prompts=opts.check_prompts)
+    except (LlamaCppError, EngineError) as error:
+        rep.say(f"  check-serving could not run: {error}")
+        return {"error": str(error)}
+    result = {**verdict.to_json(), "target_gguf": str(model), "draft_gguf": str(draft_gguf),
+              "lines": verdict_lines(verdict)}
+    work.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(result_path, json.dumps(result, indent=2) + "\n")
+    stamps.write("check", settings)
+    rep.say(f"  {serving_check_line(result)}")
+    if not result["agree"]:
+        rep.say("\n".join("    " + line for line in result["lines"][1:]))
+    return result
+
+
 def _spec_fields(spec: Any) -> dict[str, Any]:
     """The fields of a TargetSpec that differ from the defaults (``{"tiny": {}}``, not six keys)."""
     from dflash2_lightning.target.spec import TargetSpec
@@ -447,6 +530,8 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     vocab = make_draft_vocab(hf_dir, responses, target)
     rep.say(f"  drafting vocabulary: {json.loads(vocab.read_text())['source']} -> {vocab}")
     report, eval_dir = step_eval(rep, opts, out, target, hf_dir, stamps)
+    record_file = ensure_record(rep, target, hf_dir)
+    check = serving_check(rep, opts, out, target, hf_dir, record_file, stamps)
 
     draft = load_draft(hf_dir)
     summary = {
@@ -462,6 +547,7 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
                            if k.endswith("/tau") and k.count("/") == 2},
         "eval": {k: report[k] for k in ("prompts", "generated_tokens", "target_only", "paths", "temperatures",
                                         "replay") if k in report},
+        "serving_check": {k: v for k, v in check.items() if k != "lines"} if check is not None else None,
         "timings": rep.timings,
         "total_seconds": round(time.perf_counter() - started, 1),
         "machine": {"cpus": os.cpu_count(), "load_average_start": load_before, "load_average_end": load_average(),
@@ -472,6 +558,8 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
             "training acceptance plot": str(run_dir / "acceptance.png"),
             "tensorboard": str(run_dir / "tensorboard"),
             "eval report": str(eval_dir / "eval.json"),
+            "acceptance record": str(record_file),
+            **({"serving check": str(eval_dir / "serving-check.json")} if check and "error" not in check else {}),
             "eval plot": str(eval_dir / "acceptance.png"),
             "responses": str(out / "data" / "responses.jsonl"),
             "feature cache": str(cache) if cache is not None else "(online mode: none)",
@@ -534,6 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"than the loop can afford; default {d.eval_replay_prompts}, 0 = off)")
     p.add_argument("--eval-replay-max-new-tokens", type=int, default=d.eval_replay_max_new_tokens,
                    help=f"tokens per replayed prompt (default {d.eval_replay_max_new_tokens})")
+    p.add_argument("--no-check-serving", dest="check_serving", action="store_false",
+                   help="skip dflash2 check-serving against llama-server (run when llama.cpp is built and the target "
+                        "is a GGUF)")
+    p.add_argument("--check-prompts", type=int, default=d.check_prompts,
+                   help="acceptance-record prompts sent to llama-server by the serving check "
+                        f"(default {d.check_prompts})")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry, e.g. --set data.init_args.batch_size=4 (repeatable)")
@@ -560,7 +654,8 @@ def quickstart_main(argv: Sequence[str] | None = None) -> int:
         **({"eval_temperatures": args.eval_temperature} if args.eval_temperature else {}),
         eval_top_p=args.eval_top_p, eval_top_k=args.eval_top_k, eval_samples=args.eval_samples,
         eval_seed=args.eval_seed, eval_replay_prompts=args.eval_replay_prompts,
-        eval_replay_max_new_tokens=args.eval_replay_max_new_tokens, max_steps=args.max_steps, overrides=args.overrides,
+        eval_replay_max_new_tokens=args.eval_replay_max_new_tokens, check_serving=args.check_serving,
+        check_prompts=args.check_prompts, max_steps=args.max_steps, overrides=args.overrides,
         overwrite=args.overwrite, progress=not args.no_progress,
         threads=None if args.threads == "auto" else int(args.threads))
     summary = run_quickstart(opts)

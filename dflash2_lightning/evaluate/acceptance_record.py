@@ -1,0 +1,276 @@
+"""The acceptance record: what a served drafter must achieve, kept beside the exported draft.
+
+``acceptance.json`` (format :data:`RECORD_FORMAT`) holds, for a handful of held-out prompts (the shipped
+evaluation prompts, or the user's):
+
+- each prompt's token ids, rendered with the target tokenizer's chat template exactly as training and
+  ``dflash2 eval`` render it (an engine is sent these ids, so no server-side template is involved);
+- the target's greedy continuation (token ids, and its text as the engines return it: special tokens
+  and the final stop token left out, no clean-up of spaces);
+- the drafter's accepted drafted tokens at every verify step of the T=0 speculative loop along that
+  continuation (the replay of :mod:`dflash2_lightning.evaluate.replay`, which equals the loop's), so
+  per prompt the expected accepted count and verify steps;
+- the expected τ = 1 + accepted / steps over those prompts with its 95% bootstrap interval over prompts
+  (:mod:`dflash2_lightning.evaluate.intervals`), and ``accept_k``.
+
+The path is the one the engines decode with: the selector walk for DFlash2, the backbone argmax for
+DFlash. ``dflash2 check-serving`` (:mod:`dflash2_lightning.evaluate.check_serving`) sends the prompts
+to a running engine and compares what it serves and accepts with this record.
+
+Written by ``dflash2 acceptance-record`` (any draft), ``dflash2 eval --replay-prompts N`` (from the
+replay it runs anyway) and the quickstart; ``dflash2 export-gguf`` copies it beside the GGUF
+(``<gguf stem>.acceptance.json``). Small (a few kB for the default 8 prompts x 64 tokens), written
+atomically. The format string changes when a field changes meaning; readers refuse other formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash2_lightning.errors import UserError
+
+RECORD_FORMAT = "dflash2-acceptance-record/1"
+RECORD_NAME = "acceptance.json"
+GGUF_RECORD_SUFFIX = ".acceptance.json"
+DEFAULT_PROMPTS = 8
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+class RecordError(UserError, ValueError):
+    """An acceptance record is missing, unreadable, of another format, or inconsistent."""
+
+
+def served_path(is_dflash2: bool) -> str:
+    """The decoding path every engine serves: ``"selector"`` (DFlash2's walk) or ``"backbone"`` (DFlash)."""
+    return "selector" if is_dflash2 else "backbone"
+
+
+def weights_digest(draft_dir: str | os.PathLike) -> str:
+    """sha256 of the draft's ``model.safetensors`` (which weights the record describes)."""
+    from dflash2_lightning.export.checkpoint import WEIGHTS_NAME
+
+    h = hashlib.sha256()
+    with open(Path(draft_dir) / WEIGHTS_NAME, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def continuation_text(tokenizer: Any, continuation: Sequence[int], stop: Sequence[int]) -> str:
+    """The text an engine returns for ``continuation``: the final stop token and special tokens left out,
+    spaces not cleaned up (what vLLM, SGLang and llama-server detokenize to)."""
+    ids = list(continuation)
+    if ids and ids[-1] in stop:
+        ids = ids[:-1]
+    return str(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+
+def _target_entry(target: Any) -> dict[str, Any]:
+    from dflash2_lightning.export.engines import TargetInfo
+
+    spec = getattr(target, "spec", None)
+    info = TargetInfo.from_target(target) if spec is not None else TargetInfo()
+    return {"spec": json.loads(spec.key()) if spec is not None else None, "path": info.path, "gguf": info.gguf,
+            "dtype": str(getattr(target, "dtype", "")).removeprefix("torch.") or None,
+            "serving_dtype": info.serving_dtype, "vocab_size": getattr(target, "vocab_size", None)}
+
+
+def record_from_replay(run: Any, draft_dir: str | os.PathLike, target: Any, source: str,
+                       resamples: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """The record of a finished :class:`~dflash2_lightning.evaluate.replay.ReplayRun` of the draft in ``draft_dir``.
+
+    ``source`` says where the prompts came from (a file, and which of its prompts); ``resamples`` and
+    ``seed`` are the bootstrap's (default :data:`~dflash2_lightning.evaluate.intervals.RESAMPLES`, 0).
+    """
+    from dflash2_lightning.evaluate.intervals import LEVEL, RESAMPLES
+    from dflash2_lightning.export.checkpoint import load_config
+
+    cfg = load_config(draft_dir)
+    path = served_path(cfg.is_dflash2)
+    lengths = run.lengths[path]
+    stop = list(run.stop_token_ids)
+    prompts = [{"prompt_ids": list(p), "continuation_ids": list(o),
+                "continuation_text": continuation_text(target.tokenizer, o, stop),
+                "stopped": bool(o) and o[-1] in stop, "accepted_per_step": list(c)}
+               for p, o, c in zip(run.prompts, run.outputs, lengths)]
+    record: dict[str, Any] = {
+        "format": RECORD_FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "draft": {"dir": str(Path(draft_dir).resolve()), "architecture": cfg.architecture,
+                  "block_size": cfg.block_size, "torch_dtype": cfg.torch_dtype,
+                  "weights_sha256": weights_digest(draft_dir)},
+        "target": _target_entry(target),
+        "path": path, "temperature": 0.0, "max_new_tokens": run.max_new_tokens, "stop_token_ids": stop,
+        "prompts_source": source,
+        "bootstrap": {"resamples": resamples or RESAMPLES, "seed": seed, "level": LEVEL, "unit": "prompt"},
+        "method": "the T=0 speculative loop replayed along the target's greedy continuation (teacher-forced; "
+                  "equals the loop's accepted counts); tau = 1 + accepted / verify steps, untruncated steps",
+        "prompts": prompts,
+    }
+    record["expected"] = expected(record)
+    return record
+
+
+def expected(record: dict[str, Any], count: int | None = None) -> dict[str, Any]:
+    """τ, ``accept_k``, the 95% interval and per-prompt accepted counts / steps over the first ``count``
+    prompts of ``record`` (all by default): recomputed, so a check on fewer prompts gets their interval."""
+    from dflash2_lightning.evaluate.replay import replay_summary
+
+    prompts = record["prompts"][:count] if count is not None else record["prompts"]
+    boot = record.get("bootstrap") or {}
+    summary = replay_summary([p["accepted_per_step"] for p in prompts], int(record["draft"]["block_size"]),
+                             **({"resamples": boot["resamples"]} if "resamples" in boot else {}),
+                             seed=int(boot.get("seed", 0)))
+    return {"prompts": len(prompts), "tau": summary["tau"], "interval": summary["interval"],
+            "level": boot.get("level", 0.95), "accept": summary["accept"], "accepted": summary["accepted"],
+            "steps": summary["cycles"], "per_prompt_accepted": summary["per_prompt_accepted"],
+            "per_prompt_steps": summary["per_prompt_cycles"]}
+
+
+def make_record(draft_dir: str | os.PathLike, target: Any, prompts_file: str | os.PathLike | None = None,
+                num_prompts: int = DEFAULT_PROMPTS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                resamples: int | None = None, seed: int = 0, progress: bool = False) -> dict[str, Any]:
+    """Run the T=0 replay of the draft in ``draft_dir`` on the first ``num_prompts`` prompts of
+    ``prompts_file`` (default: the shipped evaluation prompts) and return its record.
+
+    ``target``: a loaded :class:`~dflash2_lightning.target.target.Target` or its spec (loaded here).
+    Cost: the target's batched greedy decoding of ``num_prompts x max_new_tokens`` tokens plus one
+    teacher-forced pass per prompt (SmolLM2-135M on 2 cores: ~10 s for the default 8 x 64).
+    """
+    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.evaluate.replay import run_replay
+    from dflash2_lightning.export.checkpoint import load_draft
+    from dflash2_lightning.target.load import load_target
+
+    for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
+        if value < 1:
+            raise ConfigError(f"{name}={value} is invalid: must be >= 1")
+    prompts_file = Path(prompts_file) if prompts_file is not None else EVAL_PROMPTS
+    chats = read_prompts(prompts_file, num_prompts)
+    draft = load_draft(draft_dir)
+    target = target if hasattr(target, "hf") else load_target(target)
+    prompts = [encode_prompt(target.tokenizer, m) for m in chats]
+    run = run_replay(draft, target, prompts, max_new_tokens, progress=progress)
+    source = ("the shipped evaluation prompts" if prompts_file == EVAL_PROMPTS else str(prompts_file)) + \
+        f", first {len(prompts)}"
+    return record_from_replay(run, draft_dir, target, source, resamples, seed)
+
+
+def write_record(record: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``record`` as JSON to ``path`` atomically (a directory: ``<path>/acceptance.json``)."""
+    from dflash2_lightning.files import atomic_write_text
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / RECORD_NAME
+    atomic_write_text(path, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
+def record_path(where: str | os.PathLike) -> Path:
+    """The record of a draft directory (``<dir>/acceptance.json``) or a record file itself."""
+    where = Path(where).expanduser()
+    return where / RECORD_NAME if where.is_dir() else where
+
+
+def read_record(where: str | os.PathLike) -> dict[str, Any]:
+    """The record of a draft directory or file, checked (format, fields, per-prompt consistency).
+
+    Raises :class:`RecordError` saying what is missing and how to write one.
+    """
+    path = record_path(where)
+    if not path.is_file():
+        raise RecordError(f"no acceptance record at {path}: write one with `dflash2 acceptance-record --draft "
+                          f"{path.parent if path.name == RECORD_NAME else 'DIR'} --target TARGET` (or `dflash2 eval "
+                          "--replay-prompts N`, which writes it into the draft directory)")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RecordError(f"{path} is not valid JSON ({error}): truncated? write it again") from None
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise RecordError(f"{path} has format {found!r}, not {RECORD_FORMAT!r}: write it again with this version "
+                          "(`dflash2 acceptance-record`)")
+    for key in ("draft", "prompts", "max_new_tokens", "stop_token_ids", "path"):
+        if key not in record:
+            raise RecordError(f"{path} lacks {key!r}: write it again (`dflash2 acceptance-record`)")
+    prompts = record["prompts"]
+    if not isinstance(prompts, list) or not prompts:
+        raise RecordError(f"{path} holds no prompts: write it again with --num-prompts >= 1")
+    for i, p in enumerate(prompts):
+        missing = [k for k in ("prompt_ids", "continuation_ids", "continuation_text", "accepted_per_step")
+                   if k not in p]
+        if missing:
+            raise RecordError(f"{path}: prompt {i} lacks {missing}: write the record again")
+    return record
+
+
+def gguf_record_path(gguf: str | os.PathLike) -> Path:
+    """Where the record of a GGUF lives: ``draft.gguf`` -> ``draft.acceptance.json`` beside it."""
+    gguf = Path(gguf)
+    return gguf.with_name(gguf.stem + GGUF_RECORD_SUFFIX)
+
+
+def copy_beside_gguf(draft_dir: str | os.PathLike, gguf: str | os.PathLike, outtype: str) -> Path | None:
+    """Copy the draft directory's record beside its GGUF (noting which GGUF); None if the draft has none.
+
+    The copy is for the same weights only: a record whose ``weights_sha256`` is not the draft's is not copied.
+    """
+    source = Path(draft_dir) / RECORD_NAME
+    if not source.is_file():
+        return None
+    try:
+        record = read_record(source)
+    except RecordError:  # an unreadable record is not copied; check-serving says so when it is used
+        return None
+    if record["draft"].get("weights_sha256") != weights_digest(draft_dir):
+        return None
+    record["gguf"] = {"file": Path(gguf).name, "outtype": outtype}
+    return write_record(record, gguf_record_path(gguf))
+
+
+def summary_line(record: dict[str, Any], path: str | os.PathLike | None = None) -> str:
+    """One line: the expected τ with its interval, prompts and tokens (and where the record is)."""
+    e = record["expected"]
+    lo, hi = e["interval"]
+    tokens = sum(len(p["continuation_ids"]) for p in record["prompts"])
+    iv = f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""
+    return (f"acceptance record: expected tau {e['tau']:.2f}{iv} ({record['path']}, T=0) on {e['prompts']} prompts, "
+            f"{tokens} tokens" + (f" -> {path}" if path is not None else ""))
+
+
+def record_main(argv: Sequence[str] | None = None) -> int:
+    """``dflash2 acceptance-record --draft DIR --target T``: write ``DIR/acceptance.json``."""
+    from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
+
+    parser = argparse.ArgumentParser(
+        prog="dflash2 acceptance-record",
+        description="Write the draft's acceptance record (DRAFT/acceptance.json): held-out prompts as token ids, "
+                    "the target's greedy continuation, and the accepted drafted tokens per verify step the draft "
+                    "earns at T=0 (the speculative loop replayed along that continuation), with the expected tau "
+                    "and its 95% bootstrap interval over prompts. `dflash2 check-serving` compares a running engine "
+                    "with it; `dflash2 export-gguf` copies it beside the GGUF.")
+    parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
+    add_target_arguments(parser)
+    parser.add_argument("--prompts", default=None,
+                        help="chat jsonl of held-out prompts (default: the shipped evaluation prompts)")
+    parser.add_argument("--num-prompts", type=int, default=DEFAULT_PROMPTS,
+                        help=f"how many of them, from the first (default {DEFAULT_PROMPTS})")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                        help=f"greedy continuation length per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--out", default=None, help="where to write it (default DRAFT/acceptance.json)")
+    parser.add_argument("--progress", action="store_true", help="show the replay's progress bar")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    record = make_record(args.draft, target_spec_from_args(args), args.prompts, args.num_prompts,
+                         args.max_new_tokens, progress=args.progress)
+    path = write_record(record, args.out or Path(args.draft) / RECORD_NAME)
+    print(summary_line(record, path))
+    return 0

@@ -1,0 +1,310 @@
+"""`dflash2 check-serving`: the engines' counters read from their real formats, and the verdicts.
+
+The engines here are stand-ins (tests/serving_fakes.py) answering field by field as vLLM 0.33.0, SGLang 0.5.23
+and llama-server 11434 do (each format's source file is cited there); the real llama-server is checked in
+tests/test_check_serving_llama_cpp.py. The record is synthetic (the record itself is tested in
+tests/test_acceptance_record.py): what is checked here is reading, comparing and naming causes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from dflash2_lightning import cli
+from dflash2_lightning.evaluate.acceptance_record import RECORD_FORMAT, expected, write_record
+from dflash2_lightning.evaluate.check_serving import check_serving, compare_output, likely_causes
+from dflash2_lightning.evaluate.engine_counters import (LLAMA_CPP, SGLANG, VLLM, Counts, EngineError,
+                                                        Served as ServedOutput,
+                                                        metrics_counts, parse_prometheus, read_completion, total)
+from serving_fakes import (FakeEngine, Served, behaviour_of, llama_cpp_completion, llama_cpp_metrics,
+                           sglang_completion, vllm_completion, vllm_metrics)
+
+BLOCK = 4
+
+
+def synthetic_record(prompts: int = 6, steps: int = 20, seed: int = 0) -> dict:
+    """A valid record: block 4, stop id 0, per prompt a token-id prompt, a continuation and accepted drafts
+    per verify step drawn around tau ~1.8."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(prompts):
+        accepted = [rng.choice([0, 0, 1, 1, 2, 3]) for _ in range(steps)]
+        length = 1 + sum(a + 1 for a in accepted)
+        ids = [rng.randrange(5, 500) for _ in range(length)]
+        items.append({"prompt_ids": [1, 2, 3 + i], "continuation_ids": ids,
+                      "continuation_text": " ".join(f"w{t}" for t in ids), "stopped": False,
+                      "accepted_per_step": accepted})
+    record = {"format": RECORD_FORMAT, "draft": {"dir": "/drafts/mine", "architecture": "DFlash2DraftModel",
+                                                 "block_size": BLOCK, "torch_dtype": "bfloat16",
+                                                 "weights_sha256": "0" * 64},
+              "target": {"spec": None, "path": "/models/target", "gguf": None, "serving_dtype": "bfloat16"},
+              "path": "selector", "temperature": 0.0, "max_new_tokens": max(len(p["continuation_ids"]) for p in items),
+              "stop_token_ids": [0], "prompts_source": "test", "prompts": items,
+              "bootstrap": {"resamples": 400, "seed": 0, "level": 0.95, "unit": "prompt"}}
+    record["expected"] = expected(record)
+    return record
+
+
+@pytest.fixture
+def record() -> dict:
+    return synthetic_record()
+
+
+def fake(engine: str, record: dict, **behaviour) -> FakeEngine:
+    opts = {k: behaviour.pop(k) for k in ("per_request", "metrics") if k in behaviour}
+    return FakeEngine(engine, [p["prompt_ids"] for p in record["prompts"]], behaviour_of(record, **behaviour), **opts)
+
+
+def run_cli(capsys, record: dict, tmp_path, server: Served, *extra: str) -> tuple[int, str, str]:
+    draft = tmp_path / "draft"
+    draft.mkdir(exist_ok=True)
+    write_record(record, draft)
+    code = cli.main(["check-serving", "--server", server.url, "--draft", str(draft), *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ----------------------------------------------------------------------------- readers, on the engines' text
+# vLLM 0.33.0 with two data-parallel engines: the counters of SpecDecodingProm (vllm/v1/spec_decode/metrics.py),
+# labels ["model_name", "engine"] (+ "position") from vllm/v1/metrics/loggers.py, as prometheus_client 0.26's
+# generate_latest writes a Counter (exposition.py: "_total" sample, labels sorted, then the "_created" gauge).
+VLLM_METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="Qwen/Qwen3-8B"} 120.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="Qwen/Qwen3-8B"} 80.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="Qwen/Qwen3-8B"} 1.7963107e+09
+vllm:spec_decode_num_drafts_created{engine="1",model_name="Qwen/Qwen3-8B"} 1.7963107e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="Qwen/Qwen3-8B"} 840.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="Qwen/Qwen3-8B"} 560.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="Qwen/Qwen3-8B"} 300.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="Qwen/Qwen3-8B"} 200.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+""" + "".join(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{e}",model_name="Qwen/Qwen3-8B",'
+              f'position="{k}"}} {v}\n' for e in (0, 1) for k, v in enumerate([50.0, 30.0, 20.0, 10.0, 5.0, 3.0, 2.0]))
+
+# llama-server 11434 with --metrics: server_task_result_metrics::to_metrics (tools/server/server-task.cpp), values
+# printed by a C++ stream (integers without a decimal point), the per-position counter last.
+LLAMA_CPP_METRICS = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 212
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 183
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted by the target model
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 37
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total 61
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 0
+# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position
+# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 24
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 9
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 4
+"""
+
+
+def test_vllm_prometheus_counters_are_summed_over_engines_and_the_width_is_the_positions():
+    c = metrics_counts(VLLM, VLLM_METRICS)
+    assert (c.steps, c.drafted, c.accepted, c.width) == (200.0, 1400.0, 500.0, 7)
+    assert c.accepted_per_position == (100.0, 60.0, 40.0, 20.0, 10.0, 6.0, 4.0)
+    assert c.tau == pytest.approx(3.5) and c.drafted_per_step == 7.0
+    assert metrics_counts(LLAMA_CPP, VLLM_METRICS) is None  # another engine's names
+    # the builder of the fake engine writes the same text
+    assert metrics_counts(VLLM, vllm_metrics("Qwen/Qwen3-8B", 200, 1400, 500, [100, 60, 40, 20, 10, 6, 4], 2)) == c
+
+
+def test_llama_cpp_metrics_and_timings():
+    c = metrics_counts(LLAMA_CPP, LLAMA_CPP_METRICS)
+    assert (c.steps, c.drafted, c.accepted, c.width, c.accepted_per_position) == (61, 183, 37, 3, (24, 9, 4))
+    assert metrics_counts(LLAMA_CPP, llama_cpp_metrics(61, 183, 37, [24, 9, 4])) == c  # the fake engine's text
+    assert metrics_counts(LLAMA_CPP, LLAMA_CPP_METRICS.split("# HELP llamacpp:spec")[0]) is None
+    assert parse_prometheus(LLAMA_CPP_METRICS)[0] == ("llamacpp:prompt_tokens_total", {}, 212.0)
+    served = read_completion(LLAMA_CPP, llama_cpp_completion("m", "Paris.", 33, 60, 12))
+    assert served.text == "Paris." and served.token_ids is None
+    # without /metrics the steps follow from the timings: 33 tokens = the first + 12 accepted + one per step
+    assert (served.counts.drafted, served.counts.accepted, served.counts.steps) == (60, 12, 20)
+    assert served.counts.steps_estimated
+    plain = read_completion(LLAMA_CPP, llama_cpp_completion("m", "Paris.", 33, 0, 0))  # no draft_n: no drafts
+    assert plain.counts.drafted == 0
+
+
+def test_vllm_per_request_metrics_and_token_ids():
+    body = vllm_completion("m", "a b", [7, 8, 9, 10, 11], [2, 0, 1], num_spec_tokens=3)
+    served = read_completion(VLLM, json.loads(json.dumps(body)))
+    assert served.token_ids == [7, 8, 9, 10, 11]
+    c = served.counts
+    assert (c.steps, c.accepted, c.drafted, c.width) == (3, 3, 9, 3) and c.accepted_per_position == (2, 1, 0)
+    assert read_completion(VLLM, vllm_completion("m", "a", [7], None, 3)).counts is None  # metrics off
+
+
+def test_sglang_spec_tokens_details():
+    body = sglang_completion("m", "a b", [7, 8, 9, 10, 11, 12], [2, 0, 1], num_draft_tokens=4)
+    served = read_completion(SGLANG, json.loads(json.dumps(body)))
+    c = served.counts
+    assert (c.steps, c.accepted, c.drafted, c.width) == (3, 3, 9, 3) and c.accepted_per_position == (2, 1, 0)
+    assert served.token_ids == [7, 8, 9, 10, 11, 12]
+    assert read_completion(SGLANG, sglang_completion("m", "a", [7], None, 4)).counts is None  # not speculated
+
+
+def test_counts_subtract_and_add():
+    a = Counts(10, 4, 5, 3, (3, 1, 0))
+    b = Counts(25, 9, 10, 3, (6, 2, 1))
+    assert b - a == Counts(15, 5, 5, 3, (3, 1, 1))
+    assert total([a, b]) == Counts(35, 13, 15, 3, (9, 3, 1))
+
+
+def test_outputs_are_compared_by_ids_when_given_else_text():
+    p = {"continuation_ids": [5, 6, 7, 0], "continuation_text": "five six seven"}
+    assert compare_output(ServedOutput("x", token_ids=[5, 6, 7]), p, [0]) is None  # the stop token aside
+    assert compare_output(ServedOutput("x", token_ids=[5, 6, 8, 9]), p, [0]) == "token 2 of 3"
+    assert compare_output(ServedOutput("x", token_ids=[5, 6]), p, [0]) == "token 2 of 3 (the engine stopped early)"
+    assert compare_output(ServedOutput("five six seven"), p, [0]) is None
+    assert compare_output(ServedOutput("five six sevens"), p, [0]) == "character 14 of 14 (the engine went on)"
+
+
+# ----------------------------------------------------------------------------- verdicts
+@pytest.mark.parametrize("engine, options", [
+    (VLLM, {}), (VLLM, {"per_request": False}), (SGLANG, {}), (LLAMA_CPP, {}), (LLAMA_CPP, {"metrics": False}),
+], ids=["vllm-per-request", "vllm-prometheus", "sglang", "llama.cpp", "llama.cpp-no-metrics"])
+def test_a_faithful_engine_agrees(record, tmp_path, capsys, engine, options):
+    with Served(fake(engine, record, **options)) as server:
+        code, out, err = run_cli(capsys, record, tmp_path, server)
+        requests = server.fake.requests
+    assert code == 0, out + err
+    e = record["expected"]
+    assert f"check-serving: {engine} at {server.url}" in out
+    assert f"served {e['tau']:.2f} vs expected {e['tau']:.2f} [{e['interval'][0]:.2f}, {e['interval'][1]:.2f}]" in out
+    assert "6/6 equal to the target's greedy continuation" in out and "verdict: AGREE" in out
+    assert len(requests) == 6 and all(r["temperature"] == 0.0 and r["top_k"] == 1 for r in requests)
+    assert requests[0]["prompt"] == record["prompts"][0]["prompt_ids"]  # token ids, not text
+    assert requests[0]["max_tokens"] == record["max_new_tokens"]
+    if engine == SGLANG:
+        assert requests[0]["return_spec_tokens_details"] is True
+    if engine == LLAMA_CPP and not options:
+        assert "accepted drafts per prompt: served" in out and "(equal on 6/6, max difference 0)" in out
+
+
+@pytest.mark.parametrize("engine, served_width, cause", [
+    (VLLM, 2, '`num_speculative_tokens` is 2: it must be 3 = block_size - 1'),
+    (SGLANG, 5, "`--speculative-num-draft-tokens` is 6: the block needs 4 (SGLang counts the anchor"),
+    (LLAMA_CPP, 1, "`--spec-draft-n-max` is 1; the block needs 3 (llama.cpp's default is 3)"),
+])
+def test_an_engine_drafting_another_width_is_named(record, tmp_path, capsys, engine, served_width, cause):
+    keep = min(served_width, BLOCK - 1)
+    with Served(fake(engine, record, width=served_width, accepted=lambda a: [min(x, keep) for x in a])) as server:
+        code, out, _ = run_cli(capsys, record, tmp_path, server)
+    assert code == 1
+    assert (f"verdict: DISAGREE — {engine} drafts {served_width} token{'s' if served_width > 1 else ''} per verify "
+            "step; this draft's block drafts 3") in out
+    assert f"likely causes ({engine}):" in out and cause in out
+    assert "SERVING.md recommends:" in out
+
+
+@pytest.mark.parametrize("engine, cause", [
+    (VLLM, '`"method": "dflash"` is missing'),
+    (SGLANG, "`--dtype auto` serves a float32 draft as float16"),
+    (LLAMA_CPP, "the GGUF is not this draft's"),
+])
+def test_acceptance_below_the_interval_is_caught(record, tmp_path, capsys, engine, cause):
+    """Another draft (or a broken one) behind a right target: the outputs are right, the acceptance is not."""
+    with Served(fake(engine, record, accepted=lambda a: [x // 2 for x in a])) as server:
+        code, out, _ = run_cli(capsys, record, tmp_path, server)
+    assert code == 1
+    assert re.search(r"verdict: DISAGREE — served tau \d\.\d+ is below the expected", out), out
+    assert cause in out and "(outside)" in out
+    assert "6/6 equal" in out  # the target is right
+
+
+def test_outputs_of_another_target_are_caught_first(record, tmp_path, capsys):
+    def other(i: int, ids: list[int]) -> list[int]:
+        return ids[:5] + [t + 1 for t in ids[5:]] if i in (1, 4) else ids
+
+    with Served(fake(VLLM, record, output=other)) as server:
+        code, out, _ = run_cli(capsys, record, tmp_path, server)
+    assert code == 1
+    assert ("verdict: DISAGREE — served outputs differ from the target's greedy continuation on 2 of 6 prompts "
+            "(prompt 1 from token 5 of") in out
+    assert "likely causes (vLLM):" in out and "the target runs in another dtype than the record's (bfloat16)" in out
+    assert '--speculative-config \'{"method": "dflash", "model": "/drafts/mine"' not in out  # --draft given instead
+    assert "num_speculative_tokens\": 3}" in out
+
+
+def test_an_engine_that_does_not_speculate(record, tmp_path, capsys):
+    with Served(fake(LLAMA_CPP, record, width=0, accepted=lambda a: [])) as server:
+        code, out, _ = run_cli(capsys, record, tmp_path, server)
+    assert code == 1
+    assert "verdict: DISAGREE — llama.cpp drafted no token on 6 prompts" in out
+    assert "-md draft.gguf --spec-type draft-dflash" in out
+
+
+def test_fewer_prompts_get_their_own_interval(record, tmp_path, capsys):
+    with Served(fake(SGLANG, record)) as server:
+        code, out, _ = run_cli(capsys, record, tmp_path, server, "--max-prompts", "3", "--json",
+                               str(tmp_path / "v.json"))
+        assert len(server.fake.requests) == 3
+    assert code == 0
+    verdict = json.loads((tmp_path / "v.json").read_text())
+    assert verdict["expected"]["prompts"] == 3 and verdict["expected"] == {
+        k: v for k, v in expected(record, 3).items() if k in verdict["expected"]}
+    assert verdict["agree"] and verdict["served"]["tau"] == pytest.approx(expected(record, 3)["tau"])
+
+
+@pytest.mark.parametrize("engine", [VLLM, SGLANG, LLAMA_CPP])
+def test_the_engine_is_detected_without_metrics(record, engine):
+    # detected from vLLM's /version, SGLang's /server_info, llama.cpp's /props
+    with Served(fake(engine, record, metrics=False)) as server:
+        assert check_serving(server.url + "/v1", record).engine == engine
+
+
+def test_vllm_without_any_counters_cannot_be_checked(record):
+    with Served(fake(VLLM, record, metrics=False, per_request=False)) as server:
+        with pytest.raises(EngineError, match="vLLM at .* reports no speculative-decoding counters.*"
+                                              "--per-request-spec-decode-metrics summary"):
+            check_serving(server.url, record)
+
+
+def test_could_not_check_is_one_line_and_exit_2(record, tmp_path, capsys):
+    code, out, err = run_cli(capsys, record, tmp_path, type("S", (), {"url": "http://127.0.0.1:9"})())
+    assert code == 2 and out == ""
+    assert err.startswith("dflash2: error: nothing answers at http://127.0.0.1:9") and err.count("\n") == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["check-serving", "--server", "http://127.0.0.1:9", "--draft", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert "no acceptance record at" in err and "dflash2 acceptance-record --draft" in err and err.count("\n") == 1
+    (empty / "acceptance.json").write_text(json.dumps({"format": "something-else/9"}))
+    assert cli.main(["check-serving", "--server", "http://127.0.0.1:9", "--draft", str(empty)]) == 2
+    assert f"has format 'something-else/9', not '{RECORD_FORMAT}'" in capsys.readouterr().err
+
+
+def test_help_says_what_it_checks_and_needs(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["check-serving", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for needed in ("acceptance record", "--replay-prompts", "token ids at T=0", "/metrics",
+                   "spec_tokens_details", "within the expected 95% interval",
+                   "Exit 0: agree, 1: disagree, 2: could not check"):
+        assert needed in text, needed
+
+
+def test_every_engine_and_check_has_causes():
+    for engine in (VLLM, SGLANG, LLAMA_CPP):
+        for code in ("no_drafts", "outputs", "width", "tau"):
+            assert likely_causes(engine, code, 4, "bfloat16", 2), (engine, code)

@@ -224,8 +224,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], size: in
     ``write`` did: ``mkstemp`` creates ``0o600`` and some writers (``safetensors``) replace the temporary
     file with a fresh one, so the mode is set *after* writing. Engines often run as another user.
 
-    ``size``: the bytes the file will take, when known: a disk without that much free space is refused
-    before anything is written. Whatever happens, an existing ``path`` is either left as it was or
+    ``size``: the bytes the file will take (or a lower bound), when known: a disk without that much free
+    space is refused before anything is written. Whatever happens, an existing ``path`` is either left as it was or
     replaced whole; errors name ``path``, never the temporary file (a full disk is a
     :class:`~dflash2_lightning.errors.DiskFullError`).
     """
@@ -255,8 +255,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], size: in
             os.replace(tmp, path)
         except Exception as error:
             if not isinstance(error, UserError) and is_disk_full(error, path.parent):
-                written = os.path.getsize(tmp) if os.path.exists(tmp) else None
-                needed, at_least = (size, False) if size is not None else (written, True)
+                written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+                needed, at_least = (size, False) if size is not None and size > written else (written, True)
                 raise DiskFullError(disk_full_message(path, needed, free, at_least)) from error
             if isinstance(error, OSError) and error.filename is not None and final_path(error.filename) == path:
                 raise _renamed(error, path) from None
@@ -275,20 +275,24 @@ def append_durably(path: str | os.PathLike, text: str) -> None:
     """
     path = Path(path)
     data = text.encode("utf-8")
-    with open(path, "ab") as f:
-        before = f.tell()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode())
+    try:
+        before = os.lseek(fd, 0, os.SEEK_END)
         try:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            view = memoryview(data)
+            while view:  # unbuffered: a failed write leaves nothing queued to flush later
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
         except OSError as error:
             try:
-                f.truncate(before)
+                os.ftruncate(fd, before)
             except OSError:
                 pass
             if is_disk_full(error, path.parent):
                 raise DiskFullError(disk_full_message(path, len(data), free_bytes(path.parent))) from error
             raise _renamed(error, path) from None
+    finally:
+        os.close(fd)
 
 
 def preallocate(path: str | os.PathLike, size: int) -> None:

@@ -9,16 +9,27 @@
 - ``--debug`` (anywhere on the command line) or ``DFLASH2_DEBUG=1`` lets every exception through
   with its full traceback.
 
-User errors are recognised by type (:class:`UserError` and its subclasses, found anywhere in the
-exception's cause/context chain, since Lightning and jsonargparse wrap them), plus file-system errors that
-name a file (a missing or unreadable path the user gave). ``argparse`` usage errors of any subcommand are
-routed here too, so a new subcommand gets this style without doing anything.
+User errors are recognised here, in one place, so that every command maps the same faults the same way:
+
+- :class:`UserError` and its subclasses, found anywhere in the exception's cause/context chain (Lightning
+  and jsonargparse wrap them); a user error in the chain wins over an OS error beside it (a full disk
+  reported while Lightning's teardown fails to flush a log is still the full disk);
+- file-system errors (:func:`describe_os_error`): a missing path, a directory where a file is needed, a
+  path under a file, a read-only file system, a permission denied, an existing path, and a full disk (with
+  or without a file name: a full disk is never a bug). A temporary file's name is reported as the final
+  path it was for (:func:`dflash2_lightning.files.final_path`);
+- network errors (:func:`describe_network_error`): a server that refuses the connection, does not answer or
+  answers with an HTTP error;
+- out-of-range command-line values: :func:`bounded` builds the ``type=`` of an argparse option that says
+  the bound, and ``argparse`` usage errors of any subcommand are routed here, so a new subcommand gets this
+  style without doing anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
 import traceback
@@ -55,22 +66,75 @@ def check(ok: bool, name: str, value: Any, bound: str, error: type[UserError] = 
         raise error(f"{name}={value!r} is invalid: must {verb} {bound}")
 
 
+class DiskFullError(UserError):
+    """A write ran out of space; the message names the final path, what it needed and what is free."""
+
+
+def format_bytes(n: float | None) -> str:
+    """``1.2 MB``-style size (decimal units, as ``df -H`` and file managers print them)."""
+    if n is None:
+        return "unknown"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def disk_full_message(path: str | os.PathLike | None, needed: int | None = None, free: int | None = None,
+                      at_least: bool = False) -> str:
+    """``disk full while writing PATH (needed N, free M): ...``: the one wording of a full disk (``path``
+    None: the writer did not say which file)."""
+    parts = []
+    if needed is not None:
+        parts.append(f"needed {'more than ' if at_least else ''}{format_bytes(needed)}")
+    if free is not None:
+        parts.append(f"free {format_bytes(free)}")
+    detail = f" ({', '.join(parts)})" if parts else ""
+    what = f"while writing {path}" if path is not None else "(no space left on device)"
+    return f"disk full {what}{detail}: free space on that disk, or write to another one (earlier files are unchanged)"
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exception types that mean "the input is wrong", not "the program is wrong"."""
     return (UserError,)
 
 
-_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+#: errno values that say something about a path the user gave (when the error names it).
+PATH_ERRNOS = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EEXIST,
+                         errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP})
+#: errno values of a full disk or quota: always the machine's state, never a bug.
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _is_network_error(error: BaseException) -> bool:
+    import http.client
+    import urllib.error
+
+    return isinstance(error, (ConnectionError, urllib.error.URLError, http.client.HTTPException, TimeoutError))
 
 
 def _is_user_os_error(error: BaseException) -> bool:
-    """A path the user gave is wrong: the OS names the file, or our own code raised it with a message."""
-    return isinstance(error, _PATH_ERRORS) and (getattr(error, "filename", None) is not None or error.errno is None)
+    """A path the user gave is wrong, the disk is full, or a server cannot be reached."""
+    if not isinstance(error, OSError):
+        return _is_network_error(error)
+    if _is_network_error(error):
+        return True
+    if error.errno in FULL_ERRNOS:
+        return True
+    if isinstance(error, _PATH_ERRORS) and error.errno is None:  # our own code raised it with a message
+        return True
+    return error.errno in PATH_ERRNOS and getattr(error, "filename", None) is not None
 
 
 def find_user_error(error: BaseException) -> BaseException | None:
-    """The first user error in ``error``'s cause/context chain (``error`` itself first), or None."""
-    types = user_error_types()
+    """The first user error in ``error``'s cause/context chain (``error`` itself first), or None.
+
+    A :class:`UserError` anywhere in the chain is preferred to an OS or network error: it is the message
+    the program wrote for this very case.
+    """
+    chain: list[BaseException] = []
     seen: set[int] = set()
     stack: list[BaseException | None] = [error]
     while stack:
@@ -78,23 +142,106 @@ def find_user_error(error: BaseException) -> BaseException | None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, types) or _is_user_os_error(current):
-            return current
+        chain.append(current)
         stack += [current.__cause__, current.__context__]
+    types = user_error_types()
+    found = next((e for e in chain if isinstance(e, types)), None)
+    return found if found is not None else next((e for e in chain if _is_user_os_error(e)), None)
+
+
+def _first_file_above(path: str) -> str | None:
+    """The nearest ancestor of ``path`` that exists and is not a directory (why ENOTDIR was raised)."""
+    from pathlib import Path
+
+    for parent in Path(path).parents:
+        if parent.exists():
+            return None if parent.is_dir() else str(parent)
     return None
+
+
+def describe_os_error(error: OSError) -> str:
+    """One line for a file-system error: the (final) path, what is wrong with it, what to do."""
+    from dflash2_lightning.files import final_path, free_bytes
+
+    raw = error.filename if error.filename is not None else getattr(error, "filename2", None)
+    path = str(final_path(raw)) if raw is not None else None
+    code = error.errno
+    if code in FULL_ERRNOS or (code is None and "No space left" in str(error)):
+        return disk_full_message(path, None, free_bytes(path) if path else None)
+    if path is None:
+        return error.strerror or str(error) or type(error).__name__
+    if code == errno.ENOENT or isinstance(error, FileNotFoundError):
+        return f"{path} does not exist: check the path given in the command or the config"
+    if code == errno.EISDIR or isinstance(error, IsADirectoryError):
+        return f"{path} is a directory, not a file: give a file path"
+    if code == errno.ENOTDIR or isinstance(error, NotADirectoryError):
+        blocker = _first_file_above(path)
+        if blocker is not None:
+            return f"{path} cannot be written: {blocker} is a file, not a directory; choose another path"
+        return f"{path} is not a directory: check the path given in the command or the config"
+    if code == errno.EEXIST or isinstance(error, FileExistsError):
+        from pathlib import Path
+
+        if Path(path).exists() and not Path(path).is_dir():
+            return f"{path} is a file, where a directory is needed: remove it or choose another path"
+        return f"{path} already exists: remove it or choose another path"
+    if code == errno.EROFS:
+        return (f"{path} is on a read-only file system: write somewhere writable (the --out / save_dir / "
+                "cache_dir given, or run from a writable directory)")
+    if code in (errno.EACCES, errno.EPERM) or isinstance(error, PermissionError):
+        return f"{path} cannot be accessed (permission denied): check its permissions, or choose another path"
+    return f"{path}: {error.strerror or error}"
+
+
+def describe_network_error(error: BaseException) -> str:
+    """One line for a server that cannot be reached or answers with an HTTP error."""
+    import urllib.error
+
+    if isinstance(error, urllib.error.HTTPError):
+        return (f"{error.url or error.filename} answered HTTP {error.code} ({error.reason}): check the server's log "
+                "and the URL, then rerun")
+    reason = getattr(error, "reason", None) or error
+    return (f"cannot reach the server ({reason}): is it running, and is the URL right? Rerun the same command once "
+            "it answers")
 
 
 def describe(error: BaseException) -> str:
     """The message of a user error, without Python's decoration."""
-    if _is_user_os_error(error) and isinstance(error, OSError) and error.filename is not None:
-        what = {FileNotFoundError: "does not exist", IsADirectoryError: "is a directory, not a file",
-                NotADirectoryError: "is not a directory", PermissionError: "cannot be accessed (permission denied)"}
-        text = next((v for k, v in what.items() if isinstance(error, k)), error.strerror or str(error))
-        return f"{error.filename} {text}: check the path given in the command or the config"
+    if not isinstance(error, UserError):
+        if _is_network_error(error):
+            return describe_network_error(error)
+        if isinstance(error, OSError):
+            return describe_os_error(error)
     text = str(error).strip() or type(error).__name__
     if isinstance(error, KeyError) and len(error.args) == 1:
         text = str(error.args[0])
     return text
+
+
+def bounded(kind: Callable[[str], Any], low: Any = None, high: Any = None,
+            low_open: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type=`` that parses with ``kind`` and refuses a value outside ``[low, high]``
+    (``(low, high]`` with ``low_open``), saying the bound: ``argument --concurrency: 0 is invalid: must be >= 1``.
+
+    Checked when the command line is parsed, before anything is loaded or computed.
+    """
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a{'n' if kind is int else ''} "
+                                             f"{getattr(kind, '__name__', 'value')}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        too_high = high is not None and value > high
+        if too_low or too_high:
+            bound = " and ".join(b for b in (
+                f"{'>' if low_open else '>='} {low}" if low is not None else "",
+                f"<= {high}" if high is not None else "") if b)
+            raise argparse.ArgumentTypeError(f"{text} is invalid: must be {bound}")
+        return value
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
 
 
 def print_error(message: str, prog: str = PROG) -> None:

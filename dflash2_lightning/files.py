@@ -15,11 +15,20 @@ name says who made it::
 
 so :func:`remove_stale` can delete exactly the leftovers of *dead* processes of this host, and never a
 file another live process (a second run, a DDP rank, another user's job on a shared directory) is
-still writing. Names without an owner (other tools, older versions) are left alone.
+still writing. Names without an owner (other tools, older versions) are left alone. An error about a
+temporary file is reported with the final path it was for (:func:`final_path`): the user never gave the
+temporary name.
+
+Full disks. Where a file's size is known before it is written, :func:`check_free_space` refuses the write
+up front, saying what is needed and what is free; a write that runs out of space anyway (the size was not
+known, or another process filled the disk) is a :class:`~dflash2_lightning.errors.DiskFullError` naming the
+final path, and the previous file is left as it was. :func:`preallocate` reserves a memory-mapped file's
+blocks before it is mapped, so a full disk is an error and never a ``SIGBUS`` inside the mapping.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -29,19 +38,26 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash2_lightning.errors import FULL_ERRNOS, DiskFullError, UserError, disk_full_message
+
 log = logging.getLogger(__name__)
 
 SUFFIX = ".tmp"
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)\.[^.]+" + re.escape(SUFFIX) + "$")
+#: a write that fails with less than this free on its file system failed for want of space
+NEARLY_FULL_BYTES = 1 << 20
 
 
-def _host() -> str:
+def host_name() -> str:
+    """This host's name as temporaries and locks record it (letters, digits and ``_`` only)."""
     # Dots and dashes would blur the name's fields; a host name is only compared, never parsed further.
     return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
 
 
+
 def owner_prefix(name: str) -> str:
     """The temporary-name prefix for final name ``name`` owned by this process: ``.<name>.<host>-<pid>.``."""
-    return f".{name}.{_host()}-{os.getpid()}."
+    return f".{name}.{host_name()}-{os.getpid()}."
 
 
 def make_temp_file(final: str | os.PathLike) -> tuple[int, str]:
@@ -56,7 +72,15 @@ def make_temp_dir(final: str | os.PathLike) -> Path:
     return Path(tempfile.mkdtemp(prefix=owner_prefix(final.name), suffix=SUFFIX, dir=final.parent))
 
 
-def _alive(pid: int) -> bool:
+def final_path(path: str | os.PathLike) -> Path:
+    """The final path an owner-stamped temporary was written for (``path`` itself for any other name)."""
+    path = Path(path)
+    m = _TEMP_NAME.match(path.name)
+    return path.with_name(m["name"]) if m else path
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists (another user's process counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -74,15 +98,14 @@ def stale(directory: str | os.PathLike, name: str | None = None) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    pattern = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)\.[^.]+" + re.escape(SUFFIX) + "$")
-    host, me = _host(), os.getpid()
+    host, me = host_name(), os.getpid()
     found = []
     for entry in directory.iterdir():
-        m = pattern.match(entry.name)
+        m = _TEMP_NAME.match(entry.name)
         if m is None or m["host"] != host or (name is not None and m["name"] != name):
             continue
         pid = int(m["pid"])
-        if pid != me and not _alive(pid):
+        if pid != me and not process_alive(pid):
             found.append(entry)
     return sorted(found)
 
@@ -121,27 +144,175 @@ def dir_mode() -> int:
     return 0o777 & ~_umask()
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes free to this user on the file system of ``path`` (or of its nearest existing ancestor)."""
+    here = Path(path)
+    for candidate in (here, *here.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def check_writable(path: str | os.PathLike, directory: bool = False) -> None:
+    """Refuse, before any work, an output path that cannot be written: a directory where a file is wanted
+    (or a file where a directory is), a file among its parents, a read-only file system, no permission.
+
+    Raises the ``OSError`` the write would raise, naming ``path``; the command's error handler
+    (:func:`dflash2_lightning.errors.describe_os_error`) turns it into one line saying what to do.
+    """
+    path = Path(path).expanduser()
+    if path.exists():
+        if path.is_dir() and not directory:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if directory and not path.is_dir():
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+    existing = next((p for p in (path if directory and path.is_dir() else path.parent, *path.parents)
+                     if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        code = errno.EROFS if read_only else errno.EACCES
+        raise OSError(code, os.strerror(code), str(path))
+
+
+def check_free_space(directory: str | os.PathLike, needed: int, what: str | os.PathLike) -> None:
+    """Refuse a write of ``needed`` bytes into ``directory`` that cannot fit, before any byte is written.
+
+    Raises :class:`~dflash2_lightning.errors.DiskFullError` ``disk full while writing <what> (needed N, free M)``.
+    """
+    free = free_bytes(directory)
+    if free is not None and needed > free:
+        raise DiskFullError(disk_full_message(what, needed, free))
+
+
+def is_disk_full(error: BaseException, directory: str | os.PathLike) -> bool:
+    """Whether ``error``, raised while writing into ``directory``, means the disk is full.
+
+    Writers report a full disk in many ways (``OSError`` ENOSPC, numpy's ``8192 requested and 3104
+    written``, torch's ``unexpected pos``, safetensors' ``I/O error``); any error raised while the file
+    system has under :data:`NEARLY_FULL_BYTES` free counts, as does ENOSPC anywhere in the chain.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if getattr(current, "errno", None) in FULL_ERRNOS or "No space left on device" in str(current):
+            return True
+        current = current.__cause__ or current.__context__
+    free = free_bytes(directory)
+    return free is not None and free < NEARLY_FULL_BYTES
+
+
+def _renamed(error: OSError, path: Path) -> OSError:
+    """``error`` (same errno, same type) naming ``path`` instead of a temporary file."""
+    if error.errno is None:
+        return error
+    renamed = OSError(error.errno, error.strerror or os.strerror(error.errno), str(path))
+    renamed.__cause__ = error
+    return renamed
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], size: int | None = None) -> None:
     """Call ``write(tmp_path)`` then atomically rename ``tmp_path`` to ``path`` (same directory, fsynced).
 
     The file ends up with the ordinary mode the umask gives (``0o644`` under umask 022), whatever
     ``write`` did: ``mkstemp`` creates ``0o600`` and some writers (``safetensors``) replace the temporary
     file with a fresh one, so the mode is set *after* writing. Engines often run as another user.
+
+    ``size``: the bytes the file will take (or a lower bound), when known: a disk without that much free
+    space is refused before anything is written. Whatever happens, an existing ``path`` is either left as it was or
+    replaced whole; errors name ``path``, never the temporary file (a full disk is a
+    :class:`~dflash2_lightning.errors.DiskFullError`).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = make_temp_file(path)
-    os.close(fd)
     try:
-        write(tmp)
-        os.chmod(tmp, file_mode())
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if size is not None:
+            check_free_space(path.parent, size, path)
+        fd, tmp = make_temp_file(path)
+    except FileExistsError as error:  # a parent is a file
+        raise _renamed(error, Path(error.filename or path)) from None
+    except OSError as error:
+        if error.errno in FULL_ERRNOS:
+            raise DiskFullError(disk_full_message(path, size, free_bytes(path.parent))) from error
+        raise _renamed(error, path if error.filename is None or final_path(error.filename) == path
+                       else Path(error.filename)) from None
+    os.close(fd)
+    free = free_bytes(path.parent)  # before: what a full disk's message reports as free
+    try:
+        try:
+            write(tmp)
+            os.chmod(tmp, file_mode())
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except Exception as error:
+            if not isinstance(error, UserError) and is_disk_full(error, path.parent):
+                written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+                needed, at_least = (size, False) if size is not None and size > written else (written, True)
+                raise DiskFullError(disk_full_message(path, needed, free, at_least)) from error
+            if isinstance(error, OSError) and error.filename is not None and final_path(error.filename) == path:
+                raise _renamed(error, path) from None
+            raise
         _fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def append_durably(path: str | os.PathLike, text: str) -> None:
+    """Append ``text`` to ``path`` in one write, flush and fsync it: durable once this returns.
+
+    A failed write (a full disk) is cut back off, so the file keeps exactly what it held before, and
+    the error names ``path`` (a full disk is a :class:`~dflash2_lightning.errors.DiskFullError`).
+    """
+    path = Path(path)
+    data = text.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode())
+    try:
+        before = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:  # unbuffered: a failed write leaves nothing queued to flush later
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as error:
+            try:
+                os.ftruncate(fd, before)
+            except OSError:
+                pass
+            if is_disk_full(error, path.parent):
+                raise DiskFullError(disk_full_message(path, len(data), free_bytes(path.parent))) from error
+            raise _renamed(error, path) from None
+    finally:
+        os.close(fd)
+
+
+def preallocate(path: str | os.PathLike, size: int) -> None:
+    """Reserve the blocks of the first ``size`` bytes of ``path`` (an existing file, e.g. a new memory map).
+
+    Writing into a sparse memory-mapped file on a full disk kills the process with ``SIGBUS``; once the
+    blocks are allocated the writes cannot fail, and a full disk is a
+    :class:`~dflash2_lightning.errors.DiskFullError` here instead.
+    """
+    path = Path(path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno in FULL_ERRNOS:
+            raise DiskFullError(disk_full_message(path, size, free_bytes(path.parent))) from None
+        if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise _renamed(error, path) from None
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -4,21 +4,30 @@ Every case asserts the exit status (2: the user's mistake), that stderr is short
 ``dflash2: error:`` line naming the file / field / value and no traceback, and that nothing already
 written (a trained run, a feature cache) was changed. A few good cases sit beside them (target
 overrides that must work, ``--ckpt_path last`` on an empty run directory, ``--debug``).
+
+Machine faults use small tmpfs mounts (a full disk, a read-only file system); where ``mount -t tmpfs``
+is not allowed (not root) those cases are skipped, saying why. Servers that fail are a local HTTP server
+in the test.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
-from module_helpers import grouped
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -38,21 +47,32 @@ def small_config(directory: Path, name: str = "fit.yaml", model: dict | None = N
     for logger in trainer["logger"]:
         logger["init_args"]["save_dir"] = str(directory / "runs")
     trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
-    for group, fields in grouped(**(model or {})).items():  # flat setting names -> the module's option groups
-        config["model"]["init_args"].setdefault(group, {}).update(fields)
+    for key, value in (model or {}).items():  # an option group is merged into the config's, not replaced
+        init_args = config["model"]["init_args"]
+        init_args[key] = {**init_args.get(key, {}), **value} if isinstance(value, dict) else value
     config["data"]["init_args"].update({"max_samples": 48, **data})
     path = directory / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 
-def run(args: list[str], cwd: Path, cache: Path, script: Path | None = DFLASH2) -> subprocess.CompletedProcess:
+def environment(cache: Path, **extra: str) -> dict[str, str]:
+    """The entry points' environment: one thread, no hub, the shared cache, the tests' helpers importable."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DFLASH2_CACHE": str(cache),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), **extra}
+    env.pop("DFLASH2_DEBUG", None)
+    return env
+
+
+def command(args: list[str], script: Path | None = DFLASH2) -> list[str]:
     if script is DFLASH2 and not DFLASH2.exists():
         pytest.skip(f"{DFLASH2} not found: install the package first (pip install -e .)")
-    command = [str(script), *args] if script is DFLASH2 else [sys.executable, str(script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DFLASH2_CACHE": str(cache)}
-    env.pop("DFLASH2_DEBUG", None)
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return [str(script), *args] if script is DFLASH2 else [sys.executable, str(script), *args]
+
+
+def run(args: list[str], cwd: Path, cache: Path, script: Path | None = DFLASH2, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(args, script), cwd=cwd, env=environment(cache, **env), capture_output=True,
+                          text=True, timeout=600)
 
 
 def snapshot(*roots: Path) -> dict[str, str]:
@@ -89,7 +109,8 @@ def base(tmp_path_factory) -> dict[str, Path]:
     assert done.returncode == 0, done.stderr[-3000:]
     offline = root / "offline"
     offline.mkdir()
-    config = small_config(offline, model={"token_loss": "ce"}, mode="offline", cache_dir=str(offline / "features"))
+    config = small_config(offline, model={"objective": {"token_loss": "ce"}}, mode="offline",
+                          cache_dir=str(offline / "features"))
     done = run(["fit", "--config", str(config)], offline, cache)
     assert done.returncode == 0, done.stderr[-3000:]
     return {"root": root, "cache": cache, "run": root / "runs" / "tiny" / "default",
@@ -174,6 +195,8 @@ def test_corrupt_gguf_with_a_valid_magic_is_one_line_and_leaves_no_directory(tmp
     (b'{"text": "fine"}\n{"text": "unterminated\n', ["train.jsonl:2", "invalid JSON"]),
     (b'{"text": "fine"}\n{"txt": "no key"}\n', ["train.jsonl:2", "'text', 'messages' or 'conversations'"]),
     (b'{"text": "fine"}\n{"messages": [{"role": "user"}]}\n', ["train.jsonl:2", "turn 0"]),
+    (b'{"text": "fine"}\n{"messages": [{"role": "user", "content": "q"}, {"role": "asistant", "content": "a"}]}\n',
+     ["train.jsonl:2", "turn 1", "unknown role 'asistant'", "assistant"]),
 ])
 def test_bad_data_files_name_file_and_line(tmp_path, base, untouched, content, needles):
     data = tmp_path / "train.jsonl"
@@ -222,7 +245,7 @@ def test_a_damaged_feature_cache_is_an_error_naming_the_file(tmp_path, base, unt
     shutil.copytree(base["features"], cache_dir)
     name = damage(cache_dir)
     damaged = snapshot(cache_dir)
-    config = small_config(tmp_path, model={"token_loss": "ce"}, mode="offline", cache_dir=str(cache_dir))
+    config = small_config(tmp_path, model={"objective": {"token_loss": "ce"}}, mode="offline", cache_dir=str(cache_dir))
     done = run(["fit", "--config", str(config)], tmp_path, base["cache"])
     assert_user_error(done, name, str(cache_dir), "rebuild")
     assert snapshot(cache_dir) == damaged  # reported, not silently rebuilt or deleted
@@ -285,12 +308,18 @@ def test_eval_and_regen_errors(tmp_path, base, untouched):
         (["eval", "--draft", hf, "--target", '{"tni": {}}', "--out", out], ["unknown field", "tni"]),
         (["eval", "--draft", hf, "--target", "tiny", "--out", out, "--prompts", "nope.jsonl"],
          ["nope.jsonl", "does not exist"]),
-        (["eval", "--draft", hf, "--target", "tiny", "--out", out, "--max-new-tokens", "0"], ["max_new_tokens=0"]),
+        (["eval", "--draft", hf, "--target", "tiny", "--out", out, "--max-new-tokens", "0"],
+         ["--max-new-tokens", "0 is invalid: must be >= 1"]),
+        (["eval", "--draft", hf, "--target", "tiny", "--out", out, "--resamples", "0"],  # at parse time, not after
+         ["--resamples", "0 is invalid: must be >= 1"]),                                  # the whole decoding loop
         (["eval", "--draft", hf, "--target", "tiny", "--out", out, "--threads", "many"], ["--threads 'many'"]),
         (["eval", "--draft", hf, "--out", out], ["dflash2 eval", "--target"]),
         (["regen", "--target", "tiny", "--prompts", str(bad_prompts), "--out", str(tmp_path / "r.jsonl")],
          ["prompts.jsonl:1", "not UTF-8"]),
-        (["regen", "--target", "tiny", "--out", str(tmp_path / "r.jsonl"), "--batch-size", "0"], ["batch_size=0"]),
+        (["regen", "--target", "tiny", "--out", str(tmp_path / "r.jsonl"), "--batch-size", "0"],
+         ["--batch-size", "0 is invalid: must be >= 1"]),
+        (["regen", "--target", "tiny", "--out", str(tmp_path / "r.jsonl"), "--server", "http://127.0.0.1:9/v1",
+          "--concurrency", "0"], ["--concurrency", "0 is invalid: must be >= 1"]),
         (["regen", "--target", "tiny", "--out", str(tmp_path / "r.jsonl"), "--bogus"], ["unrecognized", "--bogus"]),
         (["quickstart", "--threads", "abc", "--out", str(tmp_path / "q")], ["--threads 'abc'"]),
         (["quickstart", "--num-prompts", "0", "--out", str(tmp_path / "q")], ["num_prompts=0"]),
@@ -326,3 +355,354 @@ def test_to_onnx_errors_and_the_shared_target_spec(tmp_path, base, untouched):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torchvision" not in done.stderr
     assert (tmp_path / "o" / "draft_step.onnx").is_file()
+
+
+# ============================================================================= faults (issue 31)
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(name, size, read_only=False)``: a small tmpfs mounted at ``tmp_path / name`` (unmounted after).
+
+    Skips the test, saying why, where mounting is not allowed (not root, no ``mount``).
+    """
+    mounts: list[Path] = []
+
+    def mount(name: str, size: str = "1m", read_only: bool = False) -> Path:
+        target = tmp_path / name
+        target.mkdir()
+        if shutil.which("mount") is None:
+            pytest.skip("no `mount` command: the full-disk and read-only cases need a small tmpfs")
+        options = f"size={size}" + (",ro" if read_only else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'}): the full-disk and "
+                        "read-only cases need one (run the tests as root)")
+        mounts.append(target)
+        return target
+
+    yield mount
+    for target in reversed(mounts):
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def fill(directory: Path, leave: int) -> None:
+    """Fill the file system of ``directory`` until only about ``leave`` bytes are free."""
+    free = shutil.disk_usage(directory).free
+    if free > leave:
+        with open(directory / "filler", "wb") as f:
+            f.write(b"\0" * (free - leave))
+
+
+def vocab_gguf(path: Path, vocab_size: int) -> Path:
+    """A minimal target GGUF carrying only a vocabulary (what export-gguf takes from the target)."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"t{i}" for i in range(vocab_size)])
+    w.add_token_types([1] * vocab_size)
+    w.add_token_merges(["t 1", "t 2"])
+    w.add_eos_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ----------------------------------------------------------------------------- full disks, read-only paths
+def test_a_full_disk_during_fit_keeps_the_checkpoint_and_the_metrics(tmp_path, base, tmpfs):
+    """The disk fills up while a resumed run trains: one line naming last.ckpt, the size needed and free; the
+    previous checkpoint, the draft and every metrics row written before are as they were."""
+    disk = tmpfs("disk", "4m")
+    config = small_config(tmp_path)
+    config.write_text(config.read_text().replace(str(tmp_path / "runs"), str(disk / "runs")))
+    done = run(["fit", "--config", str(config)], tmp_path, base["cache"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = disk / "runs" / "tiny" / "default"
+    kept = {p: p.read_bytes() for p in [run_dir / "checkpoints" / "last.ckpt", *sorted((run_dir / "hf").iterdir())]}
+    metrics = csv_rows(run_dir / "metrics.csv")
+    fill(disk, 200_000)  # room for the logs, not for the next checkpoint (~750 kB)
+    done = run(["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps", "6"], tmp_path,
+               base["cache"])
+    assert_user_error(done, "disk full while writing", "checkpoints/last.ckpt", "needed", "free")
+    assert {p: p.read_bytes() for p in kept} == kept
+    after = csv_rows(run_dir / "metrics.csv")  # every row written before is there (some logged again, same values)
+    assert all(any(row.items() <= other.items() for other in after) for row in metrics), "a metrics row was lost"
+    assert not [p for p in disk.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_offline_cache_on_a_full_disk_is_refused_before_it_is_built(tmp_path, base, untouched, tmpfs):
+    disk = tmpfs("disk", "256k")  # the cache needs about 420 kB
+    config = small_config(tmp_path, model={"objective": {"token_loss": "ce"}}, mode="offline", cache_dir=str(disk / "cache"))
+    done = run(["fit", "--config", str(config)], tmp_path, base["cache"])
+    assert_user_error(done, "disk full while writing the offline feature cache", str(disk / "cache"), "needed", "free")
+    assert list(disk.iterdir()) == []  # no temporary directory, no Bus error
+
+
+def test_export_and_regen_on_a_full_disk(tmp_path, base, untouched, tmpfs):
+    disk = tmpfs("disk", "64k")
+    target = vocab_gguf(tmp_path / "target.gguf", 512)
+    done = run(["export-gguf", "--draft", str(base["hf"]), "--target", str(target), "--out", str(disk / "d.gguf")],
+               tmp_path, base["cache"])
+    assert_user_error(done, f"disk full while writing {disk / 'd.gguf'}", "needed", "free")
+    assert list(disk.iterdir()) == []
+    fill(disk, 8192)  # room for the log's header and a batch of responses, not for all of them
+    # regen: the log of finished responses keeps whole lines; the output is never half written.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"tell me about {i}"}]}) + "\n"
+                               for i in range(40)))
+    done = run(["regen", "--target", "tiny", "--prompts", str(prompts), "--out", str(disk / "r.jsonl"),
+                "--max-new-tokens", "48", "--no-progress"], tmp_path, base["cache"])
+    assert_user_error(done, "disk full while writing", "r.jsonl", "needed", "free")
+    assert not (disk / "r.jsonl").exists()
+    log = disk / "r.jsonl.partial"
+    assert all(json.loads(line) for line in log.read_text().splitlines())  # only whole lines
+
+
+def test_read_only_and_blocked_paths_name_the_users_path(tmp_path, base, untouched, tmpfs):
+    ro = tmpfs("ro", "64k", read_only=True)
+    hf, cache = str(base["hf"]), base["cache"]
+    target = vocab_gguf(tmp_path / "target.gguf", 512)
+    (tmp_path / "afile").write_text("a file, not a directory")
+    (tmp_path / "existing_dir").mkdir()
+    gguf_out = ["export-gguf", "--draft", hf, "--target", str(target), "--out"]
+    cases = [
+        (gguf_out + [str(ro / "d.gguf")], DFLASH2, [f"{ro / 'd.gguf'} is on a read-only file system"]),
+        (gguf_out + [str(tmp_path / "afile" / "d.gguf")], DFLASH2, ["afile is a file, not a directory"]),
+        (gguf_out + [str(tmp_path / "existing_dir")], DFLASH2, ["existing_dir is a directory, not a file"]),
+        (["serve-help", "--draft", hf, "--out", str(ro / "SERVING.md")], DFLASH2,
+         [f"{ro / 'SERVING.md'} is on a read-only file system"]),
+        (["--draft", hf, "--target", "tiny", "--out", str(ro / "onnx")], TO_ONNX, ["ro/onnx", "read-only"]),
+    ]
+    for args, script, needles in cases:
+        line = assert_user_error(run(args, tmp_path, cache, script), *needles)
+        assert ".tmp" not in line, line  # the user's path, never an internal temporary file
+    # fit from a read-only working directory (the run directory is relative to it)
+    done = run(["fit", "--config", str(TINY)], ro, cache)
+    assert_user_error(done, "runs", "read-only file system")
+
+
+# ----------------------------------------------------------------------------- concurrent runs, resumes
+def test_a_second_fit_in_a_run_directory_is_refused_and_a_killed_ones_lock_is_not_stale(tmp_path, base):
+    config = small_config(tmp_path)
+    text = yaml.safe_load(config.read_text())
+    text["trainer"]["callbacks"].append({"class_path": "kill_helpers.StallingValidation"})
+    config.write_text(yaml.safe_dump(text, sort_keys=False))
+    mark, release = tmp_path / "validating", tmp_path / "release"
+
+    def start(step: int, *extra: str) -> subprocess.Popen:
+        """A fit held inside its validation at global step ``step`` (until ``release`` exists)."""
+        mark.unlink(missing_ok=True)
+        env = environment(base["cache"], DFLASH2_TEST_VAL_MARK=str(mark), DFLASH2_TEST_VAL_RELEASE=str(release),
+                          DFLASH2_TEST_VAL_STALL="300", DFLASH2_TEST_VAL_STEP=str(step))
+        proc = subprocess.Popen(command(["fit", "--config", str(config), *extra]), cwd=tmp_path, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and mark.exists(), proc.stderr.read()[-3000:]
+        return proc  # inside its first validation, holding the run directory
+
+    first = start(2)
+    done = run(["fit", "--config", str(config)], tmp_path, base["cache"])
+    assert_user_error(done, "runs/tiny/default is in use by another fit", f"pid {first.pid}", "another logger version")
+    release.write_text("go")
+    assert first.wait(timeout=300) == 0, first.stderr.read()[-3000:]
+    first.stderr.close()
+    run_dir = tmp_path / "runs" / "tiny" / "default"
+    steps = [int(r["step"]) for r in csv_rows(run_dir / "metrics.csv") if r.get("train/loss")]
+    assert steps == [0, 1, 2, 3]  # every row once
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert len(list((run_dir / "tensorboard").glob("events.*"))) == 1
+    assert not (run_dir / ".fit.lock").exists()
+
+    # A fit killed while it holds the lock leaves the file, not the lock: the resume takes it.
+    release.unlink()
+    killed = start(4, "--ckpt_path", "last", "--trainer.max_steps", "6")  # in the rerun of the step-4 validation
+    assert (run_dir / ".fit.lock").exists()
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    killed.stderr.close()
+    done = run(["fit", "--config", str(small_config(tmp_path)), "--ckpt_path", "last", "--trainer.max_steps", "6"],
+               tmp_path, base["cache"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not resumable" not in done.stderr
+    steps = [int(r["step"]) for r in csv_rows(run_dir / "metrics.csv") if r.get("train/loss")]
+    assert steps == list(range(6))
+
+
+@pytest.mark.parametrize("override, needles", [
+    (['--model.init_args.target', '{"tiny": {"num_hidden_layers": 3}}'],
+     ["trained against another target", "num_layers 4", "num_layers 3", "fingerprint"]),
+    (['--model.init_args.target', '{"tiny": {}, "seed": 7}'], ["trained against another target", '"seed": 7']),
+    (["--model.init_args.draft.selector_rank", "8"], ["another geometry", "selector_rank=16 (this run: 8)"]),
+])
+def test_resuming_against_another_target_or_draft_is_refused(tmp_path, base, untouched, override, needles):
+    run_dir = tmp_path / "runs" / "tiny" / "default"
+    shutil.copytree(base["run"], run_dir)
+    before = snapshot(run_dir)
+    done = run(["fit", "--config", str(small_config(tmp_path)), "--ckpt_path", "last", *override], tmp_path,
+               base["cache"])
+    assert_user_error(done, "last.ckpt", *needles, "start a new run")
+    assert snapshot(run_dir) == before  # hf/, config.yaml, metrics.csv: nothing rewritten
+
+
+@pytest.mark.parametrize("ckpt, needles", [
+    ("best", ["--ckpt_path best is invalid for fit", "--ckpt_path last"]),
+    ("missing.ckpt", ["--ckpt_path missing.ckpt does not exist"]),
+])
+def test_ckpt_path_values_that_cannot_resume(tmp_path, base, untouched, ckpt, needles):
+    assert_user_error(run(["fit", "--config", str(small_config(tmp_path)), "--ckpt_path", ckpt], tmp_path,
+                          base["cache"]), *needles)
+    assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- data, prompts, configs
+def test_a_split_by_prompt_that_leaves_training_nothing_is_refused(tmp_path, base, untouched):
+    chat = lambda q, a: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}  # noqa: E731
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(chat("What is two plus two?", f"Four ({i}).")) + "\n" for i in range(30))
+                    + json.dumps(chat("Another question?", "Yes.")) + "\n")
+    done = run(["fit", "--config", str(small_config(tmp_path, train_files=[str(data)]))], tmp_path, base["cache"])
+    assert_user_error(done, "hold out 30 of 31 records and train on 1", "val_fraction=0.05",
+                      "30 responses", "val_files")
+    assert not list(tmp_path.rglob("*.ckpt"))  # refused before any training step
+
+
+def test_prompts_past_the_targets_context(tmp_path, base, untouched):
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": " ".join(["word"] * 3000)}]}) + "\n")
+    out = tmp_path / "r.jsonl"
+    for args in (["regen", "--target", "tiny", "--out", str(out)],
+                 ["eval", "--draft", str(base["hf"]), "--target", "tiny", "--out", str(tmp_path / "e")]):
+        assert_user_error(run([*args, "--prompts", str(long)], tmp_path, base["cache"]),
+                          "1 of 2 prompts do not fit the target's context", "prompt 2", "2048 positions",
+                          "--prompt-overflow truncate")
+    assert not out.exists() and not (tmp_path / "e").exists()
+    done = run(["regen", "--target", "tiny", "--out", str(out), "--prompts", str(long), "--prompt-overflow",
+                "truncate", "--max-new-tokens", "4", "--no-progress"], tmp_path, base["cache"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1 of 2 prompts were longer than the target's context allows and were cut to their last 2044 tokens" \
+        in done.stderr
+    assert len(out.read_text().splitlines()) == 2
+    done = run(["fit", "--config", str(small_config(tmp_path)), "--data.init_args.seq_len", "4096"], tmp_path,
+               base["cache"])
+    assert_user_error(done, "seq_len=4096", "max_position_embeddings=2048")
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (("max_steps:", "max_stepz:"), ["trainer.max_stepz is not a setting", "did you mean trainer.max_steps"]),
+    (("gradient_clip_val:", "gradient_clip_vall:"), ["trainer.gradient_clip_vall", "did you mean trainer.gradient_clip_val"]),
+    (("\ntrainer:", "\ntrainr:"), ["trainr.", "did you mean trainer."]),
+    (("tiny: {}", "tny: {}"), ["model.init_args.target.tny is not a field of the target", "did you mean tiny"]),
+    (("tiny: {}", "pth: /models/x"), ["model.init_args.target.pth", "did you mean", "path?"]),
+])
+def test_typos_in_a_config_file_name_the_file_and_the_closest_key(tmp_path, base, untouched, edit, needles):
+    config = small_config(tmp_path)
+    text = config.read_text()
+    assert edit[0] in text
+    config.write_text(text.replace(edit[0], edit[1], 1))
+    assert_user_error(run(["fit", "--config", str(config)], tmp_path, base["cache"]), *needles, str(config.name))
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("spec, needles", [
+    ('{"tny": {}}', ["model.init_args.target.tny is not a field of the target", "did you mean tiny"]),
+    ('{"pth": "/models/x"}', ["model.init_args.target.pth", "did you mean path"]),
+])
+def test_typos_in_a_target_on_the_command_line(tmp_path, base, untouched, spec, needles):
+    done = run(["fit", "--config", str(small_config(tmp_path)), "--model.init_args.target", spec], tmp_path,
+               base["cache"])
+    assert_user_error(done, *needles, "on the command line")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_tiny_configs_draft_exports_to_gguf_and_a_wider_selector_says_how_to_fix_it(tmp_path, base, untouched):
+    target = vocab_gguf(tmp_path / "target.gguf", 512)
+    done = run(["export-gguf", "--draft", str(base["hf"]), "--target", str(target), "--out", str(tmp_path / "d.gguf")],
+               tmp_path, base["cache"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    wide = tmp_path / "wide"
+    shutil.copytree(base["hf"], wide)
+    config = json.loads((wide / "config.json").read_text())
+    config["dflash_config"]["selector_top_k"] = 8  # the codebooks' shapes do not depend on top_k
+    (wide / "config.json").write_text(json.dumps(config))
+    done = run(["export-gguf", "--draft", str(wide), "--target", str(target), "--out", str(tmp_path / "w.gguf")],
+               tmp_path, base["cache"])
+    assert_user_error(done, "selector_top_k=8 is too large for llama.cpp", "selector_top_k <= 7")
+    assert not (tmp_path / "w.gguf").exists()
+
+
+# ----------------------------------------------------------------------------- servers that fail
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FlakyServer(ThreadingHTTPServer):
+    """An OpenAI-style server whose first ``ok`` completions answer (slowly), then every one fails with HTTP 500."""
+
+    def __init__(self, ok: int) -> None:
+        super().__init__(("127.0.0.1", 0), _FlakyHandler)
+        self.ok, self.calls, self.answered, self.lock = ok, 0, 0, threading.Lock()
+
+
+class _FlakyHandler(BaseHTTPRequestHandler):
+    server: FlakyServer
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, code: int, body: bytes, kind: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._send(200, json.dumps({"data": [{"id": "fake"}]}).encode())
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with self.server.lock:
+            n, self.server.calls = self.server.calls, self.server.calls + 1
+        if n >= self.server.ok:
+            return self._send(500, b"internal error\nwith a second line", "text/plain")
+        time.sleep(0.3)  # still running when a later request fails: its answer must be kept too
+        with self.server.lock:
+            self.server.answered += 1
+        self._send(200, json.dumps({"choices": [{"text": f"answer {n}", "finish_reason": "stop"}]}).encode())
+
+
+def test_regen_server_failures(tmp_path, base):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                               for i in range(60)))
+    out = tmp_path / "r.jsonl"
+    args = ["regen", "--target", "tiny", "--prompts", str(prompts), "--out", str(out), "--no-progress",
+            "--max-new-tokens", "8", "--concurrency", "4"]
+    port = free_port()
+    assert_user_error(run([*args, "--server", f"http://127.0.0.1:{port}/v1"], tmp_path, base["cache"]),
+                      f"http://127.0.0.1:{port}/v1/models did not answer", "Connection refused", "server running")
+    server = FlakyServer(ok=19)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        done = run([*args, "--server", url], tmp_path, base["cache"])
+    finally:
+        server.shutdown()
+    line = assert_user_error(done, "answered HTTP 500", f"{server.answered} of 60 responses are kept", "rerun")
+    assert server.answered == 19, line
+    records = [json.loads(x) for x in (tmp_path / "r.jsonl.partial").read_text().splitlines()[1:]]
+    assert len(records) == server.answered  # every answer that completed is kept, none dropped
+    assert not out.exists()

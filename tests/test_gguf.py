@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash2_lightning.export.checkpoint import expected_tensors, save_draft
+from dflash2_lightning import cli
 from dflash2_lightning.export.gguf import (GGUFExportError, export_gguf, export_gguf_main, gguf_tensor_name)
 from dflash2_lightning.model import DraftModel
 from llamacpp_helpers import PROVENANCE_KEYS, gguf_contents, llama_source_or_skip, smollm2_draft_config
@@ -124,8 +125,10 @@ def test_bad_inputs_are_named(tmp_path, tiny_draft_config):
 def test_cli_needs_the_target_gguf_for_an_hf_target(tmp_path, tiny_draft_config, capsys):
     cfg = tiny_draft_config()
     draft = _draft_dir(tmp_path, cfg)
-    assert export_gguf_main(["--draft", str(draft), "--target", str(tmp_path), "--out", str(tmp_path / "d.gguf")]) == 2
-    assert "--target-gguf" in capsys.readouterr().err
+    assert cli.main(["export-gguf", "--draft", str(draft), "--target", str(tmp_path), "--out",
+                     str(tmp_path / "d.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash2: error: ") and "--target-gguf" in err and len(err.splitlines()) == 1
     target = _vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size)
     assert export_gguf_main(["--draft", str(draft), "--target", str(tmp_path), "--target-gguf", str(target),
                              "--out", str(tmp_path / "d.gguf"), "--outtype", "bf16"]) == 0

@@ -105,7 +105,7 @@ def test_dead_server_keeps_what_was_written_and_a_rerun_resumes(served_target, p
         with pytest.raises(ServerError) as err:
             regen_server(url, SMOLLM2, prompts_file, out, max_new_tokens=16, concurrency=1, progress=False,
                          timeout=120)
-        monkeypatch.setattr(server_regen_mod, "_append", real_append)
+        monkeypatch.setattr(server_regen_mod, "append_lines", real_append)
     assert "responses are kept in" in str(err.value) and "rerun the same command" in str(err.value)
     kept = [json.loads(line) for line in log.read_text().splitlines()[1:]]
     assert 2 <= len(kept) < len(PROMPTS) and not out.exists()

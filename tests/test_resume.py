@@ -104,8 +104,9 @@ def dying_save(obj, f, *args, **kwargs):
     if calls[0] == 2:  # the second checkpoint: write half of it, then die like a SIGKILL would
         buffer = io.BytesIO()
         real_save(obj, buffer, *args, **kwargs)
-        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-        f.flush()
+        out = f if hasattr(f, "write") else open(f, "wb")  # the writer gets a file object or a path
+        out.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        out.flush()
         os._exit(137)
     return real_save(obj, f, *args, **kwargs)
 

@@ -26,18 +26,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dflash2_lightning import files
 from dflash2_lightning.data.corpus import builtin_corpus, builtin_fingerprint
-from dflash2_lightning.data.feature_cache import (CACHE_FORMAT, MANIFEST, compute_features, file_checksums,
-                                                  read_manifest, verify_cache)
-from dflash2_lightning.data.order import ResumableOrder
-from dflash2_lightning.data.records import SPLIT_RULE, DataError, held_out_by_prompt, read_jsonl
-from dflash2_lightning.data.encode import encode_records
-from dflash2_lightning.errors import check
+from dflash2_lightning.data.feature_cache import (CACHE_FORMAT, MANIFEST, cache_bytes, compute_features,
+                                                  file_checksums, read_manifest, verify_cache)
+from dflash2_lightning.data.order import ResumableLoader, ResumableOrder
+from dflash2_lightning.data.records import SPLIT_RULE, DataError, read_jsonl, validation_split
+from dflash2_lightning.data.encode import encode_split
+from dflash2_lightning.errors import DiskFullError, UserError, check, disk_full_message
 from dflash2_lightning.files import dir_mode
 from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetSpec, default_cache_dir
@@ -173,7 +174,10 @@ class DraftDataModule(pl.LightningDataModule):
         self.save_hyperparameters(ignore=["target"])
         self.hparams["target"] = dataclasses.asdict(self.target)  # a plain dict keeps hparams.yaml readable
         self.skipped_samples = 0
+        self.cut_samples = 0
         self.total_records = 0
+        self.split = None  # the validation split of the last read (records.Split), when it holds out by prompt
+        self.split_records: dict[str, tuple[int, int]] = {}  # split -> (records, skipped) of the last encode
         self.train_dataset: ArrayDataset | None = None
         self.val_dataset: ArrayDataset | None = None
 
@@ -207,10 +211,10 @@ class DraftDataModule(pl.LightningDataModule):
         else:
             train = read(self.train_files)
         if self.val_files is not None:
+            self.split = None
             return {"train": train, "val": read(self.val_files)}
-        n_val = int(round(len(train) * self.val_fraction)) if len(train) > 1 else 0
-        n_val = max(n_val, 1) if self.val_fraction > 0 and len(train) > 1 else 0
-        held = held_out_by_prompt(train, n_val)
+        self.split = validation_split(train, self.val_fraction)
+        held = self.split.held
         return {"train": [r for i, r in enumerate(train) if i not in held],
                 "val": [r for i, r in enumerate(train) if i in held]}
 
@@ -219,20 +223,39 @@ class DraftDataModule(pl.LightningDataModule):
         max_pos = getattr(self.target_model.config, "max_position_embeddings", None)
         check(max_pos is None or self.seq_len <= max_pos, "seq_len", self.seq_len,
                f"<= the target's max_position_embeddings={max_pos}")
-        out, skipped, total = {}, 0, 0
+        out, skipped, total, cut = {}, [], 0, 0
+        self.split_records = {}
         for split, records in self._records().items():
-            out[split], s = encode_records(tok, records, self.seq_len)
-            skipped += s
+            encoded = encode_split(tok, records, self.seq_len)
+            out[split] = encoded.arrays
+            skipped += encoded.skipped
+            cut += encoded.cut
             total += len(records)
+            self.split_records[split] = (len(records), len(encoded.skipped))
         self.total_records = total
-        self._set_skipped(skipped, total)
+        self._set_skipped(len(skipped), total, skipped, cut)
+        rank_zero_info(self.describe_data(out))
         return out
 
-    def _set_skipped(self, skipped: int, total: int) -> None:
+    def describe_data(self, encoded: dict[str, dict[str, np.ndarray]]) -> str:
+        """The one line saying what the data came to: samples per split, the split, samples cut to ``seq_len``."""
+        sizes = {split: int(arrays["input_ids"].shape[0]) for split, arrays in encoded.items()}
+        text = (f"data: {sizes.get('train', 0)} training and {sizes.get('val', 0)} validation samples from "
+                f"{self.total_records} records")
+        if self.split is not None and self.split.requested:
+            text += (f"; validation split by prompt: {len(self.split.held)} of {self.split.records} records held out "
+                     f"({self.split.held_prompts} of {self.split.prompts} prompts)")
+        if self.cut_samples:
+            text += f"; {self.cut_samples} samples longer than seq_len={self.seq_len} tokens were cut to it"
+        return text
+
+    def _set_skipped(self, skipped: int, total: int, where: list[str] | None = None, cut: int = 0) -> None:
         self.skipped_samples = skipped
+        self.cut_samples = cut
         if skipped:
+            first = f": {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}" if where else ""
             log.warning("skipped %d of %d samples with no supervised token (no assistant tokens within "
-                        "seq_len=%d, or empty)", skipped, total, self.seq_len)
+                        "seq_len=%d, or empty)%s", skipped, total, self.seq_len, first)
 
     # ------------------------------------------------------------------ offline cache
     def _data_fingerprint(self) -> dict[str, Any]:
@@ -295,15 +318,19 @@ class DraftDataModule(pl.LightningDataModule):
                             "not a feature cache (a complete cache always has one); choose another directory")
         path.parent.mkdir(parents=True, exist_ok=True)
         files.remove_stale(path.parent, path.name)  # what a killed build of this cache left behind
+        encoded = self._encode()
+        width = len(self.layer_ids) * self.target_model.hidden_size
+        needed = sum(cache_bytes(arrays, width, self.teacher_top_k, self.feature_dtype) for arrays in encoded.values())
+        files.check_free_space(path.parent, needed, f"the offline feature cache {path}")  # before any byte
+        free = files.free_bytes(path.parent)
         tmp = files.make_temp_dir(path)
         try:
-            encoded = self._encode()
             stats = {}
             for split, arrays in encoded.items():
                 self._compute_split(arrays, tmp / split)
                 stats[f"{split}_samples"] = int(arrays["input_ids"].shape[0])
             want["info"]["stats"] = {**stats, "skipped_samples": self.skipped_samples,
-                                     "total_records": self.total_records}
+                                     "cut_samples": self.cut_samples, "total_records": self.total_records}
             want["files"] = {str(f.relative_to(tmp)): file_checksums(f) for f in sorted(tmp.glob("*/*.npy"))}
             (tmp / MANIFEST).write_text(json.dumps(want, indent=2) + "\n")  # last: marks the cache complete
             os.chmod(tmp, dir_mode())  # mkdtemp makes 0700: other users (a server) must read the cache
@@ -313,6 +340,10 @@ class DraftDataModule(pl.LightningDataModule):
                 if not (path / MANIFEST).is_file():  # not another process finishing first: a real error
                     raise
                 self._check_manifest(path, want)
+        except Exception as error:
+            if not isinstance(error, UserError) and files.is_disk_full(error, path.parent):
+                raise DiskFullError(disk_full_message(f"the offline feature cache {path}", needed, free)) from error
+            raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return path
@@ -325,7 +356,8 @@ class DraftDataModule(pl.LightningDataModule):
         manifest = read_manifest(path)
         verify_cache(path, manifest, self.cache_verify)
         stats = manifest.get("info", {}).get("stats", {})
-        self._set_skipped(int(stats.get("skipped_samples", 0)), int(stats.get("total_records", 0)))
+        self._set_skipped(int(stats.get("skipped_samples", 0)), int(stats.get("total_records", 0)),
+                          cut=int(stats.get("cut_samples", 0)))
         dtype = self.target_model.dtype
         return {split: ArrayDataset({f.stem: f for f in sorted((path / split).glob("*.npy"))}, dtype)
                 for split in ("train", "val")}
@@ -346,7 +378,26 @@ class DraftDataModule(pl.LightningDataModule):
             datasets = {split: ArrayDataset(arrays) for split, arrays in self._encode().items()}
         self.train_dataset, self.val_dataset = datasets["train"], datasets["val"]
         if len(self.train_dataset) == 0:
-            raise DataError("no training samples left (all skipped, or the files are empty)")
+            raise DataError(self._no_training_samples())
+
+    def _no_training_samples(self) -> str:
+        """Why no training sample is left: what was read, held out and skipped, and what to do."""
+        where = ", ".join(map(str, self.train_files)) if self.train_files is not None else "the built-in corpus"
+        if not self.split_records:  # opened from an offline cache: only its recorded counts are known
+            return (f"no training samples in the offline feature cache ({self.total_records} records when it was "
+                    f"built, {self.skipped_samples} skipped); rebuild it from data with usable training records")
+        records, skipped = self.split_records.get("train", (0, 0))
+        held = len(self.split.held) if self.split is not None else 0
+        if records + held == 0:
+            return f"no training samples: {where} holds no records; give data files with one JSON record per line"
+        parts = [f"{records + held} records read from {where}"]
+        if held:
+            parts.append(f"{held} held out for validation")
+        if skipped:
+            parts.append(f"{skipped} of the remaining {records} skipped: no supervised token within "
+                         f"seq_len={self.seq_len} (no assistant turn, or it starts after seq_len tokens)")
+        return ("no training samples left: " + ", ".join(parts) + "; give more data, raise seq_len, or set "
+                "val_fraction=0 / val_files")
 
     def _loader(self, dataset: ArrayDataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
@@ -365,8 +416,8 @@ class DraftDataModule(pl.LightningDataModule):
         if self._resume_position is not None:
             order.resume(*self._resume_position, batch_size=self.batch_size)
             self._resume_position = None
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=order,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return ResumableLoader(self.train_dataset, batch_size=self.batch_size, sampler=order,
+                               num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def state_dict(self) -> dict[str, int]:
         """Where training stands in the data (saved in every Lightning checkpoint)."""

@@ -6,7 +6,7 @@ end-of-turn token) of a chat are supervised (:func:`encode_chat` says how the sp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -89,19 +89,34 @@ def _content_spans(tokenizer: Any, messages: list[dict[str, str]], full: str, wh
     return spans
 
 
+class EncodedSplit(NamedTuple):
+    """One split tokenised: the arrays, where the skipped samples are, and how many samples were cut."""
+
+    arrays: dict[str, np.ndarray]
+    skipped: list[str]  # "file:line" of each sample with no supervised token (within seq_len)
+    cut: int  # samples longer than seq_len, cut to it
+
+
 def encode_records(tokenizer: Any, records: list[tuple[str, Any]], seq_len: int) -> tuple[dict[str, np.ndarray], int]:
     """Tokenise, cut/pad to ``seq_len``; returns the arrays and the number of skipped samples.
 
     A sample with no supervised token left after cutting is skipped (and counted).
     """
+    encoded = encode_split(tokenizer, records, seq_len)
+    return encoded.arrays, len(encoded.skipped)
+
+
+def encode_split(tokenizer: Any, records: list[tuple[str, Any]], seq_len: int) -> EncodedSplit:
+    """:func:`encode_records`, also saying which samples were skipped and how many were cut to ``seq_len``."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    rows_ids, rows_mask, rows_len, skipped = [], [], [], 0
+    rows_ids, rows_mask, rows_len, skipped, cut = [], [], [], [], 0
     for where, record in records:
         parsed = parse_record(record, where)
         ids, mask = encode_text(tokenizer, parsed) if isinstance(parsed, str) else encode_chat(tokenizer, parsed, where)
+        cut += len(ids) > seq_len
         ids, mask = ids[:seq_len], mask[:seq_len]
         if not any(mask):
-            skipped += 1
+            skipped.append(where)
             continue
         rows_ids.append(ids)
         rows_mask.append(mask)
@@ -114,4 +129,4 @@ def encode_records(tokenizer: Any, records: list[tuple[str, Any]], seq_len: int)
         arrays["input_ids"][r, :length] = ids
         arrays["loss_mask"][r, :length] = mask
         arrays["attention_mask"][r, :length] = True
-    return arrays, skipped
+    return EncodedSplit(arrays, skipped, cut)

@@ -22,6 +22,11 @@ cache is terabytes (Qwen3-8B, 5 layers, 100k x 2048 tokens in float16 is ~8 TB):
 would take hours, so it gets the size check (truncation, a missing file) plus the sampled blocks (a
 damaged header, damage that hits a sampled block); ``cache_verify: full`` forces the whole check.
 A damaged file is a :class:`DataError` naming the file and saying to rebuild the cache.
+
+Space. The cache's size is known once the data is tokenised (:func:`cache_bytes`); the build checks the
+disk has that much free before it writes anything, and reserves each memory-mapped file's blocks before
+writing into it (:func:`dflash2_lightning.files.preallocate`), so a disk that fills up meanwhile is an
+error naming the cache, never a ``SIGBUS`` inside the mapping.
 """
 
 from __future__ import annotations
@@ -47,12 +52,34 @@ SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 64, 64 << 10
 _VERIFIED: set[tuple[str, int, int]] = set()  # (file, size, mtime_ns) fully hashed by this process
 
 
+def cache_bytes(arrays: dict[str, np.ndarray], num_features: int, teacher_top_k: int, feature_dtype: str) -> int:
+    """The bytes one split of the cache takes on disk: its token arrays plus features, greedy tokens and top-k."""
+    n, s = arrays["input_ids"].shape
+    header = 128  # a .npy header
+    total = sum(a.nbytes + header for a in arrays.values())
+    total += n * s * num_features * np.dtype(feature_dtype).itemsize + header
+    total += n * s * 4 + header  # target_next, int32
+    if teacher_top_k:
+        total += 2 * (n * s * teacher_top_k * 4 + header)  # top-k values (float32) and indices (int32)
+    return int(total)
+
+
+def _mapped(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.memmap:
+    """A new ``.npy`` file opened as a writable memory map, its blocks reserved (no SIGBUS on a full disk)."""
+    from numpy.lib.format import open_memmap
+
+    from dflash2_lightning.files import preallocate
+
+    array = open_memmap(path, "w+", np.dtype(dtype), shape)
+    preallocate(path, path.stat().st_size)
+    return array
+
+
 def compute_features(tgt: Target, arrays: dict[str, np.ndarray], out: Path, layer_ids: list[int], teacher_top_k: int,
                      feature_dtype: str, batch_size: int, feature_device: str | None = None,
                      feature_autocast: str = "none") -> None:
     """Write one split of the cache into ``out``: the tokenised ``arrays``, then the target's features, greedy
     next tokens and (``teacher_top_k > 0``) top-k logits, computed ``batch_size`` samples at a time."""
-    from numpy.lib.format import open_memmap
     from tqdm.auto import tqdm
 
     out.mkdir(parents=True)
@@ -61,11 +88,11 @@ def compute_features(tgt: Target, arrays: dict[str, np.ndarray], out: Path, laye
     k = teacher_top_k
     n, s = arrays["input_ids"].shape
     width = len(layer_ids) * tgt.hidden_size
-    store = {"features": open_memmap(out / "features.npy", "w+", np.dtype(feature_dtype), (n, s, width)),
-             "target_next": open_memmap(out / "target_next.npy", "w+", np.int32, (n, s))}
+    store = {"features": _mapped(out / "features.npy", feature_dtype, (n, s, width)),
+             "target_next": _mapped(out / "target_next.npy", np.int32, (n, s))}
     if k:
-        store["teacher_topk_values"] = open_memmap(out / "teacher_topk_values.npy", "w+", np.float32, (n, s, k))
-        store["teacher_topk_indices"] = open_memmap(out / "teacher_topk_indices.npy", "w+", np.int32, (n, s, k))
+        store["teacher_topk_values"] = _mapped(out / "teacher_topk_values.npy", np.float32, (n, s, k))
+        store["teacher_topk_indices"] = _mapped(out / "teacher_topk_indices.npy", np.int32, (n, s, k))
     device = torch.device(feature_device or ("cuda" if torch.cuda.is_available() else "cpu"))
     home = tgt.device
     tgt.to(device)

@@ -5,6 +5,12 @@ epoch is a seeded permutation, so it can be rebuilt; the DataModule records how 
 epoch were consumed and the first epoch after a resume skips them. Subclassing ``DistributedSampler``
 tells Lightning not to wrap it: it does the per-rank slicing itself (rank ``r`` takes every
 ``world``-th sample), so the same skip arithmetic holds on one process and on many.
+
+:class:`ResumableLoader` is the training ``DataLoader`` over that order. It has Lightning's
+``state_dict`` / ``load_state_dict`` interface, so Lightning counts it as resumable (and no longer warns,
+at every resume, that the loader is not): the position itself is saved by the DataModule's own state
+(``DraftDataModule.state_dict``), which builds the loader already positioned, so the loader's share of the
+state is empty.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from typing import Any
+
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 
 class ResumableOrder(DistributedSampler):
@@ -46,3 +54,14 @@ class ResumableOrder(DistributedSampler):
         order += order[: self.total_size - len(order)]  # pad so every rank gets the same count
         skip, self._skip = self._skip, 0
         return iter(order[skip:][self.rank:: self.num_replicas])
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` that Lightning recognises as resumable (see the module docstring)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Empty: the position in the order is the DataModule's state, restored before this loader is built."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore here (the loader was built at the resumed position)."""

@@ -7,7 +7,12 @@ Data files are jsonl, one sample per line, in any of three shapes:
   chat template; only assistant turns (content + end-of-turn token) are supervised;
 - ``{"conversations": [{"from": "human", "value": "..."}, ...]}``: ShareGPT, mapped onto ``messages``.
 
-A malformed line is a :class:`DataError` naming the file, the line and what to fix.
+A malformed line is a :class:`DataError` naming the file, the line and what to fix; so is a chat turn
+whose role no chat template knows (a misspelt ``asistant`` would otherwise leave the sample without a
+supervised token, skipped without a word about why).
+
+The validation split (:func:`validation_split`) holds out whole prompts, says what it held out, and
+refuses a split that would leave training a small part of the records.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,6 +32,8 @@ log = logging.getLogger(__name__)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool",
                   "function": "tool", "observation": "tool"}
+#: roles of a ``messages`` turn (OpenAI / HF chat conventions); anything else is a data error naming it
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 SPLIT_SEED = 0  # the held-out validation split is a fixed permutation of the training records' prompts
 SPLIT_RULE = "by_prompt"  # recorded in the cache manifest: caches split by record before it are rebuilt
 
@@ -96,6 +103,9 @@ def parse_record(record: Any, where: str) -> str | list[dict[str, str]]:
                 raise DataError(f"{where}: turn {k} has unknown ShareGPT role from={role!r} "
                                 f"(known: {sorted(SHAREGPT_ROLES)})")
             role = SHAREGPT_ROLES[role.lower()]
+        elif role not in CHAT_ROLES:
+            raise DataError(f"{where}: turn {k} has unknown role {role!r} (known: {', '.join(CHAT_ROLES)}); "
+                            "fix the role (a misspelt 'assistant' turn would never be trained on) or remove the turn")
         messages.append({"role": role, "content": turn[content_key]})
     return messages
 
@@ -133,3 +143,48 @@ def held_out_by_prompt(records: list[tuple[str, Any]], n_val: int) -> set[int]:
             break
         held.update(members[g])
     return held
+
+
+class Split(NamedTuple):
+    """Which training records :func:`validation_split` holds out for validation, and how it chose them."""
+
+    held: set[int]
+    records: int
+    prompts: int
+    held_prompts: int
+    requested: int
+
+    def describe(self) -> str:
+        """One line saying what the split did."""
+        return (f"validation split by prompt: {len(self.held)} of {self.records} records held out "
+                f"({self.held_prompts} of {self.prompts} prompts, about {self.requested} asked), "
+                f"{self.records - len(self.held)} train")
+
+
+#: a split must leave training at least this share of what ``val_fraction`` alone would leave it
+MIN_TRAIN_SHARE = 0.5
+
+
+def validation_split(records: list[tuple[str, Any]], val_fraction: float) -> Split:
+    """Hold out ``val_fraction`` of ``records`` for validation, whole prompts at a time (:func:`held_out_by_prompt`).
+
+    Refuses (:class:`DataError`, naming the cause and what to do) a split that would leave training less than
+    :data:`MIN_TRAIN_SHARE` of the ``1 - val_fraction`` it asked for: prompts with very many responses each
+    (30 answers to one prompt and 1 to another) cannot be split by prompt at that fraction.
+    """
+    n = len(records)
+    n_val = max(int(round(n * val_fraction)), 1) if val_fraction > 0 and n > 1 else 0
+    held = held_out_by_prompt(records, n_val)
+    keys = [prompt_key(parse_record(record, where)) for where, record in records] if n_val else []
+    prompts = len(set(keys))
+    held_keys = {keys[i] for i in held}
+    split = Split(held, n, prompts, len(held_keys), n_val)
+    train = n - len(held)
+    if n_val and train < MIN_TRAIN_SHARE * (1 - val_fraction) * n:
+        largest = max(sum(1 for k in keys if k == key) for key in held_keys)
+        raise DataError(
+            f"the validation split by prompt would hold out {len(held)} of {n} records and train on {train}: "
+            f"val_fraction={val_fraction} asks for about {n_val}, but whole prompts are held out and a held-out "
+            f"prompt has {largest} responses; give validation files (data val_files), or set data val_fraction=0 "
+            "to train on every record")
+    return split

@@ -32,13 +32,16 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
 from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
+from dflash2_lightning.errors import bounded
 from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
 
 LOG_EVERY = 16  # finished responses per write to the log: a kill loses at most these and those in flight
@@ -84,7 +87,7 @@ def sample_seed(seed: int, prompt_digest: str, sample: int) -> int:
 def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: str | os.PathLike,
           max_new_tokens: int = 256, batch_size: int = 8, max_prompts: int | None = None,
           overwrite: bool = False, progress: bool = True, sampled: int = 0, sampling: Any = None,
-          seed: int = 0) -> Path:
+          seed: int = 0, prompt_overflow: str = "refuse") -> Path:
     """Generate the target's responses to every prompt and write them as chat jsonl to ``out_file``.
 
     Every prompt gets its greedy response, then ``sampled`` sampled ones (several answers per prompt:
@@ -104,6 +107,9 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
             0.8, top-p 0.95).
         seed: seeds the sampled responses; each draws from its own generator seeded by (seed, prompt
             content, sample number), so the output does not depend on batching or interruptions.
+        prompt_overflow: a prompt that does not fit the target's context with ``max_new_tokens`` is refused
+            (``"refuse"``, before anything is generated) or cut to its last tokens (``"truncate"``; a line on
+            stderr says how many); see :func:`~dflash2_lightning.data.prompts.fit_to_context`.
 
     Returns ``out_file``: one record per response, prompt by prompt (greedy first). Interrupted runs
     resume where they stopped (see the module docstring).
@@ -112,7 +118,7 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
 
     from dflash2_lightning.files import atomic_write_text
     from dflash2_lightning.decode.sampling import Sampling
-    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, fit_to_context, read_prompts
     from dflash2_lightning.target.load import load_target
 
     from dflash2_lightning.config import ConfigError
@@ -136,9 +142,15 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     hashes = [prompt_hash(m) for m in chats]
     jobs = len(chats) * per_prompt  # job j: prompt j // per_prompt, response j % per_prompt (0 = greedy)
     settings = _settings(target, max_new_tokens, sampled, sampling, seed)
+    if prompt_overflow != "refuse":  # refused prompts never reach a log: older logs keep their header
+        settings["prompt_overflow"] = prompt_overflow
+    # Tokenised (and checked against the target's context) before the log is opened or anything generated.
+    encoded = [encode_prompt(target.tokenizer, m) for m in chats]
+    fitted = fit_to_context(encoded, target.context_length, max_new_tokens, prompt_overflow,
+                            prompts_file or SEED_PROMPTS)
     done = open_log(log, settings, hashes, per_prompt)
 
-    tokenised = {i: encode_prompt(target.tokenizer, chats[i]) for i in range(len(chats))
+    tokenised = {i: fitted.prompts[i] for i in range(len(chats))
                  if any(i * per_prompt + s not in done for s in range(per_prompt))}
     todo = [j for j in range(jobs) if j not in done and j // per_prompt in tokenised]
     # Similar prompt lengths start together, so a refill of the batch pads little. Greedy and sampled
@@ -166,6 +178,9 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     text = "".join(json.dumps({"messages": done[j]["messages"]}, ensure_ascii=False) + "\n" for j in range(jobs))
     atomic_write_text(out, text)
     log.unlink(missing_ok=True)
+    note = fitted.note()
+    if note is not None:
+        print(f"dflash2: {note}", file=sys.stderr, flush=True)
     return out
 
 
@@ -176,8 +191,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--server", default=None, metavar="URL",
                        help="generate through this server's completions endpoint, e.g. http://127.0.0.1:8080/v1 "
                             "(prompts rendered with the target's chat template here, sent as token ids)")
-    group.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    group.add_argument("--server-temperature", type=float, default=0.0,
+    group.add_argument("--concurrency", type=bounded(int, 1), default=8, help="requests in flight (default 8)")
+    group.add_argument("--server-temperature", type=bounded(float, 0.0), default=0.0,
                        help="0 = greedy (default); > 0 samples on the server with --top-p, prompt i with seed + i")
 
 
@@ -192,21 +207,29 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", default=None,
                         help="prompts, chat jsonl {'messages': [...]} (default: the shipped seed prompts)")
     parser.add_argument("--out", required=True, help="output chat jsonl (responses appended as assistant turns)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="response budget in tokens (default 256)")
-    parser.add_argument("--batch-size", type=int, default=8,
+    parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=256,
+                        help="response budget in tokens (default 256)")
+    parser.add_argument("--batch-size", type=bounded(int, 1), default=8,
                         help="responses generated together; a finished one makes room for the next prompt (default 8)")
-    parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--max-prompts", type=bounded(int, 1), default=None, help="use only the first N prompts")
+    parser.add_argument("--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP)
     parser.add_argument("--overwrite", action="store_true", help="start over even if OUT or OUT.partial exists")
-    parser.add_argument("--sampled", type=int, default=0,
+    parser.add_argument("--sampled", type=bounded(int, 0), default=0,
                         help="sampled responses per prompt besides the greedy one (default 0)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="temperature of sampled responses (default 0.8)")
-    parser.add_argument("--top-p", type=float, default=0.95, help="top-p of sampled responses (default 0.95)")
-    parser.add_argument("--top-k", type=int, default=0, help="top-k of sampled responses (default 0: off)")
+    parser.add_argument("--temperature", type=bounded(float, 0.0), default=0.8,
+                        help="temperature of sampled responses (default 0.8)")
+    parser.add_argument("--top-p", type=bounded(float, 0.0, 1.0, low_open=True), default=0.95,
+                        help="top-p of sampled responses, in (0, 1] (default 0.95)")
+    parser.add_argument("--top-k", type=bounded(int, 0), default=0, help="top-k of sampled responses (default 0: off)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled responses (default 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=bounded(int, 1), default=None,
+                        help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_server_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
+    from dflash2_lightning.files import check_writable
+
+    check_writable(args.out)  # before the target is loaded: an output that cannot be written fails at once
     if args.threads:
         torch.set_num_threads(args.threads)
     from dflash2_lightning.decode.sampling import Sampling
@@ -219,12 +242,13 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
                          "responses from the server (with --top-p and --seed)")
         path = regen_server(args.server, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
                             args.concurrency, args.server_temperature, args.top_p if args.server_temperature else 1.0,
-                            args.seed, args.max_prompts, args.overwrite, not args.no_progress)
+                            args.seed, args.max_prompts, args.overwrite, not args.no_progress,
+                            prompt_overflow=args.prompt_overflow)
     else:
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         path = regen(target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens, args.batch_size,
                      args.max_prompts, args.overwrite, not args.no_progress, sampled=args.sampled, sampling=sampling,
-                     seed=args.seed)
+                     seed=args.seed, prompt_overflow=args.prompt_overflow)
     with open(path, encoding="utf-8") as f:
         count = sum(1 for line in f if line.strip())
     print(f"{count} responses in {path}")

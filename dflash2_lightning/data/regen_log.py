@@ -58,13 +58,15 @@ def read_log(path: Path) -> tuple[dict[str, Any] | None, dict[int, dict[str, Any
 
 
 def append_lines(path: Path, lines: list[str]) -> None:
-    """Append whole lines in one write, then flush and fsync (the batch is durable once this returns)."""
+    """Append whole lines in one write, then flush and fsync (the batch is durable once this returns).
+
+    A write that fails (a full disk) is cut back off, so the log keeps every line finished before it.
+    """
     if not lines:
         return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in lines))
-        f.flush()
-        os.fsync(f.fileno())
+    from dflash2_lightning.files import append_durably
+
+    append_durably(path, "".join(line + "\n" for line in lines))
 
 
 def output_paths(out_file: str | Path, overwrite: bool) -> tuple[Path, Path, bool]:

@@ -15,14 +15,16 @@ Resumable and atomic like in-process regen (same ``<out>.partial`` log, same fin
 finished response is appended (flushed, fsynced) as it arrives, in completion order, so a crash or a
 dead server loses only the requests in flight. The log header records the settings that shape the
 responses (target, budget, sampling, the served model's id), so a resume against another model or
-with other settings is refused. A server that stops answering raises :class:`ServerError` saying how
-many responses are kept.
+with other settings is refused. A server that stops answering, or answers with an HTTP error, raises
+:class:`ServerError` saying how many responses are kept: every request that had completed by then, the
+ones still running included, is in the log.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -30,10 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
+from dflash2_lightning.errors import UserError, check
 
 
-class ServerError(RuntimeError):
+class ServerError(UserError, RuntimeError):
     """The server did not answer, or answered with an error (the message names the URL and what is kept)."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def request_json(url: str, payload: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
@@ -44,11 +52,14 @@ def request_json(url: str, payload: dict[str, Any] | None, timeout: float) -> di
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
-        body = e.read().decode(errors="replace")[:500]
-        raise ServerError(f"{url} answered HTTP {e.code}: {body}") from None
+        body = _one_line(e.read().decode(errors="replace"))
+        raise ServerError(f"{url} answered HTTP {e.code}" + (f" ({body})" if body else "")) from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise ServerError(f"{url} did not answer ({reason})") from None
+        raise ServerError(f"{url} did not answer ({reason}): is the server running and the URL right?") from None
+    except (ValueError, UnicodeDecodeError) as e:  # not JSON: not an OpenAI-compatible endpoint
+        raise ServerError(f"{url} answered something that is not JSON ({e}): is it an OpenAI-compatible "
+                          "server's /v1 URL?") from None
 
 
 def served_model(base_url: str, timeout: float = 30.0) -> str:
@@ -56,7 +67,7 @@ def served_model(base_url: str, timeout: float = 30.0) -> str:
     listing = request_json(base_url.rstrip("/") + "/models", None, timeout)
     models = listing.get("data") or []
     if not models or "id" not in models[0]:
-        raise ServerError(f"{base_url}/models lists no model: {str(listing)[:300]}")
+        raise ServerError(f"{base_url}/models lists no model: {_one_line(str(listing))}")
     return str(models[0]["id"])
 
 
@@ -72,7 +83,7 @@ def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, temp
     answer = request_json(base_url.rstrip("/") + "/completions", payload, timeout)
     choices = answer.get("choices") or []
     if not choices or "text" not in choices[0]:
-        raise ServerError(f"{base_url}/completions returned no choice: {str(answer)[:300]}")
+        raise ServerError(f"{base_url}/completions returned no choice: {_one_line(str(answer))}")
     return choices[0]
 
 
@@ -97,7 +108,8 @@ def _tokenizer(target_spec: Any) -> tuple[Any, Any]:
 def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathLike | None,
                  out_file: str | os.PathLike, max_new_tokens: int = 256, concurrency: int = 8,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_prompts: int | None = None,
-                 overwrite: bool = False, progress: bool = True, timeout: float = 600.0) -> Path:
+                 overwrite: bool = False, progress: bool = True, timeout: float = 600.0,
+                 prompt_overflow: str = "refuse") -> Path:
     """Generate every prompt's response through an OpenAI-compatible server; chat jsonl to ``out_file``.
 
     Args:
@@ -109,39 +121,61 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
         max_new_tokens: response budget; concurrency: requests in flight at once.
         temperature: 0 for greedy; above 0 samples with ``top_p`` and the per-prompt seed ``seed + index``.
         timeout: seconds one request may take before the server counts as dead.
+        prompt_overflow: prompts that do not fit the target's context with ``max_new_tokens`` are refused or cut
+            (:func:`~dflash2_lightning.data.prompts.fit_to_context`), before any request is sent.
 
     Returns ``out_file``; raises :class:`ServerError` (what was finished stays in the log) if the server dies.
     """
     from tqdm.auto import tqdm
 
     from dflash2_lightning.files import atomic_write_text
-    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, fit_to_context, read_prompts
 
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("concurrency", concurrency, 1)):
-        if value < low:
-            raise ValueError(f"{name}={value} is invalid: must be >= {low}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature}, top_p={top_p} are invalid: need temperature >= 0, 0 < top_p <= 1")
+    check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1")
+    check(concurrency >= 1, "concurrency", concurrency, ">= 1")
+    check(temperature >= 0, "temperature", temperature, ">= 0")
+    check(0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
     out, log, finished = output_paths(out_file, overwrite)
     if finished:
         return out
 
     tokenizer, spec = _tokenizer(target_spec)
+    chats = read_prompts(prompts_file or SEED_PROMPTS, max_prompts)  # a bad file fails before the server is asked
+    fitted = fit_to_context([encode_prompt(tokenizer, m) for m in chats], _context_length(target_spec, spec),
+                            max_new_tokens, prompt_overflow, prompts_file or SEED_PROMPTS)
     model = served_model(server_url, min(timeout, 30.0))
-    chats = read_prompts(prompts_file or SEED_PROMPTS, max_prompts)
     hashes = [prompt_hash(m) for m in chats]
     settings = {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
                 "max_new_tokens": max_new_tokens, "engine": "openai-completions", "served_model": model,
                 "temperature": temperature, "top_p": top_p, "seed": seed}
+    if prompt_overflow != "refuse":
+        settings["prompt_overflow"] = prompt_overflow
     done = open_log(log, settings, hashes)
 
     todo = [i for i in range(len(chats)) if i not in done]
     bar = tqdm(total=len(chats), initial=len(done), desc="regen (server)", unit="prompt", disable=not progress)
 
     def one(i: int) -> tuple[int, str]:
-        choice = complete(server_url, model, encode_prompt(tokenizer, chats[i]), max_new_tokens, temperature,
+        choice = complete(server_url, model, fitted.prompts[i], max_new_tokens, temperature,
                           top_p, None if temperature == 0.0 else seed + i, timeout)
         return i, choice["text"]
+
+    def keep(futures: set[Future]) -> BaseException | None:
+        """Log every finished response of ``futures`` (durable at once); the first failure, if any."""
+        lines, error = [], None
+        for f in futures:
+            if f.cancelled():
+                continue
+            if f.exception() is not None:
+                error = error or f.exception()
+                continue
+            i, text = f.result()
+            done[i] = {"index": i, "hash": hashes[i], "messages": chats[i] + [{"role": "assistant", "content": text}]}
+            lines.append(json.dumps(done[i], ensure_ascii=False))
+        if lines:
+            append_lines(log, lines)
+            bar.update(len(lines))
+        return error
 
     pool = ThreadPoolExecutor(max_workers=concurrency)
     try:
@@ -149,22 +183,12 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
         while pending:
             # As each response arrives (not when all have): every finished one is durable at once.
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            lines, error = [], None
-            for f in finished:
-                if f.exception() is not None:
-                    error = error or f.exception()
-                    continue
-                i, text = f.result()
-                record = {"index": i, "hash": hashes[i],
-                          "messages": chats[i] + [{"role": "assistant", "content": text}]}
-                done[i] = record
-                lines.append(json.dumps(record, ensure_ascii=False))
-            if lines:
-                append_lines(log, lines)
-                bar.update(len(lines))
+            error = keep(finished)
             if error is not None:
                 for f in pending:
-                    f.cancel()
+                    f.cancel()  # not started yet: never sent
+                finished, _ = wait(pending)  # already sent: their answers are kept too
+                keep(finished)
                 raise ServerError(f"{error}; {len(done)} of {len(chats)} responses are kept in {log}: rerun the "
                                   "same command once the server is back to resume") from None
     finally:
@@ -175,4 +199,25 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
                    for i in range(len(chats)))
     atomic_write_text(out, text)
     log.unlink(missing_ok=True)
+    note = fitted.note()
+    if note is not None:
+        print(f"dflash2: {note}", file=sys.stderr, flush=True)
     return out
+
+
+def _context_length(target_spec: Any, spec: Any) -> int | None:
+    """The target's context (``max_position_embeddings``) without loading its weights."""
+    from dflash2_lightning.target.target import context_length_of_config
+
+    if hasattr(target_spec, "context_length"):  # a loaded Target
+        return target_spec.context_length
+    if spec is None:
+        return None
+    if spec.tiny is not None:
+        from dflash2_lightning.target.tiny import TINY_DEFAULTS
+
+        return context_length_of_config({**TINY_DEFAULTS, **spec.tiny})
+    from dflash2_lightning.target.load import hf_dir_of
+
+    config = hf_dir_of(spec) / "config.json"
+    return context_length_of_config(json.loads(config.read_text())) if config.is_file() else None

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
 from dflash2_lightning.decode.drafter import DraftPath
+from dflash2_lightning.errors import bounded
 from dflash2_lightning.evaluate.intervals import RESAMPLES
 from dflash2_lightning.evaluate.loop import evaluate_draft
 from dflash2_lightning.evaluate.replay import replay_report, run_replay
@@ -33,7 +35,7 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
              llama_cpp: dict[str, Any] | None = None, own_load: float = 0.0,
              oracle_top_k: int | None = None, replay_prompts: int = 0,
              replay_max_new_tokens: int | None = None, draft_vocab: str | os.PathLike | None = "auto",
-             acceptance_record: bool = True) -> dict[str, Any]:
+             acceptance_record: bool = True, prompt_overflow: str = "refuse") -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
     Args:
@@ -62,6 +64,9 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
         draft_vocab: the loop drafts through a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`:
             ``"auto"`` (default) with ``draft_dir/draft_vocab.json`` when it exists, a path for that file,
             ``None`` or ``"off"`` never. The report's ``draft_vocab`` names the file and its size.
+        prompt_overflow: a prompt that does not fit the target's context with ``max_new_tokens`` is refused
+            (``"refuse"``, before anything is decoded) or cut to its last tokens (``"truncate"``; the report's
+            ``prompts_cut`` counts them); see :func:`~dflash2_lightning.data.prompts.fit_to_context`.
 
     Returns the report dict (also written to ``out_dir/eval.json``). Its ``machine`` entry records the
     torch threads, the cores and the load average before and after; when other processes' load and
@@ -71,12 +76,20 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     from dflash2_lightning.export.checkpoint import load_draft
     from dflash2_lightning.files import atomic_write_text
     from dflash2_lightning.decode.draft_vocab import draft_vocab_head, find_draft_vocab
-    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, fit_to_context, read_prompts
     from dflash2_lightning.target.load import load_target
     from dflash2_lightning.threads import load_average, timing_warning
 
     from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import check
+    from dflash2_lightning.files import check_writable
 
+    # Every setting that can be checked alone is checked before the draft, the target or a prompt is loaded.
+    check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1")
+    check(resamples >= 1, "resamples", resamples, ">= 1 (bootstrap draws of the intervals)")
+    check(samples >= 1, "samples", samples, ">= 1 (generations per prompt at temperature > 0)")
+    check(oracle_top_k is None or oracle_top_k >= 1, "oracle_top_k", oracle_top_k, "None or >= 1")
+    check_writable(out_dir, directory=True)
     if replay_prompts < 0:
         raise ConfigError(f"replay_prompts={replay_prompts} is invalid: must be >= 0 (0 = no replay)")
     replay_tokens = max_new_tokens if replay_max_new_tokens is None else replay_max_new_tokens
@@ -92,7 +105,10 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     draft = load_draft(draft_dir)  # before the target: a bad checkpoint path fails in a second
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
     chats = all_chats[:max_prompts] if max_prompts is not None else all_chats
-    prompts = [encode_prompt(target.tokenizer, m) for m in chats]
+    context = getattr(target, "context_length", None)
+    fitted = fit_to_context([encode_prompt(target.tokenizer, m) for m in chats], context, max_new_tokens,
+                            prompt_overflow, prompts_file)
+    prompts = fitted.prompts
     vocab_file = (find_draft_vocab(draft_dir) if draft_vocab == "auto" else
                   None if draft_vocab in (None, "off") else Path(draft_vocab))
     draft_head = draft_vocab_head(target, vocab_file) if vocab_file is not None else None
@@ -109,9 +125,14 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     report["machine"]["timing_trusted"] = warning is None
     if warning is not None:
         report.setdefault("notes", []).append(warning)
+    report["prompts_cut"] = fitted.cut
+    if fitted.cut:
+        report.setdefault("notes", []).append(fitted.note())
     if replay_prompts:
-        run = run_replay(draft, target, [encode_prompt(target.tokenizer, m) for m in all_chats[:replay_prompts]],
-                         replay_tokens, oracle_top_k=oracle_top_k, progress=progress)
+        replayed = fit_to_context([encode_prompt(target.tokenizer, m) for m in all_chats[:replay_prompts]],
+                                  context, replay_tokens, prompt_overflow, prompts_file)
+        run = run_replay(draft, target, replayed.prompts, replay_tokens, oracle_top_k=oracle_top_k,
+                         progress=progress)
         report["replay"] = replay_report(run, draft.config.block_size, resamples, seed)
         if acceptance_record:
             report["acceptance_record"] = _write_record(run, draft_dir, target, prompts_file, resamples, seed, report)
@@ -166,32 +187,35 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", default=None,
                         help="held-out prompts, chat jsonl {'messages': [...]} (default: the shipped eval prompts)")
     parser.add_argument("--out", required=True, help="output directory for eval.json and acceptance.png")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt (default 128)")
-    parser.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=128,
+                        help="generation budget per prompt (default 128)")
+    parser.add_argument("--max-prompts", type=bounded(int, 1), default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP)
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
                         help="decoding paths to measure (default: selector backbone)")
-    parser.add_argument("--temperature", type=float, nargs="+", action="extend", default=None, metavar="T",
+    parser.add_argument("--temperature", type=bounded(float, 0.0), nargs="+", action="extend", default=None, metavar="T",
                         help="sampling temperatures to measure, e.g. --temperature 0 0.7 1.0 (repeatable; "
                              "default 0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the top k tokens (default 0 = all)")
+    parser.add_argument("--top-p", type=bounded(float, 0.0, 1.0, low_open=True), default=1.0,
+                        help="nucleus sampling mass in (0, 1] (default 1)")
+    parser.add_argument("--top-k", type=bounded(int, 0), default=0, help="sample among the top k tokens (default 0 = all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs and the bootstrap (default 0)")
-    parser.add_argument("--samples", type=int, default=1,
+    parser.add_argument("--samples", type=bounded(int, 1), default=1,
                         help="generations per prompt at temperature > 0 (default 1; T=0 is deterministic: one)")
-    parser.add_argument("--resamples", type=int, default=RESAMPLES,
+    parser.add_argument("--resamples", type=bounded(int, 1), default=RESAMPLES,
                         help=f"bootstrap resamples over prompts for the 95%% intervals (default {RESAMPLES})")
     parser.add_argument("--no-estimate", action="store_true",
                         help="skip the trainer's teacher-forced estimate (and the top-k oracle)")
-    parser.add_argument("--replay-prompts", type=int, default=0,
+    parser.add_argument("--replay-prompts", type=bounded(int, 0), default=0,
                         help="also replay the loop at T=0 (teacher-forced along the target's batched greedy "
                              "outputs, equal to the measured tau) on the first N prompts: a narrow tau interval "
                              "at a fraction of the loop's cost (default 0 = off)")
-    parser.add_argument("--replay-max-new-tokens", type=int, default=None,
+    parser.add_argument("--replay-max-new-tokens", type=bounded(int, 1), default=None,
                         help="tokens per replayed prompt (default: --max-new-tokens)")
     parser.add_argument("--no-acceptance-record", action="store_true",
                         help="do not write the replay as the draft's acceptance record (default: with "
                              "--replay-prompts, DRAFT/acceptance.json is written for `dflash2 check-serving`)")
-    parser.add_argument("--oracle-top-k", type=int, default=None,
+    parser.add_argument("--oracle-top-k", type=bounded(int, 1), default=None,
                         help="candidates per position of the T=0 top-k oracle (default: the selector's top_k; "
                              f"{ORACLE_TOP_K} for a DFlash draft)")
     parser.add_argument("--threads", default="auto",
@@ -217,7 +241,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
                       samples=args.samples, resamples=args.resamples, llama_cpp=llama_cpp_options(args),
                       oracle_top_k=args.oracle_top_k, replay_prompts=args.replay_prompts,
                       replay_max_new_tokens=args.replay_max_new_tokens, draft_vocab=args.draft_vocab,
-                      acceptance_record=not args.no_acceptance_record)
+                      acceptance_record=not args.no_acceptance_record, prompt_overflow=args.prompt_overflow)
     print("\n".join(summary_lines(report)))
     if report.get("acceptance_record"):
         print(f"acceptance record (for dflash2 check-serving): {report['acceptance_record']}")

@@ -53,10 +53,10 @@ def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[fl
     "speedup": [lo, hi] or None, "level", "resamples", "seed", "unit": "prompt"}``; a bound is None
     where no resample had a full cycle.
     """
-    if resamples < 1:
-        raise ValueError(f"resamples={resamples} is invalid: must be >= 1")
-    if not 0 < level < 1:
-        raise ValueError(f"level={level} is invalid: must be in (0, 1)")
+    from dflash2_lightning.errors import check
+
+    check(resamples >= 1, "resamples", resamples, ">= 1")
+    check(0 < level < 1, "level", level, "in (0, 1)")
     hist = np.asarray(histograms, dtype=np.float64)
     n = hist.shape[0]
     if n == 0:

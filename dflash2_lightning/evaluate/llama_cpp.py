@@ -225,10 +225,12 @@ def add_engine_arguments(parser: Any) -> None:
     group.add_argument("--llama-target", default="f32",
                        help="target GGUF for llama.cpp: 'f32' (the same weights, converted: exactness), 'shipped' "
                             "(the target's own GGUF, e.g. quantised SmolLM2) or a .gguf path (default f32)")
-    group.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads (default 2)")
+    from dflash2_lightning.errors import bounded
+
+    group.add_argument("--llama-threads", type=bounded(int, 1), default=2, help="llama.cpp threads (default 2)")
     group.add_argument("--llama-draft-type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
                        help="storage type of the exported draft GGUF (default f32)")
-    group.add_argument("--llama-draft-n-max", type=int, default=None, metavar="N",
+    group.add_argument("--llama-draft-n-max", type=bounded(int, 1), default=None, metavar="N",
                        help="tokens llama.cpp drafts per step, 1..block_size-1 (default: the whole block)")
     group.add_argument("--llama-draft-p-min", type=float, default=0.0, metavar="P",
                        help="stop a step's drafts at the first below this probability, 0 <= P < 1 (default 0: never)")

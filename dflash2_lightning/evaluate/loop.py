@@ -63,7 +63,7 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     """
     from dflash2_lightning.config import ConfigError
 
-    check_inputs(prompts, max_new_tokens, oracle_top_k, "evaluate")
+    check_inputs(prompts, max_new_tokens, oracle_top_k, "evaluate", resamples)
     if samples < 1:
         raise ConfigError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
     temps = [float(t) for t in temperatures]
@@ -121,10 +121,12 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
 
 
 def check_inputs(prompts: Sequence[Sequence[int]], max_new_tokens: int, oracle_top_k: int | None,
-                  verb: str) -> None:
+                  verb: str, resamples: int = 1) -> None:
     """The checks every evaluation (the loop's, the replay's) makes before any work."""
     from dflash2_lightning.config import ConfigError
 
+    if resamples < 1:  # the intervals come last: a bad value must not cost the whole decoding loop first
+        raise ConfigError(f"resamples={resamples} is invalid: must be >= 1 (bootstrap draws of the intervals)")
     if not prompts:
         raise ConfigError(f"prompts is empty: need at least one prompt to {verb}")
     if max_new_tokens < 1:

@@ -93,7 +93,7 @@ def run_replay(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]],
 
     from dflash2_lightning.config import ConfigError
 
-    check_inputs(prompts, max_new_tokens, oracle_top_k, "replay")
+    check_inputs(prompts, max_new_tokens, oracle_top_k, "replay", resamples)
     if batch_size < 1:
         raise ConfigError(f"replay batch_size={batch_size} is invalid: must be >= 1")
     draft = draft.to(target_handles(target).hf.device).eval()

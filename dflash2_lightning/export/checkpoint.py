@@ -96,7 +96,8 @@ def save_draft(model: DraftModel, directory: str | os.PathLike, dtype: torch.dty
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     check_tensors(cfg, {k: tuple(v.shape) for k, v in state.items()})
     check_finite(state, f"the draft being saved to {directory}")
-    atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    size = sum(v.numel() * v.element_size() for v in state.values())  # a full disk is refused before writing
+    atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}), size=size)
     atomic_write_text(directory / CONFIG_NAME, json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     return directory
 

@@ -159,6 +159,15 @@ def engine_findings(cfg: DraftConfig, target: TargetInfo | None = None,
             "warning", SGLANG, f"selector_top_k={cfg.selector_top_k} is not a power of two: SGLang's CUDA "
             "selector-walk kernel uses tl.arange(0, top_k) and fails to compile (vLLM and llama.cpp pad).",
             f"retrain with selector_top_k={up} or {up >> 1} to serve with SGLang"))
+    if cfg.is_dflash2 and cfg.hidden_size < cfg.selector_top_k * (cfg.selector_top_k + 1):
+        from dflash2_lightning.export.gguf import llama_cpp_max_top_k
+
+        fits = llama_cpp_max_top_k(cfg.hidden_size)
+        found.append(Finding(
+            "warning", LLAMA_CPP, f"selector_top_k={cfg.selector_top_k} is too large for llama.cpp at hidden_size "
+            f"{cfg.hidden_size}: its selector lattice needs hidden_size >= top_k * (top_k + 1) = "
+            f"{cfg.selector_top_k * (cfg.selector_top_k + 1)}, so dflash2 export-gguf refuses this draft.",
+            f"retrain with selector_top_k <= {fits} to serve it with llama.cpp"))
     found += _dtype_findings(cfg, target)
     if raw is not None:
         found += _raw_config_findings(cfg, raw)

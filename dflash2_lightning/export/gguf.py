@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from dflash2_lightning.config import DraftConfig
+from dflash2_lightning.errors import UserError
 
 ARCH = "dflash"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -76,7 +77,7 @@ _LAYER_NAMES = {
 }
 
 
-class GGUFExportError(ValueError):
+class GGUFExportError(UserError, ValueError):
     """The draft cannot be written as a llama.cpp ``dflash`` GGUF (the message names the field and bound)."""
 
 
@@ -93,12 +94,23 @@ def gguf_tensor_name(name: str) -> str:
 def check_llama_cpp_limits(cfg: DraftConfig) -> None:
     """Raise :class:`GGUFExportError` for geometries llama.cpp's dflash loader refuses."""
     if cfg.is_dflash2 and cfg.hidden_size < cfg.selector_top_k * (cfg.selector_top_k + 1):
+        fits = llama_cpp_max_top_k(cfg.hidden_size)
         raise GGUFExportError(
             f"selector_top_k={cfg.selector_top_k} is too large for llama.cpp: its selector lattice needs "
             f"hidden_size >= selector_top_k * (selector_top_k + 1) = "
-            f"{cfg.selector_top_k * (cfg.selector_top_k + 1)}, and hidden_size is {cfg.hidden_size}")
+            f"{cfg.selector_top_k * (cfg.selector_top_k + 1)}, and hidden_size is {cfg.hidden_size}; retrain the "
+            f"draft with selector_top_k <= {fits} (--model.init_args.draft.selector_top_k {fits}) to serve it "
+            "with llama.cpp (vLLM and SGLang serve it as it is)")
     if cfg.mask_token_id < 0 or cfg.mask_token_id >= cfg.vocab_size:
         raise GGUFExportError(f"mask_token_id={cfg.mask_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def llama_cpp_max_top_k(hidden_size: int) -> int:
+    """The largest ``selector_top_k`` llama.cpp's selector lattice takes at ``hidden_size`` (k * (k + 1) <= H)."""
+    k = 1
+    while (k + 1) * (k + 2) <= hidden_size:
+        k += 1
+    return k
 
 
 def storage_type(gguf_name: str, shape: Sequence[int], outtype: str) -> Any:
@@ -228,12 +240,22 @@ def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, ou
         w.write_tensors_to_file()
         w.close()
 
-    atomic_write(out, write)
+    atomic_write(out, write, size=_tensor_bytes(state, outtype))  # a disk too small is refused before writing
     from dflash2_lightning.evaluate.acceptance_record import copy_beside_gguf, gguf_record_path
 
     if not record or copy_beside_gguf(draft_dir, out, outtype) is None:
         gguf_record_path(out).unlink(missing_ok=True)  # a record left there described the GGUF this replaced
     return Path(out)
+
+
+def _tensor_bytes(state: dict[str, torch.Tensor], outtype: str) -> int:
+    """The bytes of the tensor data a GGUF of ``state`` holds (a lower bound of the file's size)."""
+    per_element = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
+    total = 0.0
+    for name, tensor in state.items():
+        kind = storage_type(gguf_tensor_name(name), tuple(tensor.shape), outtype)
+        total += tensor.numel() * (4.0 if kind.name == "F32" else per_element[outtype])
+    return int(total)
 
 
 def target_gguf_for(target: str, target_gguf: str | None) -> Path:
@@ -267,12 +289,11 @@ def export_gguf_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--outtype", default="f32", choices=OUTTYPES, help="storage type of the matrices (default f32)")
     parser.add_argument("--name", default=None, help="general.name (default: the draft directory's name)")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    try:
-        path = export_gguf(args.draft, target_gguf_for(args.target, args.target_gguf), args.out, args.outtype,
-                           args.name)
-    except (GGUFExportError, FileNotFoundError, ValueError) as error:
-        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
-        return 2
+    from dflash2_lightning.files import check_writable
+
+    check_writable(args.out)  # before anything is read: a path that cannot be written fails at once
+    path = export_gguf(args.draft, target_gguf_for(args.target, args.target_gguf), args.out, args.outtype,
+                       args.name)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {args.outtype}); serve with: llama-server -m "
           f"<target.gguf> -md {path} --spec-type draft-dflash")
     from dflash2_lightning.evaluate.acceptance_record import gguf_record_path

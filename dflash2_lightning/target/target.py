@@ -70,6 +70,11 @@ class Target(nn.Module):
         return int(self.hf.get_input_embeddings().weight.shape[0])
 
     @property
+    def context_length(self) -> int | None:
+        """The most positions the target was built for (``max_position_embeddings``; None if it does not say)."""
+        return context_length_of_config(self.config)
+
+    @property
     def rope_theta(self) -> float:
         return rope_theta_of(self.config)
 
@@ -205,8 +210,23 @@ class Target(nn.Module):
         """A short hash of the config, every parameter's shape, sum and first values, and the tokenizer.
 
         Cheap (no full byte hash) yet it changes when any tensor is retrained or replaced; recorded in
-        offline feature-cache manifests.
+        offline feature-cache manifests and in training checkpoints. Computed once per target (its weights
+        are frozen).
         """
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            cached = self._compute_fingerprint()
+            self.__dict__["_fingerprint"] = cached
+        return cached
+
+    def describe(self) -> dict[str, Any]:
+        """What a checkpoint records of the target it was trained against: the spec, geometry, fingerprint."""
+        return {"spec": json.loads(self.spec.key()) if self.spec is not None else None,
+                "geometry": {"hidden_size": self.hidden_size, "num_layers": self.num_layers,
+                             "vocab_size": self.vocab_size, "context_length": self.context_length},
+                "fingerprint": self.fingerprint()}
+
+    def _compute_fingerprint(self) -> str:
         # Where the config was loaded from and the library version do not change the model.
         cfg = {k: v for k, v in self.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
         h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
@@ -216,6 +236,13 @@ class Target(nn.Module):
             h.update(flat[:64].float().cpu().numpy().tobytes())
         h.update(tokenizer_fingerprint(self.tokenizer).encode())
         return h.hexdigest()[:16]
+
+
+def context_length_of_config(config: Any) -> int | None:
+    """``max_position_embeddings`` of an HF config (object or dict), or None when it does not say."""
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else \
+        getattr(config, "max_position_embeddings", None)
+    return int(value) if value else None
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -27,6 +27,7 @@ _EXPECTED = re.compile(r"Expected an? (.+?)\. Got value: (.*)$", re.M)
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)$", re.M)
 _FILE_MISSING = re.compile(r'Parser key "config": File does not exist: (.*)$', re.M)
 _GROUP_OPTION = re.compile(r"Group '([\w.]+)' does not accept option '([\w.]+)'")
+_SUBCOMMAND_OPTION = re.compile(r"Subcommand '(\w+)' does not accept option '([\w.]+)'")
 _GIVEN_VALUE = re.compile(r"Given value: (\{.*\})\s*$", re.S)
 _SECTIONS = ("model", "data", "optimizer", "lr_scheduler")
 #: class_path values of configs written before the package was laid out by pipeline stage -> the path now.
@@ -155,6 +156,20 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
     if old_path in MOVED_CLASS_PATHS:
         return (f"class_path {old_path} is now {MOVED_CLASS_PATHS[old_path]} ({_where(message, config_files)}): "
                 "change it in the config")
+
+    top = _SUBCOMMAND_OPTION.search(message)
+    if top and not class_path:  # a top-level or trainer key of a config file (jsonargparse names no file)
+        key = top.group(2)
+        head, _, rest = key.partition(".")
+        if head in _top_level_keys():
+            guess = _closest(key, _top_level_keys())
+            shown = key
+        else:
+            guess = _closest(head, [k for k in _top_level_keys() if "." not in k])
+            guess, shown = (f"{guess}.{rest}" if guess and rest else guess), key
+        where = "in config " + ", ".join(config_files) if config_files else "in the config"
+        return (f"{shown} is not a setting ({where})" + (f"; did you mean {guess}?" if guess else "")
+                + f" {help_hint}")
 
     in_group = _GROUP_OPTION.search(message)
     if in_group and cls is not None:

@@ -14,7 +14,11 @@ What this CLI adds to plain ``LightningCLI``:
   unless a config decides ``save_last`` itself, the first ``ModelCheckpoint`` keeps ``last.ckpt``, so
   ``--ckpt_path last`` resumes from the newest *complete* checkpoint of the run directory;
 - a fresh ``fit`` refuses a run directory that already holds checkpoints (resume it with
-  ``--ckpt_path last``, or pick another logger ``version``) instead of silently mixing two runs.
+  ``--ckpt_path last``, or pick another logger ``version``) instead of silently mixing two runs, and a
+  second fit in a run directory another fit is using is refused (:mod:`~dflash2_lightning.train.run_lock`);
+- ``--ckpt_path`` is checked before anything is set up: ``best`` and a missing file are refused, and a
+  checkpoint trained against another target or draft geometry is refused in one line
+  (:mod:`~dflash2_lightning.train.resume_checks`);
 
 - naming a target kind on the command line (``--model.init_args.target.path X``, ``.gguf``, ``.tiny`` or a
   whole ``--model.init_args.target '{...}'``) *replaces* the config's target instead of being merged
@@ -55,6 +59,8 @@ from dflash2_lightning.data.records import DataError
 from dflash2_lightning.data.datamodule import DraftDataModule
 from dflash2_lightning.errors import run_command
 from dflash2_lightning.train.module import MISSING_TARGET, DFlash2Module
+from dflash2_lightning.train.resume_checks import check_resume, peek_checkpoint, resolve_ckpt_path
+from dflash2_lightning.train.run_lock import RunLock
 
 TARGET_KEY = "model.init_args.target"
 TARGET_KINDS = ("path", "gguf", "tiny")
@@ -96,6 +102,7 @@ def replace_target_overrides(args: Sequence[str]) -> list[str]:
             except yaml.YAMLError:
                 parsed = None
             spec = {kind: parsed} if kind is not None else parsed
+            check_target_fields(spec, "on the command line")
             if isinstance(spec, dict) and any(spec.get(k) is not None for k in TARGET_KINDS):
                 out += [f"--{TARGET_KEY}", json.dumps({**{k: None for k in TARGET_KINDS}, **spec})]
             elif kind is not None:  # `--...target.tiny null`: one whole-spec value (a nested null fails to parse)
@@ -106,6 +113,44 @@ def replace_target_overrides(args: Sequence[str]) -> list[str]:
             out.append(arg)
         i += 1
     return out
+
+
+def check_target_fields(spec: Any, where: str) -> None:
+    """Refuse a target spec (a mapping) with a key that is not a :class:`TargetSpec` field, naming the closest.
+
+    jsonargparse silently drops an unknown key whose value is an empty mapping (``tny: {}``), which then
+    reads as "target is missing", or, merged with a config's own target, trains on that one without a word.
+    """
+    import dataclasses
+    import difflib
+
+    from dflash2_lightning.target.spec import TargetSpec
+
+    if not isinstance(spec, dict):
+        return
+    fields = [f.name for f in dataclasses.fields(TargetSpec)]
+    for key in spec:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+            raise ConfigError(f"{TARGET_KEY}.{key} is not a field of the target ({where})"
+                              + (f"; did you mean {close[0]}?" if close else "")
+                              + " A target is one of path (an HF directory), gguf (a .gguf file or 'smollm2') or "
+                              "tiny ({} for a tiny random target), with seed, dtype, cache_dir, cpu_linear")
+
+
+def check_config_file_target(path: str, shown: str | None = None) -> None:
+    """:func:`check_target_fields` on the target a config file gives (``model.init_args.target``); the message
+    names the file as ``shown`` (as the command line gave it)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return  # jsonargparse reports an unreadable config itself
+    model = data.get("model") if isinstance(data, dict) else None
+    init_args = model.get("init_args", model) if isinstance(model, dict) else None
+    if isinstance(init_args, dict):
+        check_target_fields(init_args.get("target"), f"in config {shown or path}")
 
 
 def _config_value(config: Any, dotted: str) -> Any:
@@ -172,6 +217,8 @@ class DFlash2CLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        for path in config.get("config") or []:  # keys jsonargparse drops without a word (`tny: {}`)
+            check_config_file_target(str(getattr(path, "absolute", path)), str(getattr(path, "relative", path)))
         target = getattr(getattr(config.get("model"), "init_args", None), "target", None)
         if target is None or all(getattr(target, key, None) is None for key in ("path", "gguf", "tiny")):
             self.parser.error(MISSING_TARGET)
@@ -204,13 +251,41 @@ class DFlash2CLI(LightningCLI):
         return trainer
 
     def before_fit(self) -> None:
+        """Before anything is written: take the run directory's lock, check ``--ckpt_path`` and the checkpoint's
+        target, refuse a fresh run over existing checkpoints, and clean up what killed runs left."""
+        ckpt_path = self.config[self.subcommand].get("ckpt_path")
+        resume = resolve_ckpt_path(ckpt_path, checkpoint_dirs(self.trainer))  # `best`, a missing file: refused
+        if resume is not None:  # cheap (memory-mapped): the checkpoint must be of this target and draft
+            check_resume(peek_checkpoint(resume), self.model.target.describe(), self.model.draft_config.to_hf_dict(),
+                         resume)
+        if self.trainer.is_global_zero:  # one fit at a time in a run directory (a killed one holds nothing)
+            self._run_lock = RunLock(run_directory(self.trainer))
+            self._run_lock.acquire()
+        try:
+            self._prepare_fit(ckpt_path, resume)
+        except BaseException:
+            self._release_run_lock()
+            raise
+
+    def fit(self, model: Any, **kwargs: Any) -> None:
+        """``Trainer.fit``, holding the run directory's lock until it returns or fails."""
+        try:
+            self.trainer.fit(model, **kwargs)
+        finally:
+            self._release_run_lock()
+
+    def _release_run_lock(self) -> None:
+        lock = getattr(self, "_run_lock", None)
+        if lock is not None:
+            lock.release()
+
+    def _prepare_fit(self, ckpt_path: str | None, resume: Path | None) -> None:
         dirs = [Path(d) for d in checkpoint_dirs(self.trainer)]
         if self.trainer.is_global_zero:
             for directory in written_dirs(self.trainer, self.model):  # what killed writes left behind
                 files.remove_stale(directory)                      # (never a live process's file)
-        ckpt_path = self.config[self.subcommand].get("ckpt_path")
         if ckpt_path == "last":
-            if not any(d.is_dir() and any(d.glob("last*.ckpt")) for d in dirs):
+            if resume is None:
                 if self.trainer.is_global_zero:
                     print(f"dflash2: no checkpoint to resume in {', '.join(map(str, dirs)) or 'the run directory'}: "
                           "--ckpt_path last starts a fresh run", file=sys.stderr, flush=True)
@@ -289,6 +364,19 @@ def checkpoint_dirs(trainer: Trainer) -> list[str]:
         else:
             dirs.append(os.path.join(trainer.default_root_dir, "checkpoints"))
     return dirs
+
+
+def run_directory(trainer: Trainer) -> Path:
+    """The run directory a fit writes (the first logger's ``log_dir``, else its checkpoint directory's parent,
+    else ``default_root_dir``): what :class:`~dflash2_lightning.train.run_lock.RunLock` locks.
+
+    Rank-0 code: it reads the loggers' own ``log_dir``, not ``trainer.log_dir`` (a collective under DDP).
+    """
+    for logger in trainer.loggers:
+        if getattr(logger, "log_dir", None):
+            return Path(logger.log_dir)
+    dirs = checkpoint_dirs(trainer)
+    return Path(dirs[0]).parent if dirs else Path(trainer.default_root_dir)
 
 
 def written_dirs(trainer: Trainer, model: Any) -> list[Path]:

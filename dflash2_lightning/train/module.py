@@ -21,6 +21,10 @@ state to save, and a resumed run draws exactly the anchors the uninterrupted run
 Validation anchors are seeded by each sample's content, so validation metrics do not depend on the
 step, the batch composition or the number of DDP ranks.
 
+Checkpoints record the target the draft was trained against and whether a validation was due after the
+step they cover; a resume against another target is refused, and a due validation runs after the resume
+(:mod:`~dflash2_lightning.train.resume_checks`, :mod:`~dflash2_lightning.train.due_validation`).
+
 At the end of ``fit`` the draft is written as an HF checkpoint (``config.json`` + ``model.safetensors``,
 served as-is by vLLM / SGLang) to ``export.dir`` (default ``<run dir>/hf``), in the target's dtype, with a
 ``SERVING.md`` beside it: the engines' exact command lines and what the engine checks found.
@@ -53,6 +57,8 @@ from dflash2_lightning.train.metrics import DraftMetrics, plot_acceptance
 from dflash2_lightning.train.objective import DraftObjective, ObjectiveOutput, Teacher
 from dflash2_lightning.train.options import (DraftOptions, ExperimentalOptions, ExportOptions, ObjectiveOptions,
                                              OptimizerOptions, ValidationOptions, as_options)
+from dflash2_lightning.train.due_validation import DUE_KEY, run_due_validation, validation_due
+from dflash2_lightning.train.resume_checks import TARGET_KEY, check_resume
 from dflash2_lightning.train.run_files import log_step_metrics_now
 
 REQUIRED_KEYS = ("input_ids", "loss_mask")
@@ -172,6 +178,7 @@ class DFlash2Module(pl.LightningModule):
             raise ConfigError(f"validation.{err}") from None  # the message names the field: temperature=...
         self.val_metrics = DraftMetrics(self.draft_config.block_size, selector=self.draft_config.is_dflash2,
                                         prefix="val", sampling=val_sampling)
+        self._due_validation: dict[str, int] | None = None  # a resumed checkpoint's validation still to run
 
     # ------------------------------------------------------------------ the frozen target
     @property
@@ -244,7 +251,17 @@ class DFlash2Module(pl.LightningModule):
         if offline and self.objective.token_loss == "kd" and not getattr(data, "teacher_top_k", 1):
             raise ConfigError("token_loss='kd' with offline data needs the target's logits in the cache: set "
                               "data teacher_top_k > 0 (e.g. 32), or use token_loss='ce'")
+        self.target.fingerprint()  # where it was loaded (the CPU), before it moves: checkpoints record it
         self._target_ready(whole=not offline)
+
+    def on_train_start(self) -> None:
+        # A resumed checkpoint taken just before a validation: run that validation now (nothing is lost).
+        self._run_due_validation()
+
+    def _run_due_validation(self) -> None:
+        due, self._due_validation = self._due_validation, None
+        if due is not None:
+            run_due_validation(self.trainer, due)
 
     # ------------------------------------------------------------------ one forward
     def _check_batch(self, batch: dict[str, Tensor]) -> None:
@@ -401,23 +418,34 @@ class DFlash2Module(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints and export
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Recorded for humans and tools reading a .ckpt; the weights are the module's state_dict.
+        # The draft's config and the target it was trained against: a resume is checked against both.
         checkpoint["draft_config"] = self.draft_config.to_hf_dict()
+        checkpoint[TARGET_KEY] = self.target.describe()
+        # Whether the validation after the step this checkpoint covers had still to run (it runs after a resume).
+        checkpoint[DUE_KEY] = validation_due(self._trainer)
         # The metrics row of the step this checkpoint covers goes to disk before the checkpoint does.
         if self._trainer is not None:
             log_step_metrics_now(self._trainer)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Resuming a fit: rows a logger wrote after this checkpoint are logged again, so drop the old copies
-        # (not when a checkpoint is only validated).
+        # Before any weight is loaded: the checkpoint must be of this target and this draft geometry.
         trainer = self._trainer
+        check_resume(checkpoint, self.target.describe(), self.draft_config.to_hf_dict(),
+                     getattr(trainer, "ckpt_path", None))
+        # Resuming a fit: rows a logger wrote after this checkpoint are logged again, so drop the old copies
+        # (not when a checkpoint is only validated); so is a validation that was due when it was taken.
         if trainer is not None and trainer.state.fn == "fit":
+            step = int(checkpoint.get("global_step", 0))
+            due = checkpoint.get(DUE_KEY)
             for logger in trainer.loggers:
                 if hasattr(logger, "drop_rows_from"):
-                    logger.drop_rows_from(int(checkpoint.get("global_step", 0)))
+                    logger.drop_rows_from(step, validation_at=step - 1 if due else None)
+            self._due_validation = due if isinstance(due, dict) else None
 
     def on_fit_end(self) -> None:
         """Write the HF checkpoint of the trained draft (rank 0) into ``export.dir``."""
+        # A resume from the last step's checkpoint trains nothing (no on_train_start): its validation runs here.
+        self._run_due_validation()
         state = self.trainer.strategy.lightning_module_state_dict()  # full weights also under FSDP
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank asks
         if not self.trainer.is_global_zero:

@@ -21,6 +21,9 @@ Metrics
     that is not empty, so resuming a run (same directory, ``--ckpt_path last``) wipes the loss curve
     so far. :class:`ResumableCSVLogger` appends to it instead, and on resume drops the rows logged
     after the checkpoint the run restarts from (they are logged again), so the file reads as one run.
+    Lightning's writer also rewrites the whole file in place when a new column appears, and appends rows
+    that a full disk can tear: here a rewrite is atomic and a failed append is cut back off, so
+    ``metrics.csv`` always holds exactly the rows written before the failure.
 """
 
 from __future__ import annotations
@@ -40,16 +43,28 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from dflash2_lightning.export.checkpoint import CheckpointError
-from dflash2_lightning.files import atomic_write, atomic_write_text
+from dflash2_lightning.files import append_durably, atomic_write, atomic_write_text
 
 
 def _is_local(path: str | os.PathLike) -> bool:
     return "://" not in str(path) or str(path).startswith("file://")
 
 
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in a nested checkpoint dict / list (a lower bound of its file's size)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj, path)`` through a same-directory temporary file, fsync and rename."""
-    atomic_write(Path(str(path).removeprefix("file://")), lambda tmp: torch.save(obj, tmp))
+    """``torch.save(obj, path)`` through a same-directory temporary file, fsync and rename; a disk without room
+    for the tensors is refused before writing (the previous checkpoint stays as it was)."""
+    atomic_write(Path(str(path).removeprefix("file://")), lambda tmp: torch.save(obj, tmp), size=tensor_bytes(obj))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -91,6 +106,35 @@ class _AppendingWriter(ExperimentWriter):
     def _check_log_dir_exists(self) -> None:
         pass  # keep what a previous (interrupted) run of this directory logged
 
+    def save(self) -> None:
+        """Write the buffered rows: appended whole (a failed append is cut back off), or, when new columns
+        appear, the whole file rewritten atomically. On failure the rows stay buffered and the file as it was."""
+        if not self.metrics:
+            return
+        keys_before = list(self.metrics_keys)
+        new_keys = self._record_new_keys()
+        path = self.metrics_file_path
+        exists = os.path.isfile(path)
+        try:
+            out = io.StringIO()
+            table = csv.DictWriter(out, fieldnames=self.metrics_keys)
+            if exists and new_keys:
+                with open(path, newline="") as f:
+                    old_rows = list(csv.DictReader(f))
+                table.writeheader()
+                table.writerows(old_rows)
+            elif not exists:
+                table.writeheader()
+            table.writerows(self.metrics)
+            if exists and not new_keys:
+                append_durably(path, out.getvalue())
+            else:
+                atomic_write_text(path, out.getvalue())
+        except BaseException:
+            self.metrics_keys = keys_before
+            raise
+        self.metrics = []
+
 
 class ResumableCSVLogger(CSVLogger):
     """``CSVLogger`` whose ``metrics.csv`` survives a resume in the same run directory (see module doc).
@@ -125,8 +169,9 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
     @rank_zero_only
-    def drop_rows_from(self, step: int) -> None:
-        """Forget rows logged at ``step`` or later (the resumed run logs those steps again)."""
+    def drop_rows_from(self, step: int, validation_at: int | None = None) -> None:
+        """Forget rows logged at ``step`` or later (the resumed run logs those steps again), and the validation
+        rows (any ``val/`` value) logged at ``validation_at``: a validation the resumed run runs again."""
         writer = self.experiment
         writer.save()  # anything still buffered belongs to the file first
         path = writer.metrics_file_path
@@ -135,7 +180,8 @@ class ResumableCSVLogger(CSVLogger):
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             fields = list(reader.fieldnames or [])
-            rows = [r for r in reader if not r.get("step") or int(float(r["step"])) < step]
+            rows = [r for r in reader if not r.get("step") or (int(float(r["step"])) < step and not (
+                int(float(r["step"])) == validation_at and any(v for k, v in r.items() if k.startswith("val/"))))]
         out = io.StringIO()
         table = csv.DictWriter(out, fieldnames=fields)
         table.writeheader()

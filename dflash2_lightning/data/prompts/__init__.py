@@ -8,17 +8,44 @@
     A small held-out set (no overlap with the seed prompts) for ``dflash2 eval``.
 
 Both are chat jsonl: one ``{"messages": [{"role": "user", "content": ...}]}`` per line.
+
+Prompts longer than the target's context. A prompt whose tokens plus the response budget exceed the
+target's ``max_position_embeddings`` is refused by default (``--prompt-overflow refuse``): generating
+past the positions a target was trained for gives text no server would produce, and a very long prompt
+can exhaust the machine's memory. ``--prompt-overflow truncate`` keeps each such prompt's *last* tokens
+(the end of the conversation and the assistant prefix) and the command says how many prompts it cut
+(:func:`fit_to_context`).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 PROMPTS_DIR = Path(__file__).resolve().parent
 SEED_PROMPTS = PROMPTS_DIR / "seed.jsonl"
 EVAL_PROMPTS = PROMPTS_DIR / "eval.jsonl"
+PromptOverflow = Literal["refuse", "truncate"]
+PROMPT_OVERFLOW_CHOICES: tuple[str, ...] = ("refuse", "truncate")
+PROMPT_OVERFLOW_HELP = ("what to do with a prompt whose tokens plus the response budget exceed the target's "
+                        "context (max_position_embeddings): 'refuse' (default: an error naming the first one) or "
+                        "'truncate' (keep its last tokens; the summary says how many prompts were cut)")
+
+
+class FittedPrompts(NamedTuple):
+    """Prompts that fit the target's context, and how many of them :func:`fit_to_context` had to cut."""
+
+    prompts: list[list[int]]
+    cut: int
+    kept_tokens: int | None  # the longest a prompt may be (None: the target does not state its context)
+
+    def note(self, what: str = "prompts") -> str | None:
+        """The summary line of a cut (None when nothing was cut)."""
+        if not self.cut:
+            return None
+        return (f"{self.cut} of {len(self.prompts)} {what} were longer than the target's context allows and were "
+                f"cut to their last {self.kept_tokens} tokens (--prompt-overflow truncate)")
 
 
 def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[list[dict[str, str]]]:
@@ -60,3 +87,32 @@ def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
         raise TargetError("the target's tokenizer has no chat template: chat prompts cannot be rendered")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def fit_to_context(prompts: list[list[int]], context: int | None, max_new_tokens: int,
+                   overflow: PromptOverflow = "refuse", where: str | os.PathLike = "the prompts file") -> FittedPrompts:
+    """Check every tokenised prompt plus ``max_new_tokens`` against the target's ``context`` (positions).
+
+    ``overflow="refuse"`` raises a :class:`~dflash2_lightning.config.ConfigError` naming the first prompt
+    that does not fit and how many do not; ``"truncate"`` keeps each such prompt's last
+    ``context - max_new_tokens`` tokens. Checked before any generation (it costs a tokenisation).
+    """
+    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import check
+
+    check(overflow in PROMPT_OVERFLOW_CHOICES, "prompt_overflow", overflow, "'refuse' or 'truncate'")
+    if context is None:
+        return FittedPrompts(list(prompts), 0, None)
+    room = context - max_new_tokens
+    if room < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be < the target's context of {context} "
+                          "positions (max_position_embeddings), leaving room for the prompt")
+    long = [i for i, p in enumerate(prompts) if len(p) > room]
+    if long and overflow == "refuse":
+        first = long[0]
+        raise ConfigError(f"{len(long)} of {len(prompts)} prompts do not fit the target's context: prompt {first + 1} "
+                          f"of {where} has {len(prompts[first])} tokens, and with max_new_tokens={max_new_tokens} "
+                          f"the target's {context} positions leave room for {room}; shorten those prompts, lower "
+                          "--max-new-tokens, or pass --prompt-overflow truncate to keep their last tokens")
+    cut = set(long)
+    return FittedPrompts([p[-room:] if i in cut else p for i, p in enumerate(prompts)], len(long), room)

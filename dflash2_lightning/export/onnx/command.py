@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     """``dflash2 export-onnx`` / ``python export/to_onnx.py``: 0 when onnxruntime agrees with torch, 1 when not."""
     quiet_export_warnings()
     args = parser().parse_args(argv)
+    from dflash2_lightning.files import check_writable
+
+    check_writable(args.out, directory=True)  # before the draft and the target are loaded
     draft = load_draft(args.draft, device="cpu").eval()
     embed, head = resolve_target(args.target, draft, args.seed)
     t0 = time.perf_counter()

@@ -93,7 +93,7 @@ def run_replay(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]],
 
     from dflash2_lightning.config import ConfigError
 
-    check_inputs(prompts, max_new_tokens, oracle_top_k, "replay", resamples)
+    check_inputs(prompts, max_new_tokens, oracle_top_k, "replay")
     if batch_size < 1:
         raise ConfigError(f"replay batch_size={batch_size} is invalid: must be >= 1")
     draft = draft.to(target_handles(target).hf.device).eval()
@@ -133,5 +133,6 @@ def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]]
     and every report checks it on the loop's own prompts: ``estimated.replayed_tau``), at a
     fraction of its cost, so the interval can be narrow. No timings: the loop's figures give the speed.
     """
+    check_inputs(prompts, max_new_tokens, oracle_top_k, "replay", resamples)  # before the decoding, not after
     run = run_replay(draft, target, prompts, max_new_tokens, stop_token_ids, batch_size, oracle_top_k, progress)
     return replay_report(run, draft.config.block_size, resamples, seed)

@@ -321,7 +321,10 @@ class DFlash2CLI(LightningCLI):
 
 
 def fit_summary(trainer: Trainer, model: Any) -> str:
-    """One line at the end of ``fit``: the step, the last train loss and validation τ, and the outputs."""
+    """One line at the end of ``fit``: the step, the last train loss and validation τ, and the outputs.
+
+    Rank-0 code (``after_fit`` returns on the other ranks), so it must not call a collective.
+    """
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     parts = [f"dflash2: fit finished at step {trainer.global_step}"]
     if "train/loss" in metrics:
@@ -333,11 +336,9 @@ def fit_summary(trainer: Trainer, model: Any) -> str:
     else:
         parts.append("no validation ran (val/tau not measured)")
     export = getattr(getattr(model, "hparams", {}), "get", lambda *_: None)("export_dir")
-    log_dir = trainer.log_dir
-    if log_dir is not None:
-        parts.append(f"run directory {log_dir}")
-    if export or log_dir is not None:
-        parts.append(f"draft checkpoint {export or Path(log_dir) / 'hf'}")
+    log_dir = run_directory(trainer)  # rank-0 code: not trainer.log_dir, a collective under DDP
+    parts.append(f"run directory {log_dir}")
+    parts.append(f"draft checkpoint {export or log_dir / 'hf'}")
     return "; ".join(parts)
 
 

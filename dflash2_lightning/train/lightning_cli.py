@@ -51,6 +51,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from dflash2_lightning import files
 from dflash2_lightning.train.run_files import AtomicCheckpointIO
@@ -242,7 +243,13 @@ class DFlash2CLI(LightningCLI):
             from dflash2_lightning.train.progress import step_progress_bar
 
             self.trainer_defaults = {**self.trainer_defaults, "callbacks": [step_progress_bar()]}
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (ValueError, MisconfigurationException) as error:  # Lightning refusing a combination of
+            # trainer flags (e.g. FSDP on accelerator cpu): the user's settings, not a bug of this program
+            if user_error(error) is not None:
+                raise
+            raise ConfigError(f"trainer settings refused by Lightning: {error}") from error
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # the default, non-atomic writer
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]

@@ -51,6 +51,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from dflash2_lightning import files
 from dflash2_lightning.train.run_files import AtomicCheckpointIO
@@ -242,7 +243,13 @@ class DFlash2CLI(LightningCLI):
             from dflash2_lightning.train.progress import step_progress_bar
 
             self.trainer_defaults = {**self.trainer_defaults, "callbacks": [step_progress_bar()]}
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (ValueError, MisconfigurationException) as error:  # Lightning refusing a combination of
+            # trainer flags (e.g. FSDP on accelerator cpu): the user's settings, not a bug of this program
+            if user_error(error) is not None:
+                raise
+            raise ConfigError(f"trainer settings refused by Lightning: {error}") from error
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # the default, non-atomic writer
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
@@ -321,7 +328,10 @@ class DFlash2CLI(LightningCLI):
 
 
 def fit_summary(trainer: Trainer, model: Any) -> str:
-    """One line at the end of ``fit``: the step, the last train loss and validation τ, and the outputs."""
+    """One line at the end of ``fit``: the step, the last train loss and validation τ, and the outputs.
+
+    Rank-0 code (``after_fit`` returns on the other ranks), so it must not call a collective.
+    """
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     parts = [f"dflash2: fit finished at step {trainer.global_step}"]
     if "train/loss" in metrics:
@@ -333,11 +343,9 @@ def fit_summary(trainer: Trainer, model: Any) -> str:
     else:
         parts.append("no validation ran (val/tau not measured)")
     export = getattr(getattr(model, "hparams", {}), "get", lambda *_: None)("export_dir")
-    log_dir = trainer.log_dir
-    if log_dir is not None:
-        parts.append(f"run directory {log_dir}")
-    if export or log_dir is not None:
-        parts.append(f"draft checkpoint {export or Path(log_dir) / 'hf'}")
+    log_dir = run_directory(trainer)  # rank-0 code: not trainer.log_dir, a collective under DDP
+    parts.append(f"run directory {log_dir}")
+    parts.append(f"draft checkpoint {export or log_dir / 'hf'}")
     return "; ".join(parts)
 
 

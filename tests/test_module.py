@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from dflash2_lightning.export.checkpoint import load_draft
 from dflash2_lightning.config import ConfigError
-from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine
+from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine, unwrapped_name
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.load import load_target
 from module_helpers import grouped
@@ -231,3 +231,33 @@ def test_selector_init_target_embedding() -> None:
         DFlash2Module(target=SPEC, **grouped(selector_init="target_embedding", projector_type="dflash", **SMALL))
     with pytest.raises(ConfigError, match="selector_init.*'bigram'"):
         DFlash2Module(target=SPEC, **grouped(selector_init="bigram", **SMALL))
+
+
+def test_parameter_groups_are_decided_on_the_unwrapped_shapes():
+    """FSDP (use_orig_params) hands every parameter over as a flat 1-D shard under a prefixed name: the
+    decay / no-decay split must stay the one of the unwrapped draft, not put everything in no_decay."""
+    import copy
+
+    from torch import nn
+
+    model = DFlash2Module(target=SPEC, **grouped(weight_decay=0.1, **SMALL))
+    id_to_name = {id(p): n for n, p in model.draft.named_parameters()}
+    before = {g["name"]: sorted(id_to_name[id(p)] for p in g["params"]) for g in model.parameter_groups()}
+    assert before["decay"] and before["no_decay"]
+    assert "fc.weight" in before["decay"] and "norm.weight" in before["no_decay"]
+    assert all(n.endswith("base_kernel") for n in before["no_decay"] if model._param_dims[n] >= 2)
+
+    class Wrapped(nn.Module):  # what FSDP's name mangling looks like: the draft under _fsdp_wrapped_module
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self._fsdp_wrapped_module = inner
+
+    flat = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in flat.draft.parameters():
+            p.data = p.data.flatten()  # a 1-D shard, as FSDP's use_orig_params views are
+    flat.draft = Wrapped(flat.draft)
+    assert all(p.dim() == 1 for p in flat.draft.parameters())
+    flat_names = {id(p): unwrapped_name(n) for n, p in flat.draft.named_parameters()}
+    after = {g["name"]: sorted(flat_names[id(p)] for p in g["params"]) for g in flat.parameter_groups()}
+    assert after == before

@@ -144,6 +144,8 @@ class DFlash2Module(pl.LightningModule):
         self.hparams["draft"]["target_layer_ids"] = list(self.draft_config.target_layer_ids or [])
         self.options = Options(draft, objective, optimizer, validation, export, experimental)
         self.draft = DraftModel(self.draft_config)
+        # Each parameter's dimensions before any wrapping (FSDP flattens them): what the weight-decay rule reads.
+        self._param_dims = {name: p.dim() for name, p in self.draft.named_parameters()}
         if experimental.init_from_target:  # a resumed run then loads its own weights over these
             from dflash2_lightning.train.warm_start import init_from_target as warm_start
 
@@ -390,17 +392,24 @@ class DFlash2Module(pl.LightningModule):
             plt.close(fig)
 
     # ------------------------------------------------------------------ optimisation
-    def configure_optimizers(self) -> dict[str, Any]:
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """AdamW's parameter groups: ``decay``, ``no_decay`` (norm gains, biases, the conv base kernels) and,
+        when ``selector_lr_scale != 1``, ``selector``.
+
+        Decided by each parameter's name and the shape it had on the unwrapped draft (recorded at
+        construction), not by the shape it has now: FSDP with ``use_orig_params`` turns every parameter into
+        a 1-D shard, and a ``p.dim() < 2`` rule on the shards would exempt all of them from weight decay.
+        """
         hp = self.options.optimizer
         selector_scale = self.options.experimental.selector_lr_scale
         decay, no_decay, selector = [], [], []
         for name, p in self.draft.named_parameters():
             if not p.requires_grad:
                 continue
+            name = unwrapped_name(name)
             if selector_scale != 1.0 and name.startswith("candidate_selector."):
                 selector.append(p)
-            # Norm gains and the conv base kernels are scales around 1 / the identity: do not pull them to 0.
-            elif p.dim() < 2 or name.endswith("base_kernel"):
+            elif not decays(name, self._param_dims):
                 no_decay.append(p)
             else:
                 decay.append(p)
@@ -409,7 +418,16 @@ class DFlash2Module(pl.LightningModule):
         if selector:  # a third group only when scaled, so checkpoints of two-group runs still resume
             groups.append({"params": selector, "weight_decay": hp.weight_decay, "lr": hp.lr * selector_scale,
                            "name": "selector"})
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        return groups
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.options.optimizer
+        # Fused AdamW (one kernel for all parameters) on CUDA. Not on the CPU, where torch 2.13 also has a
+        # fused kernel: it rounds differently from the for-each one, and the shipped CPU runs (tiny,
+        # quickstart) must stay bit-for-bit what they were.
+        fused = self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(self.parameter_groups(), lr=hp.lr, betas=tuple(hp.betas),
+                                      **({"fused": True} if fused else {}))
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = hp.warmup_steps if hp.warmup_steps is not None else int(round(hp.warmup_ratio * total))
         schedule = WarmupCosine(warmup, total, hp.min_lr_ratio)
@@ -479,6 +497,28 @@ class WarmupCosine:
             return (step + 1) / self.warmup
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# Prefixes that wrappers (FSDP, activation checkpointing, torch.compile) insert into parameter names.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name on the unwrapped module: the wrappers' inserted name parts removed."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def decays(name: str, dims: dict[str, int]) -> bool:
+    """Whether the draft parameter ``name`` (unwrapped) takes weight decay, from its recorded dimensions.
+
+    Norm gains and biases (fewer than 2 dimensions) and the conv base kernels are scales around 1 / the
+    identity: they are not pulled to 0.
+    """
+    if name not in dims:
+        raise KeyError(f"parameter {name!r} is not one of the draft's own: cannot decide its weight decay")
+    return dims[name] >= 2 and not name.endswith("base_kernel")
 
 
 def _rate(hit: Tensor | None, valid: Tensor) -> Tensor:

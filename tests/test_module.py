@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from dflash2_lightning.export.checkpoint import load_draft
 from dflash2_lightning.config import ConfigError
-from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine
+from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine, unwrapped_name
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.load import load_target
 from module_helpers import grouped
@@ -231,3 +231,94 @@ def test_selector_init_target_embedding() -> None:
         DFlash2Module(target=SPEC, **grouped(selector_init="target_embedding", projector_type="dflash", **SMALL))
     with pytest.raises(ConfigError, match="selector_init.*'bigram'"):
         DFlash2Module(target=SPEC, **grouped(selector_init="bigram", **SMALL))
+
+
+def test_parameter_groups_are_decided_on_the_unwrapped_shapes():
+    """FSDP (use_orig_params) hands every parameter over as a flat 1-D shard under a prefixed name: the
+    decay / no-decay split must stay the one of the unwrapped draft, not put everything in no_decay."""
+    import copy
+
+    from torch import nn
+
+    model = DFlash2Module(target=SPEC, **grouped(weight_decay=0.1, **SMALL))
+    id_to_name = {id(p): n for n, p in model.draft.named_parameters()}
+    before = {g["name"]: sorted(id_to_name[id(p)] for p in g["params"]) for g in model.parameter_groups()}
+    assert before["decay"] and before["no_decay"]
+    assert "fc.weight" in before["decay"] and "norm.weight" in before["no_decay"]
+    assert all(n.endswith("base_kernel") for n in before["no_decay"] if model._param_dims[n] >= 2)
+
+    class Wrapped(nn.Module):  # what FSDP's name mangling looks like: the draft under _fsdp_wrapped_module
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self._fsdp_wrapped_module = inner
+
+    flat = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in flat.draft.parameters():
+            p.data = p.data.flatten()  # a 1-D shard, as FSDP's use_orig_params views are
+    flat.draft = Wrapped(flat.draft)
+    assert all(p.dim() == 1 for p in flat.draft.parameters())
+    flat_names = {id(p): unwrapped_name(n) for n, p in flat.draft.named_parameters()}
+    after = {g["name"]: sorted(flat_names[id(p)] for p in g["params"]) for g in flat.parameter_groups()}
+    assert after == before
+
+
+def test_online_greedy_labels_without_the_full_logits():
+    """Online with hard labels, the target's head runs only on the positions the blocks read, in chunks: the
+    labels, reference, loss and gradients are exactly those of the old path (argmax of all [B, S, V] logits),
+    and no [B, S, V] tensor is ever formed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dflash2_lightning.train.module import source_rows
+    from dflash2_lightning.train.objective import Teacher, sample_anchors
+
+    model = DFlash2Module(target=SPEC, **grouped(**{**SMALL, "labels": "target", "num_anchors": 3}))
+    batch = _batch(seq=48, batch=3, seed=4)
+    batch["loss_mask"][1, :30] = False  # a prompt: sample 1's first positions are read by no block
+    target = model.target
+    assert target.greedy_from_hidden
+    out = model.forward_batch(batch, torch.Generator().manual_seed(7))
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.draft.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    # The old path: every position's logits, then their argmax; the same anchors.
+    with torch.no_grad():
+        full = target.features(batch["input_ids"], batch["attention_mask"], model.draft_config.target_layer_ids)
+    embed, head = model._embed_head(target)
+    anchors = sample_anchors(batch["loss_mask"], 4, 3, torch.Generator().manual_seed(7))
+    old = model.objective(model.draft, embed, head, batch["input_ids"], batch["loss_mask"], full.features,
+                          Teacher(greedy=full.logits.max(-1).indices), batch["attention_mask"], anchors=anchors)
+    old.loss.backward()
+    assert torch.equal(out.blocks.anchors, old.blocks.anchors)
+    assert torch.equal(out.blocks.labels, old.blocks.labels) and torch.equal(out.reference, old.reference)
+    assert torch.equal(out.loss, old.loss) and torch.equal(out.slot_loss, old.slot_loss)
+    assert all(torch.equal(grads[n], p.grad) for n, p in model.draft.named_parameters() if p.grad is not None)
+    model.zero_grad()
+
+    # greedy_at: exactly the full argmax where asked, -1 elsewhere; the head's outputs are chunks, never [B, S, V].
+    vocab, (b, s) = target.vocab_size, batch["input_ids"].shape
+    rows = source_rows(*anchors, s, 4)
+    assert 0 < rows.numel() < b * s
+
+    matmuls = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.linear}
+
+    class VocabWide(TorchDispatchMode):  # every matmul output as wide as the vocabulary: the head's
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func.overloadpacket in matmuls and result.shape[-1] == vocab:
+                self.sizes.append(result.numel())
+            return result
+
+    with VocabWide() as seen:
+        part = target.features(batch["input_ids"], batch["attention_mask"], model.draft_config.target_layer_ids,
+                               logits=False, last_hidden=True)
+        greedy = target.greedy_at(part.last_hidden, rows, chunk_elements=16 * vocab)
+    assert seen.sizes and max(seen.sizes) <= 16 * vocab and sum(seen.sizes) < b * s * vocab
+    flat = greedy.view(-1)
+    assert torch.equal(flat[rows], full.logits.max(-1).indices.view(-1)[rows])
+    assert (flat[torch.ones(b * s, dtype=torch.bool).index_fill_(0, rows, False)] == -1).all()

@@ -324,3 +324,69 @@ def test_single_batch_overfits(tiny_draft_config):
     assert losses[-1] < 0.2 * losses[0]
     assert sum(losses[-10:]) < sum(losses[:10])
     assert backbone > 0.9 and selector > 0.9 and walk > 0.9, (backbone, selector, walk)
+
+
+# ----------------------------------------------------------------------------- chunked logits
+def _loss_and_grads(objective, draft, target, ids, features, teacher, anchors):
+    draft.zero_grad()
+    out = objective(draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features,
+                    teacher, anchors=anchors)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("token_loss, teacher_kind, weighting, gold", [
+    ("ce", "none", "dpace", "insert_last"), ("ce", "none", "decay", "drop"),
+    ("kd", "logits", "decay", "insert_last"), ("kd", "topk", "none", "drop")])
+def test_chunked_logits_equal_the_one_piece_loss_and_gradients(tiny_draft_config, token_loss, teacher_kind,
+                                                               weighting, gold):
+    """Chunks of 7 slots (not a divisor of the 2 x 3 x 7 = 42 slots, so the last chunk is short) against one
+    piece: the same slot losses, argmax, top-k, selector inputs and loss; gradients to float32 rounding
+    (torch.allclose rtol=1e-5, atol=1e-7: the recomputed chunk's head backward sums in other groupings)."""
+    cfg = tiny_draft_config(block_size=8, selector_top_k=8)
+    draft, target, ids, features = _setup(cfg, seq=32)
+    gen = torch.Generator().manual_seed(5)
+    teacher_logits = torch.randn(*ids.shape, cfg.vocab_size, generator=gen)
+    values, indices = teacher_logits.topk(6, dim=-1)
+    teacher = {"none": Teacher(), "logits": Teacher(logits=teacher_logits),
+               "topk": Teacher(topk_values=values, topk_indices=indices)}[teacher_kind]
+    anchors = (torch.tensor([[0, 9, 20], [3, 11, 24]]), torch.tensor([[True, True, True], [True, True, False]]))
+    kw = dict(token_loss=token_loss, position_weighting=weighting, gold_outside_topk=gold)
+    whole, g_whole = _loss_and_grads(DraftObjective(**kw), draft, target, ids, features, teacher, anchors)
+    chunked, g_chunked = _loss_and_grads(DraftObjective(**kw, logits_chunk_elements=7 * cfg.vocab_size), draft,
+                                         target, ids, features, teacher, anchors)
+    assert whole.logits is not None and chunked.logits is None  # chunked: no [B, N, L, V] tensor kept
+    for name in ("slot_loss", "draft_tokens", "selector_candidates", "selector_scores", "covered",
+                 "selector_correct"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    assert torch.allclose(chunked.loss, whole.loss, rtol=1e-6, atol=0)
+    assert g_whole.keys() == g_chunked.keys() and len(g_whole) > 10
+    for name, grad in g_whole.items():
+        assert torch.allclose(g_chunked[name], grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_small_problems_run_in_one_piece_bitwise(tiny_draft_config):
+    """At or below the threshold nothing changes: the default objective gives bitwise the loss and gradients of
+    one explicitly unchunked (keep_logits) pass, and a problem one element over the threshold is chunked."""
+    from dflash2_lightning.train.objective import LOGITS_CHUNK_ELEMENTS
+
+    cfg = tiny_draft_config(block_size=8)
+    draft, target, ids, features = _setup(cfg)
+    anchors = (torch.tensor([[0, 8], [4, 12]]), torch.ones(2, 2, dtype=torch.bool))
+    # The shipped CPU runs: tiny (8 x 16 anchors x 7 slots x 512) and quickstart (8 x 16 x 3 x 49152) logits.
+    assert 8 * 16 * 7 * 512 <= LOGITS_CHUNK_ELEMENTS and 8 * 16 * 3 * 49152 <= LOGITS_CHUNK_ELEMENTS
+    a, ga = _loss_and_grads(DraftObjective(), draft, target, ids, features, Teacher(), anchors)
+    draft.zero_grad()
+    c = DraftObjective()(draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features,
+                         Teacher(), anchors=anchors, keep_logits=True)
+    c.loss.backward()
+    assert a.logits is not None and torch.equal(a.loss, c.loss) and torch.equal(a.logits, c.logits)
+    assert all(torch.equal(ga[n], p.grad) for n, p in draft.named_parameters() if p.grad is not None)
+    rows = 2 * 2 * 7
+    at = DraftObjective(logits_chunk_elements=rows * cfg.vocab_size)(
+        draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features, Teacher(),
+        anchors=anchors)
+    over = DraftObjective(logits_chunk_elements=rows * cfg.vocab_size - 1)(
+        draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features, Teacher(),
+        anchors=anchors)
+    assert at.logits is not None and over.logits is None and torch.equal(at.loss, a.loss)

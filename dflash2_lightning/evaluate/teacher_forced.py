@@ -144,7 +144,8 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
     for lo in range(0, anchors.shape[0], chunk):
         a = anchors[lo:lo + chunk][None]
         res = objective(draft, embed, head, ids, loss_mask, features, teacher,
-                        anchors=(a, torch.ones_like(a, dtype=torch.bool)), walk="selector" in want)
+                        anchors=(a, torch.ones_like(a, dtype=torch.bool)), walk="selector" in want,
+                        keep_logits=oracle or sampled)  # the oracle's top-k and sampled_alpha read res.logits
         valids.append(res.blocks.valid[0])
         for x in want:
             tokens = res.draft_tokens if x == "backbone" else res.selector_tokens

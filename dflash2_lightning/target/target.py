@@ -19,11 +19,19 @@ from dflash2_lightning.target.cpu_linear import CpuLinears, declare_rows, instal
 from dflash2_lightning.target.spec import TargetError, TargetSpec
 
 
+# Logits elements computed at once by :meth:`Target.greedy_at` (2**26: 128 MiB in bf16, 256 MiB in float32).
+GREEDY_CHUNK_ELEMENTS = 2**26
+# Config fields of HF models whose logits are more than ``lm_head(last hidden state)`` (soft-capping, scaling).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
 class TargetOutput(NamedTuple):
-    """What the target computes for the draft: features ``[B,S,n_t*H]`` and logits ``[B,S,V]`` (or None)."""
+    """What the target computes for the draft: features ``[B,S,n_t*H]`` and logits ``[B,S,V]`` (or None);
+    ``last_hidden [B,S,H]``: the final (normed) hidden state the head reads, when asked for."""
 
     features: torch.Tensor
     logits: torch.Tensor | None
+    last_hidden: torch.Tensor | None = None
 
 
 class Target(nn.Module):
@@ -165,13 +173,23 @@ class Target(nn.Module):
             raise TargetError(f"{draft} was not trained for this target: " + "; ".join(problems)
                               + "; pass the target the draft was trained with")
 
+    @property
+    def greedy_from_hidden(self) -> bool:
+        """Whether :meth:`greedy_at` gives the argmax of this target's logits: its head is a plain linear on
+        the last hidden state (no soft-capping or scaling of the logits in the model's forward)."""
+        head = self.hf.get_output_embeddings()
+        return isinstance(head, nn.Linear) and not any(getattr(self.config, k, None) for k in _LOGIT_TRANSFORMS)
+
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 layer_ids: list[int] | tuple[int, ...], logits: bool = True) -> TargetOutput:
+                 layer_ids: list[int] | tuple[int, ...], logits: bool = True,
+                 last_hidden: bool = False) -> TargetOutput:
         """Run the target once: ``cat([hidden_states[l + 1] for l in layer_ids], -1)`` and its logits.
 
-        HF ``hidden_states[0]`` is the embedding output, so layer ``l``'s output is index ``l + 1``.
-        ``no_grad`` rather than ``inference_mode``: the draft's ``fc`` saves these features for backward.
+        HF ``hidden_states[0]`` is the embedding output, so layer ``l``'s output is index ``l + 1``; the last
+        entry is the final normed hidden state (``last_hidden=True`` returns it, for :meth:`greedy_at`).
+        ``logits=False`` computes the head at the last position only. ``no_grad`` rather than
+        ``inference_mode``: the draft's ``fc`` saves these features for backward.
         """
         ids = self.check_layer_ids(layer_ids)
         if attention_mask is not None:
@@ -179,7 +197,29 @@ class Target(nn.Module):
         out = self.hf(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                       use_cache=False, logits_to_keep=0 if logits else 1)
         feats = torch.cat([out.hidden_states[i + 1] for i in ids], dim=-1)
-        return TargetOutput(features=feats, logits=out.logits if logits else None)
+        return TargetOutput(features=feats, logits=out.logits if logits else None,
+                            last_hidden=out.hidden_states[-1] if last_hidden else None)
+
+    @torch.no_grad()
+    def greedy_at(self, last_hidden: torch.Tensor, rows: torch.Tensor,
+                  chunk_elements: int = GREEDY_CHUNK_ELEMENTS) -> torch.Tensor:
+        """The target's greedy next token ``[B, S]`` at the flat positions ``rows`` (indices into ``B * S``),
+        -1 elsewhere, from ``last_hidden [B, S, H]`` (:meth:`features` with ``last_hidden=True``).
+
+        The head runs on those rows only, ``chunk_elements // V`` rows at a time, so the ``[B, S, V]`` logits
+        are never formed; each row's logits, and so its argmax (first maximum, like
+        ``logits.max(-1).indices``), are the full head's. Only for a target with :attr:`greedy_from_hidden`.
+        """
+        head = self.hf.get_output_embeddings()
+        b, s, h = last_hidden.shape
+        flat = last_hidden.reshape(b * s, h)
+        greedy = torch.full((b * s,), -1, dtype=torch.long, device=last_hidden.device)
+        step = max(1, chunk_elements // head.out_features)
+        for lo in range(0, rows.shape[0], step):
+            r = rows[lo:lo + step]
+            # F.linear, not the module: a CPU FewRowLinear would pick a few-row kernel for a short chunk.
+            greedy[r] = torch.nn.functional.linear(flat[r], head.weight, head.bias).max(-1).indices
+        return greedy.view(b, s)
 
     def draft_config(self, **overrides: Any) -> DraftConfig:
         """A :class:`DraftConfig` whose geometry comes from this target; any override wins.

@@ -129,6 +129,9 @@ def sampled_alpha(out: ObjectiveOutput, sampling: Any) -> dict[str, Tensor] | No
     from dflash2_lightning.decode.sampling import probabilities
 
     teacher, sources = out.teacher, out.blocks.sources
+    if out.logits is None:
+        raise ValueError("the expected acceptance under sampling needs the draft's logits: run the objective "
+                         "with keep_logits=True (a chunked objective keeps none)")
     with torch.no_grad():
         if teacher is not None and teacher.logits is not None:
             p = probabilities(gather_positions(teacher.logits, sources), sampling)

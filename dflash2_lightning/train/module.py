@@ -54,7 +54,7 @@ from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.target import Target
 from dflash2_lightning.train.metrics import DraftMetrics, plot_acceptance
-from dflash2_lightning.train.objective import DraftObjective, ObjectiveOutput, Teacher
+from dflash2_lightning.train.objective import DraftObjective, ObjectiveOutput, Teacher, sample_anchors
 from dflash2_lightning.train.options import (DraftOptions, ExperimentalOptions, ExportOptions, ObjectiveOptions,
                                              OptimizerOptions, ValidationOptions, as_options)
 from dflash2_lightning.train.due_validation import DUE_KEY, run_due_validation, validation_due
@@ -62,6 +62,8 @@ from dflash2_lightning.train.resume_checks import TARGET_KEY, check_resume
 from dflash2_lightning.train.run_files import log_step_metrics_now
 
 REQUIRED_KEYS = ("input_ids", "loss_mask")
+# The batch's loss mask as it left the data loader, on the CPU (see DFlash2Module.transfer_batch_to_device).
+LOSS_MASK_CPU = "loss_mask_cpu"
 PLOT_NAME = "acceptance.png"
 MISSING_TARGET = ("model.init_args.target is missing: name the frozen target, e.g. "
                   "--model.init_args.target.path /models/Qwen3-8B (a local HF model directory), "
@@ -144,6 +146,8 @@ class DFlash2Module(pl.LightningModule):
         self.hparams["draft"]["target_layer_ids"] = list(self.draft_config.target_layer_ids or [])
         self.options = Options(draft, objective, optimizer, validation, export, experimental)
         self.draft = DraftModel(self.draft_config)
+        # Each parameter's dimensions before any wrapping (FSDP flattens them): what the weight-decay rule reads.
+        self._param_dims = {name: p.dim() for name, p in self.draft.named_parameters()}
         if experimental.init_from_target:  # a resumed run then loads its own weights over these
             from dflash2_lightning.train.warm_start import init_from_target as warm_start
 
@@ -264,6 +268,15 @@ class DFlash2Module(pl.LightningModule):
             run_due_validation(self.trainer, due)
 
     # ------------------------------------------------------------------ one forward
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Lightning's transfer, keeping the CPU loss mask beside the moved one (``LOSS_MASK_CPU``): anchors
+        are drawn from it on the CPU without waiting for the device."""
+        moved = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        mask = batch.get("loss_mask") if isinstance(batch, dict) else None
+        if isinstance(moved, dict) and isinstance(mask, Tensor) and mask.device.type == "cpu" and device.type != "cpu":
+            moved = {**moved, LOSS_MASK_CPU: mask}
+        return moved
+
     def _check_batch(self, batch: dict[str, Tensor]) -> None:
         missing = [k for k in REQUIRED_KEYS if k not in batch]
         if missing:
@@ -283,26 +296,40 @@ class DFlash2Module(pl.LightningModule):
         self._check_batch(batch)
         attention_mask = batch.get("attention_mask")
         offline = "features" in batch
+        # Anchors drawn on the CPU from the batch's CPU loss mask (kept by transfer_batch_to_device): no
+        # device-to-host copy, so no host sync; the same anchors the objective would draw itself.
+        mask_cpu = batch.get(LOSS_MASK_CPU, batch["loss_mask"]).cpu()
+        anchors_cpu = sample_anchors(mask_cpu, self.draft_config.block_size, self.objective.num_anchors, generator)
+        anchors = tuple(t.to(self.device, non_blocking=True) for t in anchors_cpu)
         tgt = self._target_ready(whole=not offline)
         if offline:
             features = batch["features"]
             teacher = Teacher(topk_values=batch.get("teacher_topk_values"),
                               topk_indices=batch.get("teacher_topk_indices"), greedy=batch.get("target_next"))
         else:
-            with torch.no_grad():
-                out = tgt.features(batch["input_ids"], attention_mask, self.draft_config.target_layer_ids)
-            features = out.features
-            # The logits also serve validation's expected acceptance under sampling (walk=True there).
+            # The full logits only where they are read (distillation, validation's sampled acceptance); else
+            # the greedy token only at the positions the blocks read, the head never over all S positions.
             keep = self.objective.token_loss == "kd" or (walk and self.val_metrics.sampled is not None)
-            teacher = Teacher(logits=out.logits if keep else None, greedy=out.logits.max(-1).indices)
+            full = keep or not tgt.greedy_from_hidden
+            with torch.no_grad():
+                out = tgt.features(batch["input_ids"], attention_mask, self.draft_config.target_layer_ids,
+                                   logits=full, last_hidden=not full)
+            features = out.features
+            if full:
+                teacher = Teacher(logits=out.logits if keep else None, greedy=out.logits.max(-1).indices)
+            else:
+                rows = source_rows(*anchors_cpu, batch["input_ids"].shape[1], self.draft_config.block_size)
+                teacher = Teacher(greedy=tgt.greedy_at(out.last_hidden, rows.to(self.device, non_blocking=True)))
         features = features.to(self.draft.fc.weight.dtype)
         if hasattr(self, "feature_scale"):
             if self.training and not bool(self.feature_scale_ready):
                 self._measure_feature_scale(features, attention_mask)
             features = features * self.feature_scale.to(features.dtype)
         embed, head = self._embed_head(tgt)
+        # Validation's expected acceptance under sampling reads the draft's logits: keep them in one piece there.
         return self.objective(self.draft, embed, head, batch["input_ids"], batch["loss_mask"], features,
-                              teacher, attention_mask, generator=generator, walk=walk)
+                              teacher, attention_mask, anchors=anchors, walk=walk,
+                              keep_logits=walk and self.val_metrics.sampled is not None)
 
     @torch.no_grad()
     def _measure_feature_scale(self, features: Tensor, attention_mask: Tensor | None) -> None:
@@ -390,17 +417,24 @@ class DFlash2Module(pl.LightningModule):
             plt.close(fig)
 
     # ------------------------------------------------------------------ optimisation
-    def configure_optimizers(self) -> dict[str, Any]:
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """AdamW's parameter groups: ``decay``, ``no_decay`` (norm gains, biases, the conv base kernels) and,
+        when ``selector_lr_scale != 1``, ``selector``.
+
+        Decided by each parameter's name and the shape it had on the unwrapped draft (recorded at
+        construction), not by the shape it has now: FSDP with ``use_orig_params`` turns every parameter into
+        a 1-D shard, and a ``p.dim() < 2`` rule on the shards would exempt all of them from weight decay.
+        """
         hp = self.options.optimizer
         selector_scale = self.options.experimental.selector_lr_scale
         decay, no_decay, selector = [], [], []
         for name, p in self.draft.named_parameters():
             if not p.requires_grad:
                 continue
+            name = unwrapped_name(name)
             if selector_scale != 1.0 and name.startswith("candidate_selector."):
                 selector.append(p)
-            # Norm gains and the conv base kernels are scales around 1 / the identity: do not pull them to 0.
-            elif p.dim() < 2 or name.endswith("base_kernel"):
+            elif not decays(name, self._param_dims):
                 no_decay.append(p)
             else:
                 decay.append(p)
@@ -409,7 +443,16 @@ class DFlash2Module(pl.LightningModule):
         if selector:  # a third group only when scaled, so checkpoints of two-group runs still resume
             groups.append({"params": selector, "weight_decay": hp.weight_decay, "lr": hp.lr * selector_scale,
                            "name": "selector"})
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        return groups
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.options.optimizer
+        # Fused AdamW (one kernel for all parameters) on CUDA. Not on the CPU, where torch 2.13 also has a
+        # fused kernel: it rounds differently from the for-each one, and the shipped CPU runs (tiny,
+        # quickstart) must stay bit-for-bit what they were.
+        fused = self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(self.parameter_groups(), lr=hp.lr, betas=tuple(hp.betas),
+                                      **({"fused": True} if fused else {}))
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = hp.warmup_steps if hp.warmup_steps is not None else int(round(hp.warmup_ratio * total))
         schedule = WarmupCosine(warmup, total, hp.min_lr_ratio)
@@ -479,6 +522,36 @@ class WarmupCosine:
             return (step + 1) / self.warmup
         progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# Prefixes that wrappers (FSDP, activation checkpointing, torch.compile) insert into parameter names.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name on the unwrapped module: the wrappers' inserted name parts removed."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def decays(name: str, dims: dict[str, int]) -> bool:
+    """Whether the draft parameter ``name`` (unwrapped) takes weight decay, from its recorded dimensions.
+
+    Norm gains and biases (fewer than 2 dimensions) and the conv base kernels are scales around 1 / the
+    identity: they are not pulled to 0.
+    """
+    if name not in dims:
+        raise KeyError(f"parameter {name!r} is not one of the draft's own: cannot decide its weight decay")
+    return dims[name] >= 2 and not name.endswith("base_kernel")
+
+
+def source_rows(anchors: Tensor, keep: Tensor, seq_len: int, block_size: int) -> Tensor:
+    """The flat positions (``b * seq_len + p``, sorted, unique) whose next-token prediction some block slot
+    reads (``p = min(a + k - 1, seq_len - 1)``, ``k = 1..block_size-1``, padded blocks included), from CPU anchors."""
+    sources = (anchors[:, :, None] + torch.arange(block_size - 1)).clamp(max=seq_len - 1)
+    flat = sources + seq_len * torch.arange(anchors.shape[0])[:, None, None]
+    return torch.unique(flat.reshape(-1))
 
 
 def _rate(hit: Tensor | None, valid: Tensor) -> Tensor:

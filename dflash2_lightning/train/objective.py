@@ -11,6 +11,9 @@ One training step, top to bottom (``B`` samples of length ``S``, ``N`` anchors, 
     logits, labels/teacher -----------> token loss (hard CE or soft distillation), position weights
     top-k(logits), selector ----------> selector loss over the candidates, teacher-forced predecessor
 
+    (above LOGITS_CHUNK_ELEMENTS logits: head, token loss, argmax, top-k and the gold logit per chunk of
+    slots, each chunk's logits recomputed in backward instead of kept: see "Chunked logits" below)
+
 Slot 0 of a block (the anchor) is never supervised: it is the token the target just verified. Slot
 ``k >= 1`` predicts ``input_ids[a + k]``; its teacher is the target's distribution at ``a + k - 1``
 (the position whose next-token prediction it is), and its teacher-forced predecessor for the selector
@@ -22,6 +25,16 @@ Teacher for soft distillation
     sparse* distribution ``softmax(values)`` over those k tokens (zero elsewhere). The values may be
     logits or log-probabilities: softmax is invariant to the constant between them. The cross entropy
     ``-sum_j p_j log q(idx_j)`` is exact for that truncated teacher.
+
+Chunked logits
+    At the recipe's size (256 anchors x 15 slots x 151,936 tokens) the draft's logits, their float32 copy
+    and the cross entropy's saved softmax take ~7-8 GB. Above :data:`LOGITS_CHUNK_ELEMENTS` logits the
+    head and everything taken from the logits (per-slot token loss, argmax, the selector's top-k and the
+    gold token's logit) run chunk by chunk over the slots under activation checkpointing: only the small
+    per-slot results are kept, and backward recomputes one chunk's logits at a time. Every per-slot
+    result is a function of its own row, so the chunked loss equals the one-piece loss up to the head
+    matmul's rounding; a problem at or below the threshold (every shipped CPU config) runs in one piece,
+    exactly as before. ``ObjectiveOutput.logits`` is then None unless ``keep_logits=True`` asks for it.
 
 Gold token outside the selector's top-k (``gold_outside_topk``)
     ``"insert_last"``: the gold token replaces the last candidate with its true draft logit as unary
@@ -52,6 +65,12 @@ LabelSource = Literal["data", "target"]
 PositionWeighting = Literal["none", "decay", "dpace"]
 GoldOutsideTopK = Literal["insert_last", "drop"]
 Fn = Callable[[Tensor], Tensor]
+
+
+# Logits elements (slots x vocabulary) above which the head and its losses run in chunks of at most this many
+# elements: 2**26 = 256 MiB per float32 copy of a chunk. The shipped CPU configs stay below it (tiny: 0.46 M,
+# quickstart: 19 M) and so run in one piece; the 8B recipe (583 M per sample) runs in ~9 chunks of 441 slots.
+LOGITS_CHUNK_ELEMENTS = 2**26
 
 
 class ObjectiveError(UserError, ValueError):
@@ -239,7 +258,8 @@ class Teacher:
     """What the target supplies for the loss and the metrics (all optional).
 
     ``logits [B, S, V]`` (online); ``topk_values``/``topk_indices [B, S, k]`` (offline cache);
-    ``greedy [B, S]``: the target's greedy next token at each position (argmax of its logits).
+    ``greedy [B, S]``: the target's greedy next token at each position (argmax of its logits); online it
+    may hold it only at the positions the blocks read (-1 elsewhere: :meth:`Target.greedy_at`).
     """
 
     logits: Tensor | None = None
@@ -257,7 +277,7 @@ class ObjectiveOutput:
     selector_loss: Tensor | None
     slot_loss: Tensor            # per-slot token loss (unweighted)
     slot_weight: Tensor          # final per-slot weight of the token loss (validity x position weight)
-    logits: Tensor               # [B, N, L, V] draft logits of the supervised slots
+    logits: Tensor | None        # [B, N, L, V] draft logits of the supervised slots (None when chunked)
     blocks: Blocks
     reference: Tensor            # the token a slot must produce to be accepted
     draft_tokens: Tensor         # backbone argmax
@@ -286,12 +306,14 @@ class DraftObjective:
             ModelOpt's convention) or ``"target"`` (the target's greedy token after the same data prefix,
             when the batch carries it). They agree on the target's own greedy responses; on sampled
             responses or other text ``"target"`` trains what greedy verification accepts.
+        logits_chunk_elements: above this many logits elements (slots x vocabulary) the head and its
+            losses run chunked (see the module docstring); at or below it, in one piece.
     """
 
     def __init__(self, token_loss: TokenLoss = "ce", position_weighting: PositionWeighting = "none",
                  decay_gamma: float = 7.0, dpace_alpha: float = 0.5, selector_loss_alpha: float = 1.0,
                  gold_outside_topk: GoldOutsideTopK = "insert_last", num_anchors: int = 256,
-                 labels: LabelSource = "data") -> None:
+                 labels: LabelSource = "data", logits_chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> None:
         check(token_loss in ("ce", "kd"), "token_loss", token_loss, "one of 'ce', 'kd'", error=ObjectiveError)
         check(position_weighting in ("none", "decay", "dpace"), "position_weighting", position_weighting,
                "one of 'none', 'decay', 'dpace'", error=ObjectiveError)
@@ -309,15 +331,21 @@ class DraftObjective:
         self.decay_gamma, self.dpace_alpha = decay_gamma, dpace_alpha
         self.selector_loss_alpha, self.gold_outside_topk = selector_loss_alpha, gold_outside_topk
         self.num_anchors = num_anchors
+        check(isinstance(logits_chunk_elements, int) and logits_chunk_elements >= 1, "logits_chunk_elements",
+              logits_chunk_elements, "an integer >= 1", error=ObjectiveError)
+        self.logits_chunk_elements = logits_chunk_elements
 
     def __call__(self, draft: DraftModel, embed: Fn, head: Fn, input_ids: Tensor, loss_mask: Tensor,
                  features: Tensor, teacher: Teacher | None = None, attention_mask: Tensor | None = None,
                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                 anchors: tuple[Tensor, Tensor] | None = None, walk: bool = False) -> ObjectiveOutput:
+                 anchors: tuple[Tensor, Tensor] | None = None, walk: bool = False,
+                 keep_logits: bool = False) -> ObjectiveOutput:
         """Sample anchors (or take ``anchors = (positions, keep)``), run the draft once, compute the loss.
 
         ``features [B, S, n_t*H]`` are the target's features at every position; ``walk=True`` also runs
-        the selector's greedy walk over each block (for the acceptance metrics; no gradient).
+        the selector's greedy walk over each block (for the acceptance metrics; no gradient);
+        ``keep_logits=True`` computes the logits in one piece and returns them even above the chunking
+        threshold (for callers that read ``out.logits``).
         """
         cfg = draft.config
         teacher = teacher or Teacher()
@@ -342,19 +370,28 @@ class DraftObjective:
         # Slot 0 is the anchor: never predicted. Contiguous, so the head is one [B*N*L, H] x [H, V] matmul
         # (a strided 4-D input makes torch fall back to a batched matmul ~10x slower on CPU).
         hidden = hidden.view(b, n, bs, -1)[:, :, 1:].contiguous()
-        logits = head(hidden.view(-1, hidden.shape[-1])).view(b, n, bs - 1, -1)  # [B, N, L, V]
-
-        # Token loss and its position weights.
-        if self.token_loss == "ce":
-            slot_loss = hard_cross_entropy(logits, blocks.labels)
-        elif teacher.logits is not None:
-            slot_loss = soft_cross_entropy(logits, gather_positions(teacher.logits, blocks.sources))
-        elif teacher.topk_values is not None and teacher.topk_indices is not None:
-            slot_loss = sparse_soft_cross_entropy(logits, gather_positions(teacher.topk_values, blocks.sources),
-                                                  gather_positions(teacher.topk_indices, blocks.sources))
-        else:
+        selector = draft.candidate_selector
+        top_k = selector.top_k if selector is not None else 0
+        insert_gold = selector is not None and self.gold_outside_topk == "insert_last"
+        if self.token_loss == "kd" and teacher.logits is None and (teacher.topk_values is None
+                                                                   or teacher.topk_indices is None):
             raise ObjectiveError("token_loss='kd' needs the target's logits (online) or the cached "
                                  "teacher_topk_values/teacher_topk_indices (offline); the batch has neither")
+        rows = b * n * (bs - 1)
+        if keep_logits or rows * cfg.vocab_size <= self.logits_chunk_elements:
+            # In one piece, as it always was.
+            logits = head(hidden.view(-1, hidden.shape[-1])).view(b, n, bs - 1, -1)  # [B, N, L, V]
+            slot_loss = self._token_loss(logits, blocks.labels, teacher, blocks.sources)
+            # max().indices: argmax's first-maximum rule, ~2.5x cheaper than argmax over a CPU vocabulary.
+            draft_tokens = logits.max(-1).indices
+            unary, cand = logits.topk(top_k, dim=-1) if top_k else (None, None)  # [B, N, L, K], descending
+            gold_unary = logits.gather(-1, blocks.labels[..., None]) if insert_gold else None
+        else:
+            logits = None
+            chunk_rows = max(1, self.logits_chunk_elements // cfg.vocab_size)
+            slot_loss, draft_tokens, unary, cand, gold_unary = self._chunked_head(
+                head, hidden, blocks, teacher, top_k, insert_gold, chunk_rows)
+
         valid = blocks.valid
         weight = valid.float()
         if self.position_weighting == "decay":
@@ -367,20 +404,77 @@ class DraftObjective:
         reference = gather_positions(teacher.greedy, blocks.sources) if teacher.greedy is not None else (
             gather_positions(teacher.logits, blocks.sources).argmax(-1) if teacher.logits is not None
             else blocks.labels)
-        # max().indices: argmax's first-maximum rule, ~2.5x cheaper than argmax over a CPU vocabulary.
         out = ObjectiveOutput(loss=token_loss, token_loss=token_loss, selector_loss=None, slot_loss=slot_loss,
                               slot_weight=weight, logits=logits, blocks=blocks, reference=reference,
-                              draft_tokens=logits.max(-1).indices, teacher=teacher)
-        selector = draft.candidate_selector
+                              draft_tokens=draft_tokens, teacher=teacher)
         if selector is not None:
-            self._selector_terms(out, selector, hidden, walk)
+            self._selector_terms(out, selector, hidden, unary, cand, gold_unary, walk)
         return out
 
-    def _selector_terms(self, out: ObjectiveOutput, selector: CandidateSelector, hidden: Tensor,
-                        walk: bool) -> None:
-        """The DFlash2 selector loss (teacher-forced) and the selector metrics' inputs, filled into ``out``."""
-        blocks, logits = out.blocks, out.logits
-        unary, cand = logits.topk(selector.top_k, dim=-1)  # [B, N, L, K], sorted descending
+    def _token_loss(self, logits: Tensor, labels: Tensor, teacher: Teacher, sources: Tensor) -> Tensor:
+        """Per-slot token loss of ``logits [..., V]`` (the slots at ``sources``, with ``labels``)."""
+        if self.token_loss == "ce":
+            return hard_cross_entropy(logits, labels)
+        if teacher.logits is not None:
+            return soft_cross_entropy(logits, gather_positions(teacher.logits, sources))
+        return sparse_soft_cross_entropy(logits, gather_positions(teacher.topk_values, sources),
+                                         gather_positions(teacher.topk_indices, sources))
+
+    def _chunked_head(self, head: Fn, hidden: Tensor, blocks: Blocks, teacher: Teacher, top_k: int,
+                      insert_gold: bool, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
+                                                                   Tensor | None]:
+        """The head and what is taken from its logits, ``chunk_rows`` slots at a time.
+
+        Returns ``(slot_loss, draft_tokens, unary, candidates, gold_unary)`` shaped like the one-piece
+        path's. Each chunk runs under non-reentrant activation checkpointing: its ``[chunk, V]`` logits
+        are freed after the forward and recomputed in backward, so at most one chunk's logits (and their
+        gradient) exist at a time.
+        """
+        from torch.utils.checkpoint import checkpoint
+
+        shape = blocks.labels.shape  # [B, N, L]
+        flat_hidden = hidden.view(-1, hidden.shape[-1])
+        labels, sources = blocks.labels.reshape(-1), blocks.sources.reshape(-1)
+        # Each slot's (sample, source position), to gather a chunk's teacher rows without the [B, N, L, V] copy.
+        sample = torch.arange(shape[0], device=hidden.device).repeat_interleave(shape[1] * shape[2])
+
+        def one_chunk(h: Tensor, lab: Tensor, smp: Tensor, src: Tensor) -> tuple[Tensor, ...]:
+            logits = head(h)  # [chunk, V]
+            if self.token_loss == "ce":
+                loss = hard_cross_entropy(logits, lab)
+            elif teacher.logits is not None:
+                loss = soft_cross_entropy(logits, teacher.logits[smp, src])
+            else:
+                loss = sparse_soft_cross_entropy(logits, teacher.topk_values[smp, src], teacher.topk_indices[smp, src])
+            outs = [loss, logits.max(-1).indices]
+            if top_k:
+                outs.extend(logits.topk(top_k, dim=-1))
+            if insert_gold:
+                outs.append(logits.gather(-1, lab[:, None]))
+            return tuple(outs)
+
+        grad = torch.is_grad_enabled() and hidden.requires_grad
+        pieces = []
+        for lo in range(0, flat_hidden.shape[0], chunk_rows):
+            args = (flat_hidden[lo:lo + chunk_rows], labels[lo:lo + chunk_rows], sample[lo:lo + chunk_rows],
+                    sources[lo:lo + chunk_rows])
+            pieces.append(checkpoint(one_chunk, *args, use_reentrant=False) if grad else one_chunk(*args))
+        joined = [torch.cat(parts) for parts in zip(*pieces)]
+        slot_loss, draft_tokens = joined[0].view(shape), joined[1].view(shape)
+        unary = cand = gold_unary = None
+        if top_k:
+            unary, cand = joined[2].view(*shape, top_k), joined[3].view(*shape, top_k)
+        if insert_gold:
+            gold_unary = joined[-1].view(*shape, 1)
+        return slot_loss, draft_tokens, unary, cand, gold_unary
+
+    def _selector_terms(self, out: ObjectiveOutput, selector: CandidateSelector, hidden: Tensor, unary: Tensor,
+                        cand: Tensor, gold_unary: Tensor | None, walk: bool) -> None:
+        """The DFlash2 selector loss (teacher-forced) and the selector metrics' inputs, filled into ``out``.
+
+        ``unary, cand [B, N, L, K]``: the draft logits' top-k values and tokens; ``gold_unary [B, N, L, 1]``:
+        the gold token's draft logit (``insert_last`` only)."""
+        blocks = out.blocks
         scores = selector.score_candidates(cand, unary, hidden, blocks.predecessors)
         gold = blocks.labels
         gold_in = cand == gold[..., None]
@@ -389,7 +483,6 @@ class DraftObjective:
         sel_weight = blocks.valid.float()
         if self.gold_outside_topk == "insert_last":
             # Score the gold token as the last candidate, with its own draft logit as unary.
-            gold_unary = logits.gather(-1, gold[..., None])
             gold_score = selector.score_candidates(gold[..., None], gold_unary, hidden, blocks.predecessors)
             last = torch.zeros_like(gold_in)
             last[..., -1] = True

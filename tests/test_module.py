@@ -128,6 +128,26 @@ def test_warmup_cosine_schedule():
     assert math.isclose(schedule(100), 0.1)
 
 
+def test_a_resume_with_more_steps_follows_the_new_schedule(tmp_path):
+    """Extending a finished run (a larger max_steps on resume) stretches the cosine to the new total; it does
+    not keep the checkpoint's total and train on at the final rate."""
+    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    options = grouped(lr=1e-2, warmup_ratio=0.0, min_lr_ratio=0.0, **SMALL)
+    first = _trainer(tmp_path, max_steps=2)
+    first.fit(DFlash2Module(target=SPEC, **options), train_dataloaders=loader)
+    assert first.optimizers[0].param_groups[0]["lr"] == 0.0  # the end of a cosine to 0: the old total was 2
+    first.save_checkpoint(tmp_path / "two.ckpt")
+    saved = {k: v.clone() for k, v in first.lightning_module.draft.state_dict().items()}
+    resumed = _trainer(tmp_path, max_steps=6)
+    model = DFlash2Module(target=SPEC, **options)
+    resumed.fit(model, train_dataloaders=loader, ckpt_path=tmp_path / "two.ckpt")
+    assert resumed.global_step == 6
+    assert any(not torch.equal(saved[k], v) for k, v in model.draft.state_dict().items())  # it trained (lr > 0)
+    assert not any(resumed.lr_scheduler_configs[0].scheduler.state_dict()["lr_lambdas"])  # no total saved
+    # after 6 of 6 steps the stretched cosine is at its end; at step 4 of it, lr was still well above 0
+    assert math.isclose(resumed.lr_scheduler_configs[0].scheduler.lr_lambdas[0](4), WarmupCosine(0, 6, 0.0)(4))
+
+
 class _Batches(torch.utils.data.Dataset):
     def __init__(self, items):
         self.items = items

@@ -456,7 +456,10 @@ class DFlash2Module(pl.LightningModule):
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = hp.warmup_steps if hp.warmup_steps is not None else int(round(hp.warmup_ratio * total))
         schedule = WarmupCosine(warmup, total, hp.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        # Passed as a plain function: LambdaLR saves a callable object's attributes in the checkpoint and
+        # restores them over the new ones, so a resume with a larger max_steps would keep the old total and
+        # train on at the final rate. The schedule follows the run that resumes.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     # ------------------------------------------------------------------ checkpoints and export

@@ -244,3 +244,28 @@ def test_sliding_window_limits_context(tiny_draft_config, randomized_draft):
         near = features.clone()
         near[:, 11] += 1.0
         assert not torch.equal(model(noise, pos, model.context_kv(near, ctx_pos)), ref)
+
+
+def test_selector_gradients_are_the_same_on_every_run():
+    """Training on 2 CPU threads is reproducible only if a codebook row's gradients are summed in a fixed
+    order; indexing's backward adds them atomically from several threads and varied from run to run."""
+    from dflash2_lightning.model.selector import CandidateSelector
+
+    torch.manual_seed(0)
+    selector = CandidateSelector(hidden_size=32, vocab_size=4096, rank=32, top_k=8, std=0.02)
+    nn.init.normal_(selector.successor_codebook, std=0.02)
+    cand = torch.randint(0, 64, (8, 16, 3, 8))  # few distinct tokens: every row gathers many gradients
+    predecessor = torch.randint(0, 64, (8, 16, 3))
+    hidden, unary = torch.randn(8, 16, 3, 32), torch.randn(8, 16, 3, 8)
+    upstream = torch.randn(8, 16, 3, 8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for _ in range(6):
+            selector.zero_grad(set_to_none=True)
+            selector.score_candidates(cand, unary, hidden, predecessor).backward(upstream)
+            grads.append([p.grad.clone() for p in selector.parameters()])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(g, h) for run in grads[1:] for g, h in zip(grads[0], run))

@@ -14,6 +14,7 @@ fresh selector reproduces the backbone's own ranking.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash2_lightning.ops import lattice_walk
@@ -31,8 +32,10 @@ class CandidateSelector(nn.Module):
 
     def score_candidates(self, cand: Tensor, unary: Tensor, hidden: Tensor, predecessor: Tensor) -> Tensor:
         """Selector logits ``[..., K]`` for candidates ``cand [..., K]`` after a known ``predecessor [...]``."""
-        context = self.predecessor_codebook[predecessor] * self.hidden_projection(hidden)
-        successor = self.successor_codebook[cand]
+        # F.embedding, not codebook[ids]: the same rows forward, but its backward sums a row's gradients in a
+        # fixed order, where indexing's backward adds them atomically from several CPU threads (run-to-run noise).
+        context = F.embedding(predecessor, self.predecessor_codebook) * self.hidden_projection(hidden)
+        successor = F.embedding(cand, self.successor_codebook)
         transition = torch.einsum("...r,...kr->...k", context.to(successor.dtype), successor)
         return unary + transition
 

@@ -267,8 +267,11 @@ class Target(nn.Module):
                 "fingerprint": self.fingerprint()}
 
     def _compute_fingerprint(self) -> str:
-        # Where the config was loaded from and the library version do not change the model.
-        cfg = {k: v for k, v in self.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+        # Where the config was loaded from and the library version do not change the model; nor do the
+        # entries save_pretrained fills in (architectures, dtype: each tensor's dtype is hashed below), so a
+        # target hashes the same before and after it is saved, and as its saved copy.
+        cfg = {k: v for k, v in self.config.to_dict().items()
+               if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}
         h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
         for name, p in self.hf.state_dict().items():
             flat = p.detach().reshape(-1)

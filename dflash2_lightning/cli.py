@@ -5,7 +5,7 @@ writes. ``fit`` and ``validate`` are Lightning's ``LightningCLI``
 (:mod:`dflash2_lightning.train.lightning_cli`); every other action is a function of its stage, imported
 only when it runs, so ``dflash2 eval`` never loads Lightning's trainer and ``dflash2 --help`` is instant.
 
-Every action runs under :func:`dflash2_lightning.errors.run_command`: a user error is one
+Every action runs under :func:`dflash2_lightning.reporting.run_command`: a user error is one
 ``dflash2: error: <what>, <where>, <what to do>`` line on stderr and exit status 2; a traceback only
 with ``--debug`` or for a bug.
 """
@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dflash2_lightning.errors import USER_EXIT, print_error, run_command, split_debug
+from dflash2_lightning.errors import USER_EXIT
+from dflash2_lightning.reporting import print_error, run_command, split_debug
 
 
 @dataclass(frozen=True)

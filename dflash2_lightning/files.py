@@ -160,7 +160,7 @@ def check_writable(path: str | os.PathLike, directory: bool = False) -> None:
     (or a file where a directory is), a file among its parents, a read-only file system, no permission.
 
     Raises the ``OSError`` the write would raise, naming ``path``; the command's error handler
-    (:func:`dflash2_lightning.errors.describe_os_error`) turns it into one line saying what to do.
+    (:func:`dflash2_lightning.reporting.describe_os_error`) turns it into one line saying what to do.
     """
     path = Path(path).expanduser()
     if path.exists():

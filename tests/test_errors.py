@@ -16,7 +16,7 @@ from dflash2_lightning.data import feature_cache as data
 from dflash2_lightning.train.lightning_cli import replace_target_overrides
 from dflash2_lightning.train.config_messages import explain
 from dflash2_lightning.data.records import DataError
-from dflash2_lightning.errors import run_command, split_debug
+from dflash2_lightning.reporting import run_command, split_debug
 from dflash2_lightning.threads import timing_warning
 
 NOT_ACCEPTED = """Parser key "model":
@@ -161,7 +161,7 @@ def test_os_and_network_errors_are_one_line_user_errors(tmp_path):
     import errno
     import urllib.error
 
-    from dflash2_lightning.errors import describe, find_user_error
+    from dflash2_lightning.reporting import describe, find_user_error
 
     (tmp_path / "afile").write_text("x")
     cases = [

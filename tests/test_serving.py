@@ -195,7 +195,8 @@ def flag(argv: list[str], name: str) -> str:
 
 @pytest.mark.parametrize("projector", ["dflash2", "dflash"])
 def test_serve_help_writes_commands_with_this_checkpoints_numbers(tiny_draft_config, tmp_path, projector, capsys):
-    cfg = tiny_draft_config(projector_type=projector, block_size=8, selector_top_k=8)
+    # selector_top_k 4: a power of two (SGLang) that fits llama.cpp's lattice at hidden 32 (k * (k + 1) <= H)
+    cfg = tiny_draft_config(projector_type=projector, block_size=8, selector_top_k=4)
     draft = save_draft(DraftModel(cfg), tmp_path / "draft", dtype="bfloat16")
     target = write_target(tmp_path / "target")
     assert cli.main(["serve-help", "--draft", str(draft), "--target", str(target)]) == 0

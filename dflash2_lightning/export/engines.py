@@ -115,6 +115,14 @@ class TargetInfo:
         return where
 
 
+def llama_cpp_max_top_k(hidden_size: int) -> int:
+    """The largest ``selector_top_k`` llama.cpp's selector lattice takes at ``hidden_size`` (k * (k + 1) <= H)."""
+    k = 1
+    while (k + 1) * (k + 2) <= hidden_size:
+        k += 1
+    return k
+
+
 def choose_export_dtype(requested: str | None, target: TargetInfo | None) -> tuple[str, str]:
     """The dtype to export a draft in, and why (one sentence, printed at export and kept in SERVING.md).
 
@@ -160,8 +168,6 @@ def engine_findings(cfg: DraftConfig, target: TargetInfo | None = None,
             "selector-walk kernel uses tl.arange(0, top_k) and fails to compile (vLLM and llama.cpp pad).",
             f"retrain with selector_top_k={up} or {up >> 1} to serve with SGLang"))
     if cfg.is_dflash2 and cfg.hidden_size < cfg.selector_top_k * (cfg.selector_top_k + 1):
-        from dflash2_lightning.export.gguf import llama_cpp_max_top_k
-
         fits = llama_cpp_max_top_k(cfg.hidden_size)
         found.append(Finding(
             "warning", LLAMA_CPP, f"selector_top_k={cfg.selector_top_k} is too large for llama.cpp at hidden_size "

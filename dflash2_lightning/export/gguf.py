@@ -46,6 +46,7 @@ import torch
 
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.errors import UserError
+from dflash2_lightning.export.engines import llama_cpp_max_top_k
 
 ARCH = "dflash"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -103,14 +104,6 @@ def check_llama_cpp_limits(cfg: DraftConfig) -> None:
             "with llama.cpp (vLLM and SGLang serve it as it is)")
     if cfg.mask_token_id < 0 or cfg.mask_token_id >= cfg.vocab_size:
         raise GGUFExportError(f"mask_token_id={cfg.mask_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
-
-
-def llama_cpp_max_top_k(hidden_size: int) -> int:
-    """The largest ``selector_top_k`` llama.cpp's selector lattice takes at ``hidden_size`` (k * (k + 1) <= H)."""
-    k = 1
-    while (k + 1) * (k + 2) <= hidden_size:
-        k += 1
-    return k
 
 
 def storage_type(gguf_name: str, shape: Sequence[int], outtype: str) -> Any:

@@ -420,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         llama = ensure_llama_cpp(jobs=args.jobs, sdist=args.sdist)
     except LlamaCppError as error:
-        from dflash2_lightning.errors import USER_EXIT, print_error
+        from dflash2_lightning.errors import USER_EXIT
+        from dflash2_lightning.reporting import print_error
 
         print_error(str(error))
         return USER_EXIT

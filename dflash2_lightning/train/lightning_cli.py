@@ -58,7 +58,7 @@ from dflash2_lightning.train.run_files import AtomicCheckpointIO
 from dflash2_lightning.config import ConfigError
 from dflash2_lightning.data.records import DataError
 from dflash2_lightning.data.datamodule import DraftDataModule
-from dflash2_lightning.errors import run_command
+from dflash2_lightning.reporting import run_command
 from dflash2_lightning.train.module import MISSING_TARGET, DFlash2Module
 from dflash2_lightning.train.resume_checks import check_resume, peek_checkpoint, resolve_ckpt_path
 from dflash2_lightning.train.run_lock import RunLock
@@ -351,7 +351,7 @@ def fit_summary(trainer: Trainer, model: Any) -> str:
 
 def user_error(error: BaseException) -> BaseException | None:
     """The first user error (``ConfigError`` and friends, a bad path) in ``error``'s chain."""
-    from dflash2_lightning.errors import find_user_error
+    from dflash2_lightning.reporting import find_user_error
 
     return find_user_error(error)
 

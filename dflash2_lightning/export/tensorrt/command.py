@@ -29,7 +29,7 @@ import argparse
 from pathlib import Path
 from typing import Optional, Sequence
 
-from dflash2_lightning.errors import print_error
+from dflash2_lightning.reporting import print_error
 from dflash2_lightning.export.tensorrt.build import (EXIT_BUILD, EXIT_MISMATCH, EXIT_MISSING, EXIT_OK, GraphFiles,
                                                      build_engine, compare_outputs, find_graphs, missing_requirements,
                                                      parse_range, profile_shapes, random_inputs, read_graph,

@@ -165,8 +165,8 @@ def step_flops(cfg: DraftConfig, seq: int, anchors: int) -> float:
     h, q, kv = cfg.hidden_size, anchors * cfg.block_size, cfg.num_key_value_heads * cfg.head_dim
     qd = cfg.num_attention_heads * cfg.head_dim
     fwd = 2 * seq * len(cfg.target_layer_ids) * h * h
-    per_layer = (2 * seq * h * 2 * kv + 2 * q * h * (qd + 2 * kv) + 2 * q * qd * h + 2 * q * 3 * h * cfg.intermediate_size
-                 + 2 * 2 * q * (seq / 2 + cfg.block_size) * qd)
+    per_layer = (2 * seq * h * 2 * kv + 2 * q * h * (qd + 2 * kv) + 2 * q * qd * h
+                 + 2 * q * 3 * h * cfg.intermediate_size + 2 * 2 * q * (seq / 2 + cfg.block_size) * qd)
     fwd += cfg.num_hidden_layers * per_layer + 2 * anchors * (cfg.block_size - 1) * h * cfg.vocab_size
     return 3.0 * fwd
 

@@ -13,6 +13,7 @@ import torch
 
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
+from gpu_record import DRY_RUN_OPTION, GpuRecord, record_path
 
 # Small enough for a 2-core CI box, big enough to exercise GQA (4 heads / 2 KV heads), several
 # target features (3 ids) and conv groups (hidden 32 / group 8 = 4 groups).
@@ -98,10 +99,31 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(DRY_RUN_OPTION, action="store_true", default=False,
+                     help="run the GPU check (tests marked gpu_dry_run) on the CPU at a scaled-down geometry, "
+                          "so that it does not rot where no GPU is (tests/test_gpu_check_dry.py runs it)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"gpu_dry_run: a gpu test that also runs on the CPU under {DRY_RUN_OPTION}")
+
+
+@pytest.fixture(scope="session")
+def gpu_record(request: pytest.FixtureRequest):
+    """The GPU check's JSON record (tests/gpu_record.py), written after each check and at session end."""
+    record = GpuRecord(record_path(Path(str(request.config.rootpath))), request.config.getoption(DRY_RUN_OPTION))
+    yield record
+    record.data["finished"] = True
+    record.write()
+
+
 def _needs(item: pytest.Item) -> str | None:
     """What a ``gpu`` / ``tensorrt`` test needs that this machine lacks, or None."""
     import importlib.util
 
+    if item.get_closest_marker("gpu_dry_run") and item.config.getoption(DRY_RUN_OPTION):
+        return None  # runs on the CPU at the dry geometry
     if item.get_closest_marker("gpu") and not torch.cuda.is_available():
         return "a CUDA device"
     if item.get_closest_marker("tensorrt") and importlib.util.find_spec("tensorrt") is None:

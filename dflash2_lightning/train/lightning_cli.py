@@ -428,7 +428,9 @@ class _DropMessages(logging.Filter):
 
 def quiet_lightning() -> None:
     """Silence what says nothing about this run: Lightning's litlogger tip, a torch-internal deprecation
-    warning, and the logging-interval warning (``log_every_n_steps`` counts steps across epochs here)."""
+    warning, the logging-interval warning (``log_every_n_steps`` counts steps across epochs here), and the
+    notice that the module's ``transfer_batch_to_device`` wins over the DataModule's (it is meant to: it keeps
+    the loss mask's CPU copy; the DataModule defines none)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
@@ -436,6 +438,7 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated.*")
     warnings.filterwarnings("ignore", message=r"The number of training batches .* is smaller than the logging interval")
+    warnings.filterwarnings("ignore", message=r"You have overridden `transfer_batch_to_device` in `LightningModule`")
 
 
 def _config_files(argv: Sequence[str]) -> list[str]:

@@ -341,7 +341,8 @@ def _loss_and_grads(objective, draft, target, ids, features, teacher, anchors):
 def test_chunked_logits_equal_the_one_piece_loss_and_gradients(tiny_draft_config, token_loss, teacher_kind,
                                                                weighting, gold):
     """Chunks of 7 slots (not a divisor of the 2 x 3 x 7 = 42 slots, so the last chunk is short) against one
-    piece: the same slot losses, argmax, top-k, selector inputs and loss; gradients to float32 rounding
+    piece: the same argmax, top-k and coverage; slot losses, selector scores and loss to float32 rounding;
+    gradients to float32 rounding
     (torch.allclose rtol=1e-5, atol=1e-7: the recomputed chunk's head backward sums in other groupings)."""
     cfg = tiny_draft_config(block_size=8, selector_top_k=8)
     draft, target, ids, features = _setup(cfg, seq=32)
@@ -356,9 +357,12 @@ def test_chunked_logits_equal_the_one_piece_loss_and_gradients(tiny_draft_config
     chunked, g_chunked = _loss_and_grads(DraftObjective(**kw, logits_chunk_elements=7 * cfg.vocab_size), draft,
                                          target, ids, features, teacher, anchors)
     assert whole.logits is not None and chunked.logits is None  # chunked: no [B, N, L, V] tensor kept
-    for name in ("slot_loss", "draft_tokens", "selector_candidates", "selector_scores", "covered",
-                 "selector_correct"):
+    for name in ("draft_tokens", "selector_candidates", "covered", "selector_correct"):
         assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    # Values to float32 rounding, not bit for bit: a GEMM over 7 rows may block its sums otherwise than one
+    # over all 42 (bitwise alone, but not after other tests have warmed other BLAS paths in the same process).
+    for name in ("slot_loss", "selector_scores"):
+        assert torch.allclose(getattr(chunked, name), getattr(whole, name), rtol=1e-6, atol=1e-6), name
     assert torch.allclose(chunked.loss, whole.loss, rtol=1e-6, atol=0)
     assert g_whole.keys() == g_chunked.keys() and len(g_whole) > 10
     for name, grad in g_whole.items():

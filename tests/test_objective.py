@@ -342,8 +342,9 @@ def test_chunked_logits_equal_the_one_piece_loss_and_gradients(tiny_draft_config
                                                                weighting, gold):
     """Chunks of 7 slots (not a divisor of the 2 x 3 x 7 = 42 slots, so the last chunk is short) against one
     piece: the same argmax, top-k and coverage; slot losses, selector scores and loss to float32 rounding;
-    gradients to float32 rounding
-    (torch.allclose rtol=1e-5, atol=1e-7: the recomputed chunk's head backward sums in other groupings)."""
+    gradients to float32 rounding, per parameter as ||g_chunked - g_whole|| <= 1e-5 ||g_whole|| (the recomputed
+    chunk's head backward sums in other groupings: with 2 threads about 4e-7, a few float32 ulps; an element-wise
+    tolerance fails on the gradients' near-zero entries, a lost or doubled chunk is off by order 1)."""
     cfg = tiny_draft_config(block_size=8, selector_top_k=8)
     draft, target, ids, features = _setup(cfg, seq=32)
     gen = torch.Generator().manual_seed(5)
@@ -366,7 +367,7 @@ def test_chunked_logits_equal_the_one_piece_loss_and_gradients(tiny_draft_config
     assert torch.allclose(chunked.loss, whole.loss, rtol=1e-6, atol=0)
     assert g_whole.keys() == g_chunked.keys() and len(g_whole) > 10
     for name, grad in g_whole.items():
-        assert torch.allclose(g_chunked[name], grad, rtol=1e-5, atol=1e-7), name
+        assert (g_chunked[name] - grad).norm() <= 1e-5 * grad.norm(), name
 
 
 def test_small_problems_run_in_one_piece_bitwise(tiny_draft_config):

@@ -368,8 +368,10 @@ class DFlash2Module(pl.LightningModule):
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         out = self.forward_batch(batch, self._train_generator(batch_idx))
-        finite = bool(torch.isfinite(out.loss.detach()))
-        if not self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+        # Ranks whose loss is not finite, summed on the device: one host sync per step (reduce_boolean_decision
+        # would take two, its bool() and the reduced result's).
+        nonfinite = (~torch.isfinite(out.loss.detach())).to(torch.float32)
+        if self.trainer.strategy.reduce(nonfinite, reduce_op="sum").item() > 0:
             raise NonFiniteLossError(
                 f"non-finite loss at global step {self.global_step}, batch index {batch_idx} "
                 f"(this rank's loss: {out.loss.item()}, token loss: {out.token_loss.item()}"

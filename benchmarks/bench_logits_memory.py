@@ -21,17 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from record import load_average, machine, write_json
+from record import load_average, machine, memory_status, write_json
 
 RESULT = Path(__file__).parent / "results" / "bench_logits_memory.json"
-
-
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` memory field in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def one_step(mode: str, anchors: int, seq_len: int, vocab: int) -> dict[str, float]:
@@ -57,13 +49,13 @@ def one_step(mode: str, anchors: int, seq_len: int, vocab: int) -> dict[str, flo
     features = torch.randn(1, seq_len, 64)
     mask = torch.ones(1, seq_len, dtype=torch.bool)
     objective = DraftObjective(num_anchors=anchors, position_weighting="decay")
-    before = _status("VmRSS")
+    before = memory_status("VmRSS")
     start = time.perf_counter()
     out = objective(draft, embed_tokens, lm_head, ids, mask, features, Teacher(),
                     generator=torch.Generator().manual_seed(0), keep_logits=mode == "one_piece")
     out.loss.backward()
     seconds = time.perf_counter() - start
-    return {"peak_bytes": _status("VmHWM") - before, "seconds": seconds, "loss": float(out.loss),
+    return {"peak_bytes": memory_status("VmHWM") - before, "seconds": seconds, "loss": float(out.loss),
             "fc_grad_norm": float(draft.fc.weight.grad.norm()),
             "logits_elements": out.blocks.valid.numel() * vocab}
 

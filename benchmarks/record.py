@@ -17,7 +17,7 @@ from typing import Any
 
 from dflash2_lightning.threads import load_average, timing_warning
 
-__all__ = ["load_average", "machine", "loaded_label", "write_json"]
+__all__ = ["load_average", "machine", "loaded_label", "memory_status", "write_json"]
 
 
 def machine(threads: int | None, load_before: list[float] | None,
@@ -50,3 +50,11 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
+
+
+def memory_status(field: str) -> int:
+    """A ``/proc/self/status`` memory field in bytes (``VmRSS`` now, ``VmHWM`` the resident high-water mark)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)

@@ -36,6 +36,7 @@ from module_helpers import grouped
 WORLD = 2
 LAYERS = 3
 MAX_NORM = 1e-3  # far below the gradients' norm: clipping must act
+LR = 1e-2  # one AdamW step at weight_decay 0.1: a parameter in the wrong group moves by LR * 0.1 * itself
 SETTINGS = dict(block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=8, num_anchors=4,
                 num_hidden_layers=LAYERS, weight_decay=0.1)
 
@@ -90,7 +91,9 @@ def worker(rank: int, init: str, out: str) -> None:
         report["reference_grad_norm"] = float(torch.linalg.vector_norm(torch.stack(
             [p.grad.norm() for p in reference.draft.parameters() if p.grad is not None])))
         report["reference_groups"] = group_names(reference)
-        report["reference_state"] = {k: v.detach().clone() for k, v in build_module().state_dict().items()}
+        torch.nn.utils.clip_grad_norm_(reference.draft.parameters(), MAX_NORM)
+        torch.optim.AdamW(reference.parameter_groups(), lr=LR).step()
+        report["reference_state"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
 
         # Lightning's stock precision config under bf16-mixed: what the draft's buffers would become.
         stock = build_module()
@@ -125,6 +128,7 @@ def worker(rank: int, init: str, out: str) -> None:
         local = torch.stack([p.grad.float().pow(2).sum() for p in wrapped.parameters() if p.grad is not None]).sum()
         dist.all_reduce(local)
         report["grad_norm_after"] = float(local.sqrt())
+        torch.optim.AdamW(module.parameter_groups(), lr=LR).step()  # on the shards, groups as configure_optimizers
 
         # The full state dict gathered on rank 0, as the HF export reads it (offload_to_cpu=False: the CPU is the
         # device here; Lightning offloads to it from the GPUs).
@@ -181,11 +185,18 @@ def test_clipping_by_norm_acts_on_the_norm_over_all_shards(reports: list[dict[st
         assert report["grad_norm_after"] == pytest.approx(MAX_NORM, rel=1e-3)
 
 
-def test_the_gathered_state_dict_has_the_unwrapped_names_and_weights(reports: list[dict[str, Any]]) -> None:
+def test_a_clipped_step_on_the_shards_gathers_to_the_unwrapped_modules_step(reports: list[dict[str, Any]]) -> None:
+    """Clipping, then one AdamW step with the weight-decay groups, on the shards; the full state dict gathered on
+    rank 0 has the unwrapped names and the unwrapped module's weights after the same clipped step."""
     state, reference = reports[0]["state"], reports[0]["reference_state"]
     assert reports[1]["state"] == {}  # rank 0 alone gathers (and writes the export)
     assert set(state) == set(reference)
-    assert all(torch.equal(state[k], reference[k]) for k in reference)  # the weights before any step
+    initial = build_module().state_dict()
+    # Every tensor moved; the predecessor codebook (zero gradient while the successor codebook is zero) by
+    # weight decay alone, so a decayed parameter in the no-decay group fails here.
+    assert all(not torch.equal(state[k], initial[k]) for k in initial if k.startswith("draft."))
+    for k in reference:
+        torch.testing.assert_close(state[k], reference[k], rtol=1e-5, atol=1e-6, msg=k)
     # What DFlash2Module.on_fit_end does with it: the served names, loaded strictly.
     draft = DraftModel(build_module().draft_config)
     draft.load_state_dict({k[len("draft."):]: v for k, v in state.items() if k.startswith("draft.")})
@@ -204,6 +215,14 @@ def test_the_strategy_wraps_draft_layers_and_keeps_float32() -> None:
         mp_config = strategy.mixed_precision_config
         assert (mp_config.param_dtype, mp_config.reduce_dtype, mp_config.buffer_dtype) == (torch.float32,) * 3
         assert mp_config.cast_root_forward_inputs is False
+
+
+def test_the_wrapped_root_is_what_the_plugin_clips(monkeypatch: pytest.MonkeyPatch) -> None:
+    root = object()
+    monkeypatch.setattr("lightning.pytorch.strategies.FSDPStrategy._setup_model", lambda self, model: root)
+    strategy = DraftFSDPStrategy()
+    strategy.precision_plugin = FSDPPrecision("bf16-mixed")
+    assert strategy._setup_model(torch.nn.Linear(1, 1)) is root and strategy.precision_plugin.root is root
 
 
 def test_lightnings_own_fsdp_precision_refuses_norm_clipping() -> None:

@@ -78,9 +78,8 @@ class DraftModel(nn.Module):
         ``positions [B, Q]`` are the block's absolute positions; ``context`` holds the K/V the block
         attends to (a :class:`ContextKV`, or a preallocated :class:`DraftCache`, whose scratch slots then
         take the block's K/V: inference only; or :class:`ContextStates`, which each layer projects itself);
-        ``attention_mask`` (bool ``[B, 1, Q, C + Q]``, True =
-        attend) is needed only when several blocks share one call (training) — a single block sees its
-        whole context.
+        ``attention_mask`` (bool ``[B, 1, Q, C + Q]``, True = attend) is needed only when several blocks share
+        one call (training) — a single block sees its whole context.
         """
         if isinstance(context, DraftCache) and noise_embeds.shape[1] > context.block_size:
             raise ValueError(f"a block of {noise_embeds.shape[1]} positions exceeds the cache's "

@@ -51,4 +51,6 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
 
     fit = checks["fit_resume"]
     assert fit["single_device"]["bit_exact"] and fit["single_device"]["global_step"] == [4, 4]
+    assert fit["single_device"]["export"] == {"loads": True, "tensors": fit["single_device"]["export"]["tensors"],
+                                              "equals_last_checkpoint": True}
     assert fit["fsdp"]["ran"] is False and "requires a GPU accelerator" in fit["fsdp"]["reason"]  # said, not silent

@@ -10,8 +10,11 @@ other GPU tests; each check writes its figures and its verdict into one JSON rec
 - :func:`test_drafting_latency_eager_vs_cuda_graph`: one draft step at batch 1 / 8, context 256 / 4096,
   eager vs a captured CUDA graph, whose tokens must equal eager's.
 - :func:`test_gpu_fit_resumes_exactly`: ``dflash2 fit`` on one GPU in bf16-mixed with a tiny Qwen3 target,
-  interrupted and resumed with ``--ckpt_path last``, equal to an uninterrupted run; then the same under
-  ``--trainer.strategy fsdp`` with the recipe's gradient clipping.
+  interrupted and resumed with ``--ckpt_path last``, equal to an uninterrupted run, and its HF export read
+  back; then the same under the recipe's documented FSDP override (``DraftFSDPStrategy``: a unit per draft
+  layer, float32 buffers) with the recipe's gradient clipping by norm (1.0). One GPU: FSDP falls back to
+  NO_SHARD at world size 1, so this runs the wrapping, clipping, checkpoints and export, not sharding itself
+  (tests/test_fsdp.py shards over 2 CPU processes).
 
 ``--gpu-dry-run`` runs the same functions on the CPU at a scaled-down geometry in float32 (no autocast, no
 CUDA graphs, no FSDP): the record then says ``"dry_run": true`` and holds null for GPU-only figures.
@@ -348,10 +351,10 @@ def test_drafting_latency_eager_vs_cuda_graph(geo: Geometry, device: torch.devic
 
 # --------------------------------------------------------------------------- a GPU fit and its resume
 STEPS, CRASH_AT, EVERY = 4, 2, 2
-# FSDPPrecision.clip_grad_by_norm's message in Lightning 2.6.6 (lightning/pytorch/plugins/precision/fsdp.py).
+# Lightning 2.6.6's own FSDPPrecision.clip_grad_by_norm message: DraftFSDPStrategy must never show it.
 FSDP_REFUSES_CLIPPING = "`gradient_clip_algorithm='norm'` is currently not supported"
-FSDP_ON_CPU = ("not run: Lightning's FSDPStrategy requires a GPU accelerator "
-               "(tests/test_gpu_recipes_on_cpu.py pins that refusal)")
+FSDP_ON_CPU = ("not run: DraftFSDPStrategy requires a GPU accelerator (tests/test_gpu_recipes_on_cpu.py pins that "
+               "refusal; tests/test_fsdp.py tests its pieces on CPU)")
 
 
 def fit_config(directory: Path, dry: bool) -> Path:
@@ -383,6 +386,24 @@ def run_fit(config: Path, *extra: str, crash_at: int | None = None) -> subproces
                           cwd=config.parent, env=env, capture_output=True, text=True, timeout=300)
 
 
+def export_check(directory: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The run's HF export (``<run>/hf``), read back by the strict loader: the last checkpoint's weights."""
+    from dflash2_lightning.export.checkpoint import load_draft
+
+    found = list(directory.glob("runs/*/*/hf"))
+    if len(found) != 1:
+        return {"loads": False, "error": f"{len(found)} export directories"}
+    try:
+        exported = load_draft(found[0]).state_dict()
+    except Exception as err:  # a finding: recorded, then the check fails
+        return {"loads": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+    # fc is left out: the export folds a feature scale into it when features are normalised.
+    names = [k for k in state if k.startswith("draft.") and not k.startswith("draft.fc.")]
+    equal = all(torch.equal(exported[k[len("draft."):]], state[k].to(exported[k[len("draft."):]].dtype))
+                for k in names)
+    return {"loads": True, "tensors": len(exported), "equals_last_checkpoint": equal}
+
+
 def last_state(directory: Path) -> dict[str, Any]:
     path = next(directory.glob("runs/*/*/checkpoints/last.ckpt"))
     return torch.load(path, map_location="cpu", weights_only=False)
@@ -409,9 +430,10 @@ def resume_check(root: Path, dry: bool, *extra: str) -> dict[str, Any]:
     diff = max(float((a["state_dict"][k].float() - b["state_dict"][k].float()).abs().max()) for k in names)
     exact = all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in names) and set(names) == {
         k for k in b["state_dict"] if k.startswith("draft.")}
-    return {"passed": exact and a["global_step"] == b["global_step"] == STEPS, "steps": STEPS,
-            "crash_at": CRASH_AT, "global_step": [a["global_step"], b["global_step"]], "tensors": len(names),
-            "max_abs_weight_diff": diff, "bit_exact": exact}
+    export = export_check(root / "whole", a["state_dict"])
+    return {"passed": exact and a["global_step"] == b["global_step"] == STEPS and export.get("equals_last_checkpoint")
+            is True, "steps": STEPS, "crash_at": CRASH_AT, "global_step": [a["global_step"], b["global_step"]],
+            "tensors": len(names), "max_abs_weight_diff": diff, "bit_exact": exact, "export": export}
 
 
 def test_gpu_fit_resumes_exactly(tmp_path: Path, dry: bool, gpu_record: GpuRecord) -> None:
@@ -419,9 +441,11 @@ def test_gpu_fit_resumes_exactly(tmp_path: Path, dry: bool, gpu_record: GpuRecor
     if dry:
         fsdp: dict[str, Any] = {"passed": None, "ran": False, "reason": FSDP_ON_CPU}
     else:
-        fsdp = resume_check(tmp_path / "fsdp", dry, "--trainer.strategy", "fsdp")
-        # Lightning 2.6.6's FSDP precision plugin raises on norm clipping (the recipe clips at 1.0): the
-        # finding issue 30 needs, named in the record rather than hidden in a traceback.
+        from test_gpu_recipes_on_cpu import fsdp_override
+
+        override = fsdp_override(RECIPE)  # the recipe's documented override, as a user pastes it
+        fsdp = {"override": override, **resume_check(tmp_path / "fsdp", dry, *override)}
+        # Were clipping still refused (Lightning's own plugin), the record names it rather than a traceback.
         fsdp["refused_norm_clipping"] = FSDP_REFUSES_CLIPPING in fsdp.get("output", "")
     gpu_record.check("fit_resume", passed=single["passed"] and fsdp["passed"] is not False,
                      accelerator="cpu" if dry else "gpu", precision="32-true" if dry else "bf16-mixed",

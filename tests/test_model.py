@@ -269,3 +269,24 @@ def test_selector_gradients_are_the_same_on_every_run():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(g, h) for run in grads[1:] for g, h in zip(grads[0], run))
+
+
+# ----------------------------------------------------------------------------- context projected per layer
+def test_layers_projecting_the_context_themselves_compute_what_a_precomputed_cache_does(tiny_draft_config):
+    """Training passes :class:`ContextStates` (each layer projects the context inside its own forward, where
+    FSDP has gathered its weights); the result and the gradients are those of the precomputed ContextKV."""
+    torch.manual_seed(0)
+    model = DraftModel(tiny_draft_config())
+    features, noise, ctx_pos = inputs(model.config)
+    anchors = [2, 5, 9]
+    mask, pos = training_mask(12, anchors, BS, 2), block_positions(anchors, BS, 2)
+    outs, grads = [], []
+    for context in (model.context_kv, model.context_states):
+        model.zero_grad(set_to_none=True)
+        out = model(noise, pos, context(features, ctx_pos), mask)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    assert torch.equal(outs[0], outs[1])
+    assert grads[0].keys() == grads[1].keys() and any(k.startswith("layers.0.self_attn.k_proj") for k in grads[0])
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])

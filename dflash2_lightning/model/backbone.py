@@ -127,6 +127,20 @@ class ContextKV:
                          self.positions[:, :length])
 
 
+@dataclass
+class ContextStates:
+    """The fused context ``hidden_norm(fc(features)) [B, C, H]`` with its RoPE tables, before any K/V projection.
+
+    Each layer projects it to its own K/V inside its forward (training): under FSDP a layer's weights are
+    gathered only while that layer's forward runs, so no layer's projection may be called from outside it.
+    """
+
+    hidden: Tensor
+    cos: Tensor
+    sin: Tensor
+    positions: Tensor
+
+
 class IdentitySeam(nn.Module):
     """The no-op sublayer seam of DFlash: ``prepare(x) = (x, None)``, ``finish(y, _) = y``; no parameters."""
 
@@ -227,8 +241,10 @@ class DraftLayer(nn.Module):
         self.attention_conv: nn.Module = IdentitySeam()
         self.mlp_conv: nn.Module = IdentitySeam()
 
-    def forward(self, h: Tensor, context: LayerKV | CacheSlot | BufferedKV, cos: Tensor, sin: Tensor,
+    def forward(self, h: Tensor, context: LayerKV | CacheSlot | BufferedKV | ContextStates, cos: Tensor, sin: Tensor,
                 mask: Tensor | None) -> Tensor:
+        if isinstance(context, ContextStates):  # this layer's context K/V, inside its own forward (FSDP)
+            context = self.self_attn.project_kv(context.hidden, context.cos, context.sin)
         x, state = self.attention_conv.prepare(self.input_layernorm(h))
         h = h + self.attention_conv.finish(self.self_attn(x, context, cos, sin, mask), state)
         x, state = self.mlp_conv.prepare(self.post_attention_layernorm(h))

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.model.backbone import (ContextKV, DraftLayer, RMSNorm, RotaryEmbedding,
+from dflash2_lightning.model.backbone import (ContextKV, ContextStates, DraftLayer, RMSNorm, RotaryEmbedding,
                                               sliding_window_mask)
 from dflash2_lightning.model.cache import DraftCache
 from dflash2_lightning.model.conv import DFlashGroupedConv
@@ -57,22 +57,29 @@ class DraftModel(nn.Module):
             nn.init.normal_(module.weight, std=self.config.initializer_range)
 
     # ------------------------------------------------------------------ context
-    def context_kv(self, target_features: Tensor, positions: Tensor) -> ContextKV:
-        """Per-layer K/V of target features ``[B, C, n_t*H]`` at absolute ``positions [B, C]``."""
+    def context_states(self, target_features: Tensor, positions: Tensor) -> ContextStates:
+        """The fused context of target features ``[B, C, n_t*H]`` at absolute ``positions [B, C]``, which each
+        layer projects to its K/V in its own forward (what training passes to :meth:`forward`)."""
         ctx = self.hidden_norm(self.fc(target_features))
         cos, sin = self.rotary(positions, ctx.dtype)
-        return ContextKV([layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers], positions)
+        return ContextStates(ctx, cos, sin, positions)
+
+    def context_kv(self, target_features: Tensor, positions: Tensor) -> ContextKV:
+        """Per-layer K/V of target features ``[B, C, n_t*H]`` at absolute ``positions [B, C]``."""
+        states = self.context_states(target_features, positions)
+        return ContextKV([layer.self_attn.project_kv(states.hidden, states.cos, states.sin) for layer in self.layers],
+                         positions)
 
     # ------------------------------------------------------------------ block
-    def forward(self, noise_embeds: Tensor, positions: Tensor, context: ContextKV | DraftCache,
+    def forward(self, noise_embeds: Tensor, positions: Tensor, context: ContextKV | DraftCache | ContextStates,
                 attention_mask: Tensor | None = None) -> Tensor:
         """Final hidden states ``[B, Q, H]`` of the block embeddings ``noise_embeds [B, Q, H]``.
 
         ``positions [B, Q]`` are the block's absolute positions; ``context`` holds the K/V the block
         attends to (a :class:`ContextKV`, or a preallocated :class:`DraftCache`, whose scratch slots then
-        take the block's K/V: inference only); ``attention_mask`` (bool ``[B, 1, Q, C + Q]``, True =
-        attend) is needed only when several blocks share one call (training) — a single block sees its
-        whole context.
+        take the block's K/V: inference only; or :class:`ContextStates`, which each layer projects itself);
+        ``attention_mask`` (bool ``[B, 1, Q, C + Q]``, True = attend) is needed only when several blocks share
+        one call (training) — a single block sees its whole context.
         """
         if isinstance(context, DraftCache) and noise_embeds.shape[1] > context.block_size:
             raise ValueError(f"a block of {noise_embeds.shape[1]} positions exceeds the cache's "
@@ -82,7 +89,10 @@ class DraftModel(nn.Module):
             attention_mask = sliding_window_mask(positions, keys, self.config.sliding_window)
         cos, sin = self.rotary(positions, noise_embeds.dtype)
         h = noise_embeds
-        kvs = context.slots() if isinstance(context, DraftCache) else context.layers
+        if isinstance(context, ContextStates):
+            kvs = [context] * len(self.layers)
+        else:
+            kvs = context.slots() if isinstance(context, DraftCache) else context.layers
         for layer, kv in zip(self.layers, kvs):
             h = layer(h, kv, cos, sin, attention_mask)
         return self.norm(h)

@@ -363,8 +363,9 @@ class DraftObjective:
                                      "cache, which always stores them); the batch has none")
             blocks = dataclasses.replace(blocks, labels=gather_positions(teacher.greedy, blocks.sources))
 
-        # One draft pass over every block: context K/V of all S positions, then the N blocks.
-        context = draft.context_kv(features, torch.arange(s, device=input_ids.device).expand(b, s))
+        # One draft pass over every block: the fused context of all S positions, then the N blocks (each layer
+        # projects the context to its K/V inside its own forward: FSDP gathers a layer's weights only there).
+        context = draft.context_states(features, torch.arange(s, device=input_ids.device).expand(b, s))
         mask = block_attention_mask(blocks.anchors, s, bs, attention_mask, cfg.sliding_window)
         hidden = draft(embed(blocks.tokens), blocks.positions, context, mask)
         # Slot 0 is the anchor: never predicted. Contiguous, so the head is one [B*N*L, H] x [H, V] matmul

@@ -225,6 +225,13 @@ def test_the_wrapped_root_is_what_the_plugin_clips(monkeypatch: pytest.MonkeyPat
     assert strategy._setup_model(torch.nn.Linear(1, 1)) is root and strategy.precision_plugin.root is root
 
 
+def test_normalize_features_is_refused_before_wrapping() -> None:
+    module = torch.nn.Module()
+    module.register_buffer("feature_scale", torch.ones(4))  # what experimental.normalize_features adds
+    with pytest.raises(ConfigError, match="normalize_features is not supported with DraftFSDPStrategy"):
+        DraftFSDPStrategy()._setup_model(module)
+
+
 def test_lightnings_own_fsdp_precision_refuses_norm_clipping() -> None:
     """Why the strategy brings its own plugin: Lightning 2.6.6's raises on gradient_clip_val."""
     with pytest.raises(MisconfigurationException, match="gradient_clip_algorithm='norm'"):

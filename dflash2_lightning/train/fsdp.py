@@ -127,6 +127,11 @@ class DraftFSDPStrategy(FSDPStrategy):
         self._precision_plugin = plugin
 
     def _setup_model(self, model: Module) -> Module:
+        if getattr(model, "feature_scale", None) is not None:
+            # The first step divides fc.weight's columns in place; under FSDP that weight is a 1-D shard.
+            raise ConfigError("model.init_args.experimental.normalize_features is not supported with "
+                              "DraftFSDPStrategy (it rescales fc.weight in place, which is sharded under FSDP), "
+                              "use DDP or leave normalize_features off")
         wrapped = super()._setup_model(model)
         self.precision_plugin.root = wrapped  # the root unit: its clip_grad_norm_ sees every shard
         return wrapped

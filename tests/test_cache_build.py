@@ -198,3 +198,19 @@ def test_a_build_for_other_settings_is_discarded_not_resumed(tmp_path, monkeypat
     dm.setup("fit")
     assert counter.calls == BATCHES
     assert json.loads((cache / MANIFEST).read_text())["target_layer_ids"] == [2]
+
+
+def test_features_that_overflow_float16_are_an_error_raised_from_the_writer(tmp_path, monkeypatch):
+    data = write_data(tmp_path)
+    real = Target.features
+
+    def huge(target: Target, *args: Any, **kwargs: Any) -> Any:
+        out = real(target, *args, **kwargs)
+        return out._replace(features=out.features * 1e6)  # beyond float16's 65504
+
+    monkeypatch.setattr(Target, "features", huge)
+    with pytest.raises(DataError, match=r"target features overflow float16 \(max \|x\| = [0-9.e+]+\); "
+                                        r"set feature_dtype='float32'"):
+        one_process_build(data, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() and not list(tmp_path.rglob(MANIFEST))
+    assert not list((build_dir_of(tmp_path / "cache") / DONE).iterdir())  # no batch of infinities marked done

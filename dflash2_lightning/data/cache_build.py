@@ -382,7 +382,8 @@ def _compute(tgt: Target, tokens: dict[str, np.ndarray], batch: Batch, spec: Fea
         values, indices = res.logits.float().topk(spec.teacher_top_k, dim=-1)
         out["teacher_topk_values"], out["teacher_topk_indices"] = values, indices.to(torch.int32)
     out["finite"] = torch.isfinite(out["features"]).all()
-    out["amax"] = res.features.detach().abs().amax().float()
+    low, high = torch.aminmax(res.features)  # for the overflow message; no |x| copy of the features
+    out["amax"] = torch.maximum(low.abs(), high.abs()).float()
     if copier is None:
         return length, out, None
     copier.wait_stream(torch.cuda.current_stream(device))

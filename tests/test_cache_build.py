@@ -21,6 +21,8 @@ from dflash2_lightning.data.cache_build import DONE, build_dir_of
 from dflash2_lightning.data.datamodule import MANIFEST, DraftDataModule
 from dflash2_lightning.data.ranks import PeerFailedError
 from dflash2_lightning.data.records import DataError
+from dflash2_lightning.errors import ReportedByAnotherRank
+from dflash2_lightning.reporting import run_command
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.target import Target
 
@@ -80,7 +82,7 @@ def worker(rank: int, port: int, data: str, cache: str, out: str, fail_rank: int
         result.update(ok=True, train=len(dm.train_dataset), val=len(dm.val_dataset))
     except BaseException as error:
         result.update(ok=False, kind=type(error).__name__, message=str(error),
-                      traceback=traceback.format_exc()[-3000:])
+                      cause=type(error.__cause__).__name__, traceback=traceback.format_exc()[-3000:])
     result["calls"] = counter.calls
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -148,11 +150,13 @@ def test_a_failure_on_one_rank_stops_both_and_the_build_resumes(tmp_path, monkey
     data = write_data(tmp_path)
     cache = tmp_path / "cache"
     outcome = run_two_ranks(tmp_path, data, cache, fail_rank=1)
-    failed, peer = outcome[1], outcome[0]
-    assert not failed["ok"] and failed["kind"] == "DataError" and failed["message"] == "injected failure on rank 1"
-    assert not peer["ok"] and peer["kind"] == PeerFailedError.__name__, peer
-    assert peer["message"] == "injected failure on rank 1"  # the user reads the same line from either process
-    assert peer["calls"] <= 3  # stopped at the exchange after the failed batch, not at the end of its shard
+    failed, reporter = outcome[1], outcome[0]
+    # Rank 0 reports rank 1's error in rank 1's words; rank 1 exits quietly (the user reads one line).
+    assert not reporter["ok"] and reporter["kind"] == PeerFailedError.__name__, reporter
+    assert reporter["message"] == "injected failure on rank 1"
+    assert not failed["ok"] and failed["kind"] == ReportedByAnotherRank.__name__, failed
+    assert failed["message"] == "injected failure on rank 1" and failed["cause"] == "DataError"
+    assert reporter["calls"] <= 3  # stopped at the exchange after the failed batch, not at the end of its shard
     assert not cache.exists() and not list(tmp_path.rglob(MANIFEST))  # nothing looks complete
     done = sorted(p.name for p in (build_dir_of(cache) / DONE).iterdir())
     assert done and len(done) < BATCHES, done
@@ -214,3 +218,18 @@ def test_features_that_overflow_float16_are_an_error_raised_from_the_writer(tmp_
         one_process_build(data, tmp_path / "cache")
     assert not (tmp_path / "cache").exists() and not list(tmp_path.rglob(MANIFEST))
     assert not list((build_dir_of(tmp_path / "cache") / DONE).iterdir())  # no batch of infinities marked done
+
+
+def test_a_failure_reported_by_rank_0_is_one_line(capsys):
+    """What each process of a failed build prints: rank 0 the error, the others nothing (exit 2 all the same)."""
+    def fail(error: Exception):
+        def command(argv: list[str]) -> None:
+            raise error
+        return command
+
+    assert run_command(fail(PeerFailedError("injected failure on rank 1")), []) == 2
+    assert capsys.readouterr().err == "dflash2: error: injected failure on rank 1\n"
+    quiet = ReportedByAnotherRank("injected failure on rank 1")
+    quiet.__cause__ = DataError("injected failure on rank 1")
+    assert run_command(fail(quiet), []) == 2
+    assert capsys.readouterr().err == ""

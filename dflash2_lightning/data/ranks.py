@@ -1,10 +1,12 @@
 """The ranks of a distributed job taking one step together: each runs its part, then all learn who failed.
 
 :meth:`Ranks.agree` runs a function on every rank and then exchanges, over a gloo group, whether it raised
-and with what message. A rank whose own call raised re-raises its exception; every other rank raises one
-with the failed rank's message (the same words for a user error, so the user reads one ``dflash2: error:``
-line whichever process prints it). So one rank's failure stops every rank at the next exchange, and no rank
-is left waiting in a collective for a peer that has already given up.
+and with what message. Rank 0 raises the first failure (its own exception, or one with the failed rank's
+message); for a user error every other rank raises
+:class:`~dflash2_lightning.errors.ReportedByAnotherRank`, which exits with status 2 without printing, so the
+user reads one ``dflash2: error:`` line; a bug raises its own exception (and traceback) on the rank that hit
+it. So one rank's failure stops every rank at the next exchange, and no rank is left waiting in a collective
+for a peer that has already given up.
 
 Why a gloo group of its own: the exchange then runs on the CPU whatever the training backend is (NCCL would
 synchronise the GPU stream at every exchange, ending the overlap of the copies and writes with the next
@@ -21,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from dflash2_lightning.errors import UserError
+from dflash2_lightning.errors import ReportedByAnotherRank, UserError
 from dflash2_lightning.reporting import describe, find_user_error
 
 T = TypeVar("T")
@@ -30,7 +32,7 @@ EXCHANGE_TIMEOUT = timedelta(days=7)
 
 
 class PeerFailedError(UserError):
-    """Another rank failed with a user error; the message is that rank's own."""
+    """Another rank failed with a user error: what rank 0 raises, with that rank's own message."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class Ranks:
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine, group=self.group)
         failures = [f for f, _ in gathered if f is not None]
+        if failures and failures[0].user and self.rank != 0:  # rank 0 reports it: the user reads it once
+            raise ReportedByAnotherRank(failures[0].message) from error
         if error is not None:
             raise error
         if failures:

@@ -44,6 +44,11 @@ def check(ok: bool, name: str, value: Any, bound: str, error: type[UserError] = 
         raise error(f"{name}={value!r} is invalid: must {verb} {bound}")
 
 
+class ReportedByAnotherRank(UserError):
+    """A user error of a multi-process job that rank 0 reports: this process exits with status 2 and prints
+    nothing, so the user reads the error once, not once per process."""
+
+
 class DiskFullError(UserError):
     """A write ran out of space; the message names the final path, what it needed and what is free."""
 

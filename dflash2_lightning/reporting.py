@@ -4,7 +4,8 @@
 ``fit`` / ``validate`` included, and ``export/to_onnx.py``):
 
 - a *user error* (bad config, data, target, checkpoint, file path or argument) prints one short
-  message and exits with status 2, no traceback;
+  message and exits with status 2, no traceback (in a multi-process job, a user error that rank 0 reports
+  for every rank, :class:`~dflash2_lightning.errors.ReportedByAnotherRank`, exits 2 quietly on the others);
 - anything else is a bug: the traceback is printed, then one line saying so, exit status 1;
 - ``--debug`` (anywhere on the command line) or ``DFLASH2_DEBUG=1`` lets every exception through
   with its full traceback.
@@ -35,7 +36,8 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from dflash2_lightning.errors import FULL_ERRNOS, USER_EXIT, UsageError, UserError, disk_full_message
+from dflash2_lightning.errors import (FULL_ERRNOS, USER_EXIT, ReportedByAnotherRank, UsageError, UserError,
+                                     disk_full_message)
 from dflash2_lightning.files import final_path, free_bytes
 
 PROG = "dflash2"
@@ -223,7 +225,8 @@ def run_command(function: Callable[[list[str]], Any], argv: Sequence[str], prog:
                     return USER_EXIT
             cause = find_user_error(error)
             if cause is not None:
-                print_error(describe(cause), prog)
+                if not isinstance(cause, ReportedByAnotherRank):  # rank 0 prints that one
+                    print_error(describe(cause), prog)
                 return USER_EXIT
             traceback.print_exc()
             print_error(f"internal error ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "

@@ -152,10 +152,10 @@ def test_recipe_runs_under_ddp_on_cpu(recipe: Path, tmp_path: Path) -> None:
     assert checkpoint(last)["global_step"] == CRASH_AT
     assert sorted(train_losses(run)) == list(range(CRASH_AT))
     assert not (run / "hf").exists()  # the export is written when a fit ends, not by a crashed one
-    if offline:  # rank 0 built the cache once (prepare_data) before both ranks trained from it
+    if offline:  # both ranks built the cache, each its own batches, before both trained from it
         manifest = tmp_path / "features" / "manifest.json"
         built = manifest.stat().st_mtime_ns
-        assert "target features (train)" in first.stderr
+        assert "target features (rank 0 of 2)" in first.stderr and "target features (rank 1 of 2)" in first.stderr
     weights_before = checkpoint(last)["state_dict"]
 
     resumed = fit(config, tmp_path, "--ckpt_path", "last")  # the recipe's own resume command
@@ -179,7 +179,7 @@ def test_recipe_runs_under_ddp_on_cpu(recipe: Path, tmp_path: Path) -> None:
     assert any(not torch.equal(state["state_dict"][k], weights_before[k]) for k in trained)  # it trained on
     if offline:  # the resume checked the cache against its manifest and reused it, not rebuilt it
         assert manifest.stat().st_mtime_ns == built
-        assert "target features (train)" not in resumed.stderr
+        assert "target features (rank" not in resumed.stderr
 
     # The HF export of the resumed run: the strict loader reads it, with the recipe's geometry and the
     # weights of the last checkpoint (bf16, the recipe's export dtype).

@@ -20,8 +20,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,17 +27,16 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from dflash2_lightning import files
 from dflash2_lightning.data.corpus import builtin_corpus, builtin_fingerprint
-from dflash2_lightning.data.feature_cache import (CACHE_FORMAT, MANIFEST, cache_bytes, compute_features,
-                                                  file_checksums, read_manifest, verify_cache)
+from dflash2_lightning.data.cache_build import FeatureSpec, build_feature_cache
+from dflash2_lightning.data.feature_cache import CACHE_FORMAT, MANIFEST, cache_bytes, read_manifest, verify_cache
 from dflash2_lightning.data.order import ResumableLoader, ResumableOrder
 from dflash2_lightning.data.records import SPLIT_RULE, DataError, read_jsonl, validation_split
 from dflash2_lightning.data.encode import encode_split
-from dflash2_lightning.errors import DiskFullError, UserError, check, disk_full_message
-from dflash2_lightning.files import dir_mode
+from dflash2_lightning.errors import check
 from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetSpec, default_cache_dir
 from dflash2_lightning.target.target import Target, tokenizer_fingerprint
@@ -99,10 +96,12 @@ class DraftDataModule(pl.LightningDataModule):
             rounded up to whole prompts).
         seq_len: tokens per sample (cut or padded); a multiple of ``block_size``.
         block_size: the draft's block size (linked from the model by the trainer).
-        batch_size: samples per batch (also used to compute offline features).
+        batch_size: samples per training and validation batch.
         mode: ``online`` (the LightningModule runs the target) or ``offline`` (features from the cache).
-        cache_dir: the offline feature cache directory. ``None``: a directory named by a hash of the
-            manifest under ``$DFLASH2_CACHE`` or ``~/.cache/dflash2-lightning/features``.
+        cache_dir: the offline feature cache directory, on a file system every rank sees, with room for the
+            cache (refused up front otherwise; a real target's cache is terabytes). ``None``: a directory named by a
+            hash of the manifest under ``$DFLASH2_CACHE`` or ``~/.cache/dflash2-lightning/features``. A killed
+            build resumes from ``.<name>.build`` beside it.
         target_layer_ids: target layers whose outputs are the draft's features; ``None``: the DFlash
             rule for ``num_draft_layers``.
         num_draft_layers: draft depth, used only to default ``target_layer_ids``.
@@ -114,6 +113,10 @@ class DraftDataModule(pl.LightningDataModule):
         feature_autocast: ``"bf16"`` computes offline features and target logits under bfloat16 autocast
             (~2.5x faster on a CPU with AMX, the target's matmuls rounded to bf16 as ``bf16-mixed``
             training rounds the draft's); ``"none"`` (default) in the target's own dtype.
+        cache_batch_size: offline: samples per target forward while the feature cache is built, on each rank
+            (every rank computes its share of the batches; the target's logits for a batch take
+            ``cache_batch_size * seq_len * vocab`` elements). A build on any number of ranks writes the same bytes as
+            a one-process build with the same ``cache_batch_size``.
         cache_verify: how an offline cache is checked when opened: ``"auto"``, ``"full"`` or ``"sampled"``
             (see the module docstring: every byte up to 4 GiB, sampled blocks above).
     """
@@ -139,6 +142,7 @@ class DraftDataModule(pl.LightningDataModule):
         feature_autocast: Literal["none", "bf16"] = "none",
         shuffle_seed: int = 0,
         cache_verify: Literal["auto", "full", "sampled"] = "auto",
+        cache_batch_size: int = 8,
     ) -> None:
         super().__init__()
         if hasattr(target, "as_dict"):  # a jsonargparse Namespace, e.g. through a linked argument
@@ -170,6 +174,8 @@ class DraftDataModule(pl.LightningDataModule):
         self.shuffle_seed = shuffle_seed
         check(cache_verify in ("auto", "full", "sampled"), "cache_verify", cache_verify, "'auto', 'full' or 'sampled'")
         self.cache_verify = cache_verify
+        check(isinstance(cache_batch_size, int) and cache_batch_size >= 1, "cache_batch_size", cache_batch_size, ">= 1")
+        self.cache_batch_size = cache_batch_size
         self._resume_position: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint
         self.save_hyperparameters(ignore=["target"])
         self.hparams["target"] = dataclasses.asdict(self.target)  # a plain dict keeps hparams.yaml readable
@@ -307,50 +313,29 @@ class DraftDataModule(pl.LightningDataModule):
         return have
 
     def build_cache(self) -> Path:
-        """Make sure a matching offline cache exists (compute it if missing); return its directory."""
+        """Make sure a matching offline cache exists (compute it if missing); return its directory.
+
+        Collective under ``torch.distributed``: every rank calls it, computes its share of the batches and
+        returns once the cache is complete (:mod:`dflash2_lightning.data.cache_build`); a failure on any rank
+        raises on every rank with that rank's message.
+        """
         want = self.manifest()
         path = self.cache_path(want)
-        if (path / MANIFEST).is_file():
-            self._check_manifest(path, want)
-            return path
-        if path.exists() and any(path.iterdir()):
-            raise DataError(f"cache_dir={str(path)!r} exists, is not empty and has no {MANIFEST}: "
-                            "not a feature cache (a complete cache always has one); choose another directory")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        files.remove_stale(path.parent, path.name)  # what a killed build of this cache left behind
-        encoded = self._encode()
-        width = len(self.layer_ids) * self.target_model.hidden_size
-        needed = sum(cache_bytes(arrays, width, self.teacher_top_k, self.feature_dtype) for arrays in encoded.values())
-        files.check_free_space(path.parent, needed, f"the offline feature cache {path}")  # before any byte
-        free = files.free_bytes(path.parent)
-        tmp = files.make_temp_dir(path)
-        try:
-            stats = {}
-            for split, arrays in encoded.items():
-                self._compute_split(arrays, tmp / split)
-                stats[f"{split}_samples"] = int(arrays["input_ids"].shape[0])
-            want["info"]["stats"] = {**stats, "skipped_samples": self.skipped_samples,
-                                     "cut_samples": self.cut_samples, "total_records": self.total_records}
-            want["files"] = {str(f.relative_to(tmp)): file_checksums(f) for f in sorted(tmp.glob("*/*.npy"))}
-            (tmp / MANIFEST).write_text(json.dumps(want, indent=2) + "\n")  # last: marks the cache complete
-            os.chmod(tmp, dir_mode())  # mkdtemp makes 0700: other users (a server) must read the cache
-            try:
-                os.rename(tmp, path)
-            except OSError:
-                if not (path / MANIFEST).is_file():  # not another process finishing first: a real error
-                    raise
-                self._check_manifest(path, want)
-        except Exception as error:
-            if not isinstance(error, UserError) and files.is_disk_full(error, path.parent):
-                raise DiskFullError(disk_full_message(f"the offline feature cache {path}", needed, free)) from error
-            raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return path
+        spec = FeatureSpec(self.layer_ids, self.teacher_top_k, self.feature_dtype, self.cache_batch_size,
+                           self.feature_device, self.feature_autocast)
+        width = len(spec.layer_ids) * self.target_model.hidden_size
 
-    def _compute_split(self, arrays: dict[str, np.ndarray], out: Path) -> None:
-        compute_features(self.target_model, arrays, out, self.layer_ids, self.teacher_top_k, self.feature_dtype,
-                         self.batch_size, self.feature_device, self.feature_autocast)
+        def needed(encoded: dict[str, dict[str, np.ndarray]]) -> int:
+            return sum(cache_bytes(a, width, self.teacher_top_k, self.feature_dtype) for a in encoded.values())
+
+        def stats(encoded: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+            return {**{f"{split}_samples": int(a["input_ids"].shape[0]) for split, a in encoded.items()},
+                    "skipped_samples": self.skipped_samples, "cut_samples": self.cut_samples,
+                    "total_records": self.total_records}
+
+        build_feature_cache(path, want, self.target_model, spec, self._encode, needed, stats)
+        self._check_manifest(path, want)
+        return path
 
     def _load_cache(self, path: Path) -> dict[str, ArrayDataset]:
         manifest = read_manifest(path)
@@ -364,12 +349,16 @@ class DraftDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def prepare_data(self) -> None:
-        """Offline mode: compute the feature cache once (rank 0 of each node), or check the existing one."""
-        if self.mode == "offline":
+        """Offline mode, one process: compute the feature cache, or check the existing one.
+
+        Under ``torch.distributed`` Lightning calls this on one rank per node while the others wait; the cache
+        is built in :meth:`setup` instead, where every rank takes its share.
+        """
+        if self.mode == "offline" and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             self.build_cache()
 
     def setup(self, stage: str | None = None) -> None:
-        """Tokenise (online) or open the memory-mapped cache (offline, building it if still missing)."""
+        """Tokenise (online) or open the memory-mapped cache (offline, building it on every rank if missing)."""
         if self.train_dataset is not None:
             return
         if self.mode == "offline":

@@ -23,10 +23,10 @@ would take hours, so it gets the size check (truncation, a missing file) plus th
 damaged header, damage that hits a sampled block); ``cache_verify: full`` forces the whole check.
 A damaged file is a :class:`DataError` naming the file and saying to rebuild the cache.
 
-Space. The cache's size is known once the data is tokenised (:func:`cache_bytes`); the build checks the
-disk has that much free before it writes anything, and reserves each memory-mapped file's blocks before
-writing into it (:func:`dflash2_lightning.files.preallocate`), so a disk that fills up meanwhile is an
-error naming the cache, never a ``SIGBUS`` inside the mapping.
+Space. The cache's size is known once the data is tokenised (:func:`cache_bytes`); the build
+(:mod:`dflash2_lightning.data.cache_build`: every rank computes its share, a killed build resumes) checks the
+disk has that much free before it writes anything and reserves every file's blocks before writing into it
+(:func:`dflash2_lightning.files.preallocate`), so a disk that fills up meanwhile is an error naming the cache.
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dflash2_lightning.data.records import DataError
-from dflash2_lightning.target.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -62,73 +60,6 @@ def cache_bytes(arrays: dict[str, np.ndarray], num_features: int, teacher_top_k:
     if teacher_top_k:
         total += 2 * (n * s * teacher_top_k * 4 + header)  # top-k values (float32) and indices (int32)
     return int(total)
-
-
-def _mapped(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.memmap:
-    """A new ``.npy`` file opened as a writable memory map, its blocks reserved (no SIGBUS on a full disk)."""
-    from numpy.lib.format import open_memmap
-
-    from dflash2_lightning.files import preallocate
-
-    array = open_memmap(path, "w+", np.dtype(dtype), shape)
-    preallocate(path, path.stat().st_size)
-    return array
-
-
-def compute_features(tgt: Target, arrays: dict[str, np.ndarray], out: Path, layer_ids: list[int], teacher_top_k: int,
-                     feature_dtype: str, batch_size: int, feature_device: str | None = None,
-                     feature_autocast: str = "none") -> None:
-    """Write one split of the cache into ``out``: the tokenised ``arrays``, then the target's features, greedy
-    next tokens and (``teacher_top_k > 0``) top-k logits, computed ``batch_size`` samples at a time."""
-    from tqdm.auto import tqdm
-
-    out.mkdir(parents=True)
-    for name, arr in arrays.items():
-        np.save(out / f"{name}.npy", arr)
-    k = teacher_top_k
-    n, s = arrays["input_ids"].shape
-    width = len(layer_ids) * tgt.hidden_size
-    store = {"features": _mapped(out / "features.npy", feature_dtype, (n, s, width)),
-             "target_next": _mapped(out / "target_next.npy", np.int32, (n, s))}
-    if k:
-        store["teacher_topk_values"] = _mapped(out / "teacher_topk_values.npy", np.float32, (n, s, k))
-        store["teacher_topk_indices"] = _mapped(out / "teacher_topk_indices.npy", np.int32, (n, s, k))
-    device = torch.device(feature_device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    home = tgt.device
-    tgt.to(device)
-    try:
-        for start in tqdm(range(0, n, batch_size), desc=f"target features ({out.name})", unit="batch"):
-            rows = slice(start, start + batch_size)
-            attn = arrays["attention_mask"][rows]
-            length = max(int(attn.sum(1).max()), 1)  # right padding: positions past it never matter
-            ids = torch.from_numpy(arrays["input_ids"][rows, :length]).long().to(device)
-            am = torch.from_numpy(attn[:, :length]).to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=feature_autocast == "bf16"):
-                res = tgt.features(ids, am, layer_ids)
-            valid = am.unsqueeze(-1)
-            feats = (res.features.float() * valid).cpu().numpy().astype(feature_dtype)
-            if not np.isfinite(feats).all():
-                raise DataError(f"target features overflow {feature_dtype} (max |x| = "
-                                f"{res.features.float().abs().max().item():.3g}); set feature_dtype='float32'")
-            logits = res.logits.float()
-            block = np.zeros((attn.shape[0], s, width), dtype=feature_dtype)
-            block[:, :length] = feats
-            store["features"][rows] = block
-            nxt = np.zeros((attn.shape[0], s), dtype=np.int32)
-            nxt[:, :length] = (logits.max(-1).indices * am).cpu().numpy()  # = argmax (first max), faster on CPU
-            store["target_next"][rows] = nxt
-            if k:
-                vals, idx = logits.topk(k, dim=-1)
-                v = np.zeros((attn.shape[0], s, k), dtype=np.float32)
-                v[:, :length] = vals.cpu().numpy()
-                i = np.zeros((attn.shape[0], s, k), dtype=np.int32)
-                i[:, :length] = idx.cpu().numpy()
-                store["teacher_topk_values"][rows] = v
-                store["teacher_topk_indices"][rows] = i
-    finally:
-        tgt.to(home)
-    for arr in store.values():
-        arr.flush()
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -23,6 +23,9 @@ What this CLI adds to plain ``LightningCLI``:
 - naming a target kind on the command line (``--model.init_args.target.path X``, ``.gguf``, ``.tiny`` or a
   whole ``--model.init_args.target '{...}'``) *replaces* the config's target instead of being merged
   with it (a config's ``tiny: {}`` plus a new ``path`` would name two targets);
+- before the target is loaded or a feature cache is built, ``fit`` makes the run's plan
+  (:mod:`~dflash2_lightning.train.plan`: memory per device and the cache's disk, from the target's config.json
+  alone) and refuses a run that clearly cannot fit; ``--plan.check false`` skips it (``dflash2 plan`` prints it);
 - settings that can be checked from the config alone (data files exist, ``token_loss: kd`` offline
   needs ``teacher_top_k > 0``) are checked before anything is instantiated, so a mistake never
   costs a target load or a feature-cache build;

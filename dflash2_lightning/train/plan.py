@@ -120,7 +120,8 @@ class Plan:
         width = max(len(i.name) for i in self.memory)
         lines = [self.heading, "", f"memory per device ({self.device}):"]
         for item in self.memory:
-            lines.append(f"  {item.name:<{width}}  {format_bytes(item.bytes):>9}" + (f"  {item.note}" if item.note else ""))
+            note = f"  {item.note}" if item.note else ""
+            lines.append(f"  {item.name:<{width}}  {format_bytes(item.bytes):>9}{note}")
         lines.append(f"  {'peak (estimate)':<{width}}  {format_bytes(self.peak):>9}")
         if self.capacity is None:
             lines.append("  device memory: unknown here (no such device visible): pass --plan.device_memory, e.g. 80GB")
@@ -498,18 +499,20 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
     if run.mode == "offline":
         carried = run.batch_size * run.seq_len * d.num_target_features * d.hidden_size * t  # the batch's features
     step = carried + acts + logits + 2 * largest  # + backward's gradient of the largest activation, in and out
+    items.append(Item("features for the step", carried, "the target's features (and logits for kd) the step reads"))
     items.append(Item("draft activations", acts + 2 * largest,
                       f"{anchors} anchors x block {d.block_size}, seq {run.seq_len}, batch {run.batch_size}"))
     items.append(Item("logits and loss", logits, chunking))
     if run.mode == "online":
         items.append(Item("target forward (no_grad)", target_peak,
-                          "hidden states of every layer; before the draft's step, not beside it"))
+                          "every layer's hidden states; before the draft's step: the peak takes the larger"))
     optimizer_step = 2 * params * 4 // share  # foreach AdamW's temporaries
     peak = persistent + max(step, target_peak, optimizer_step)
     device, capacity = device_memory(run, options.device_memory)
+    strategy = "FSDP" if run.sharded else "DDP" if run.world_size > 1 else "one device"
     heading = (f"dflash2 plan: {d.architecture}, {d.num_hidden_layers} layers, hidden {d.hidden_size}, vocab "
                f"{d.vocab_size}; target {tgt.parameters / 1e9:.2f} B parameters ({run.mode}); "
-               f"{run.world_size} x {run.accelerator}, {'FSDP' if run.sharded else 'DDP' if run.world_size > 1 else 'one device'}, "
+               f"{run.world_size} x {run.accelerator}, {strategy}, "
                f"{'mixed' if run.param_bytes != run.compute_bytes else 'uniform'} precision "
                f"({run.param_bytes} B weights, {run.compute_bytes} B compute)")
     plan = Plan(heading=heading, memory=items, peak=peak, device=device, capacity=capacity)

@@ -3,8 +3,9 @@
 Measured against the plan (stated here, asserted below):
 - memory: a CPU fit of a small-but-not-trivial config (a 6-layer random Qwen3 target of hidden 256 and vocabulary
   2048, a 2-layer DFlash2 draft, 16 samples of 256 tokens, 64 anchors of block 8) runs 2 training steps in a
-  subprocess; its peak RSS (``ru_maxrss``) minus its RSS just before ``fit`` started is within 20% of the plan's
-  peak for that config;
+  subprocess (glibc's mmap threshold fixed, so freed tensors leave RSS); its peak RSS (``ru_maxrss``) minus its
+  RSS just before ``fit`` started is within 20% of the plan's peak for that config (measured here: planned
+  1000 MB, measured 912 MB);
 - disk: the offline cache a real build writes (bytes of every file) is within 20% of the planned size (it is
   exact up to the manifest, which the plan leaves out).
 """
@@ -12,6 +13,7 @@ Measured against the plan (stated here, asserted below):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -152,8 +154,11 @@ def test_plan_within_20_percent_of_a_measured_cpu_fit(tmp_path, monkeypatch):
     code, out, err = run_plan("--config", str(config))
     assert code == 0, out + err
     planned = figure(out, "peak (estimate)")
+    # glibc's malloc raises its mmap threshold after each large free, and then keeps freed blocks up to 32 MB in the
+    # heap (RSS that no tensor uses); a fixed threshold returns them, so RSS follows the live tensors the plan counts.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     run = subprocess.run([sys.executable, "-c", MEASURE, str(config)], capture_output=True, text=True, cwd=tmp_path,
-                         timeout=300)
+                         timeout=300, env=env)
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("MEASURED")]
     assert line, run.stdout + run.stderr
     before, peak, status = map(int, line[0].split()[1:])

@@ -231,6 +231,7 @@ class RunSetup:
     world_size: int
     sharded: bool         # FSDP / DeepSpeed: weights, gradients and optimiser state divided across devices
     bucket_view: bool     # DDP's gradient_as_bucket_view (no second copy of the gradients)
+    forks: bool           # the strategy forks this process: the GPU's free memory is not asked here
     param_bytes: int
     compute_bytes: int
     feature_dtype: str
@@ -258,11 +259,13 @@ def precision_bytes(precision: Any) -> tuple[int, int]:
     return (2, 2) if text.endswith("-true") else (4, 2)
 
 
-def strategy_kind(strategy: Any) -> tuple[bool, bool]:
-    """``(sharded, gradient_as_bucket_view)`` of a Lightning ``strategy`` setting (a name or a class config)."""
+def strategy_kind(strategy: Any) -> tuple[bool, bool, bool]:
+    """``(sharded, gradient_as_bucket_view, forks)`` of a Lightning ``strategy`` setting (a name or a class config);
+    ``forks``: its launcher forks this process (CUDA must not be initialised before)."""
     name = str(_get(strategy, "class_path", strategy) or "").lower()
     sharded = "fsdp" in name or "deepspeed" in name
-    return sharded, bool(_get(strategy, "init_args.gradient_as_bucket_view", False))
+    forks = "fork" in name or "notebook" in name or str(_get(strategy, "init_args.start_method", "")) == "fork"
+    return sharded, bool(_get(strategy, "init_args.gradient_as_bucket_view", False)), forks
 
 
 def world_size(trainer: Any, accelerator: str) -> int:
@@ -325,7 +328,7 @@ def setup_from_config(config: Any) -> RunSetup:
         raise ConfigError(f"trainer.accelerator={accelerator!r}: the plan knows cpu and gpu/cuda; pass "
                           "--plan.check false to train without it")
     param_bytes, compute_bytes = precision_bytes(_get(trainer, "precision"))
-    sharded, bucket_view = strategy_kind(_get(trainer, "strategy"))
+    sharded, bucket_view, forks = strategy_kind(_get(trainer, "strategy"))
     data = _get(config, "data.init_args")
     mode = str(_get(data, "mode", "online"))
     seq_len = int(_get(data, "seq_len", 256))
@@ -334,7 +337,7 @@ def setup_from_config(config: Any) -> RunSetup:
     return RunSetup(
         draft=draft, objective=objective, target=target, mode=mode, batch_size=int(_get(data, "batch_size", 8)),
         seq_len=seq_len, accelerator=accelerator, world_size=world_size(trainer, accelerator), sharded=sharded,
-        bucket_view=bucket_view, param_bytes=param_bytes, compute_bytes=compute_bytes,
+        bucket_view=bucket_view, forks=forks, param_bytes=param_bytes, compute_bytes=compute_bytes,
         feature_dtype=str(_get(data, "feature_dtype", "float16")), teacher_top_k=int(_get(data, "teacher_top_k", 0)),
         cache_dir=Path(str(cache_dir)).expanduser() if cache_dir else None,
         samples=count_samples(data) if mode == "offline" else None)
@@ -419,7 +422,7 @@ def device_memory(run: RunSetup, option: str | None) -> tuple[str, int | None]:
         words = f"one of {run.world_size} GPU{'s' if run.world_size > 1 else ''}"
         if option is not None:
             return f"{words}, --plan.device_memory", parse_bytes(option)
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not run.forks:  # initialising CUDA before a fork would break the ranks
             free, total = torch.cuda.mem_get_info()
             return f"{words}: {torch.cuda.get_device_name()} ({format_bytes(total)}, free now)", int(free)
         return f"{words} (none visible here)", None

@@ -356,36 +356,32 @@ def draft_sizes(draft: DraftConfig) -> tuple[int, int]:
 
 
 def draft_activations(run: RunSetup, anchors: int) -> tuple[int, int]:
-    """``(bytes saved for backward by the draft's forward, its largest single activation)``, logits excluded."""
+    """``(bytes saved for backward by the draft's forward, its largest single activation)``, logits excluded.
+
+    The tensors each part saves were counted once with autograd's saved-tensor hooks on this code (a float32 and a
+    bf16-autocast step): per layer and block row, ~9.5 hidden-wide tensors in float32, or under autocast ~5.5 in
+    float32 (norms, residual stream, convolution outputs) and ~8.5 in the compute dtype (each linear's input cast);
+    per query head dimension the SDPA query and output and the q-norm's input; four MLP-wide tensors.
+    """
     d = run.draft
     s, a = run.param_bytes, run.compute_bytes
-    cast = a if a != s else 0        # autocast's copy of a linear's input in the compute dtype
-    fp32 = 4 if s != 4 else 0        # RMSNorm's float32 copy of a non-float32 input
-    top = max(s, a)                  # what a float32 weight times a compute-dtype tensor gives (promotion)
-    c, r = run.batch_size * run.seq_len, run.batch_size * anchors * d.block_size
+    mixed = a != s
+    b, c, r = run.batch_size, run.batch_size * run.seq_len, run.batch_size * anchors * d.block_size
+    slots = run.batch_size * anchors * (d.block_size - 1)
     h, i, nt = d.hidden_size, d.intermediate_size, d.num_target_features
     q_width, kv_width = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
-    # A projection with a per-head RMSNorm and RoPE: output, norm (float32), norm's output, RoPE's two products.
-    normed_rope = a + (4 + (4 + a if a != 4 else 0)) + top + top + top
     gqa_copy = d.num_attention_heads // d.num_key_value_heads if run.accelerator == "cuda" else 1  # see backbone
-    context = c * nt * h * (s + cast) + c * h * (a + fp32 + 4 + top)  # features (fc dtype), fc, hidden_norm
-    context += d.num_hidden_layers * c * (2 * h * cast + kv_width * (normed_rope + a))  # per layer: k (normed), v
-    groups = d.conv_num_groups if d.is_dflash2 else 0
-    conv = (2 * r * h * cast + 2 * r * 2 * d.conv_kernel_size * groups * a + 2 * r * h * top) if d.is_dflash2 else 0
-    norms = 2 * r * h * (4 + fp32 + s)
-    qkv = r * h * 3 * cast + r * q_width * normed_rope + r * kv_width * (normed_rope + a)
-    kv_full = (c + r) * kv_width * gqa_copy * 2 * a  # K and V over context + block, as SDPA saves them
-    mask_bias = run.batch_size * anchors * d.block_size * (run.seq_len + anchors * d.block_size) * a
-    attn_out = 2 * r * q_width * a + r * h * a
-    mlp = 2 * r * h * cast + 4 * r * i * a + r * h * a
-    layer = r * h * s + norms + conv + qkv + kv_full + mask_bias + attn_out + mlp
+    hidden_rows = (5.5 * 4 + 8.5 * a) if mixed else 9.5 * s
+    kv_full = 2 * (c + r) * kv_width * gqa_copy * a  # K and V over context + block, as SDPA saves them
+    mask_bias = b * anchors * d.block_size * (run.seq_len + anchors * d.block_size) * a  # the bool mask as a bias
+    conv = 2 * r * d.conv_kernel_size * d.conv_num_groups * a if d.is_dflash2 else 0
+    layer = (r * h * hidden_rows + r * q_width * (4 + 3 * a) + r * kv_width * (4 + a) + kv_full + mask_bias
+             + 4 * r * i * a + conv)
+    context = c * nt * h * a + c * h * (4 + 2 * a) + d.num_hidden_layers * c * kv_width * (4 + a)
+    final = r * h * (4 + s) + slots * h * (s + (a if mixed else 0))  # final norm, the head's input
+    selector = slots * d.selector_rank * (d.selector_top_k * a + 2 * 4) if d.is_dflash2 else 0
     largest = max(kv_full, mask_bias, r * i * a, c * nt * h * s)
-    final = r * h * (4 + fp32 + s) + run.batch_size * anchors * (d.block_size - 1) * h * (s + cast)
-    selector = 0
-    if d.is_dflash2:
-        slots = run.batch_size * anchors * (d.block_size - 1)
-        selector = slots * d.selector_rank * (4 * 3 + (d.selector_top_k + 1) * 4) + slots * d.selector_top_k * 12
-    return context + d.num_hidden_layers * layer + final + selector, largest
+    return int(context + d.num_hidden_layers * layer + final + selector), int(largest)
 
 
 def logits_peak(run: RunSetup, anchors: int) -> tuple[int, str]:
@@ -396,12 +392,14 @@ def logits_peak(run: RunSetup, anchors: int) -> tuple[int, str]:
     if slots * d.vocab_size > LOGITS_CHUNK_ELEMENTS:
         rows = max(1, LOGITS_CHUNK_ELEMENTS // d.vocab_size)
         note = f"in chunks of {rows} slots (recomputed in backward)"
-    # logits, their float32 copy, log-softmax (saved) and its gradient; distillation adds the teacher rows,
-    # their float32 copy and softmax, and the product.
-    per_row = a + 4 * 3 + (4 if a != 4 else 0)
-    if run.objective.token_loss == "kd":
-        per_row += (t if run.mode == "online" else 0) + 4 * 3
-    return rows * d.vocab_size * per_row, note
+    kd = run.objective.token_loss == "kd"
+    # Forward: the logits, their float32 copy, log-softmax; distillation adds the teacher's rows, their float32
+    # copy, softmax and the product. Backward: the saved logits, log-softmax (and teacher softmax) plus the
+    # gradient into and out of log-softmax.
+    upcast = 4 if a != 4 else 0
+    forward = a + upcast + 4 + ((t + (4 if t != 4 else 0) + 4 + 4) if kd else 0)
+    backward = a + 4 + (4 if kd else 0) + 2 * 4
+    return rows * d.vocab_size * max(forward, backward), note
 
 
 def target_forward(run: RunSetup) -> tuple[int, int]:

@@ -506,13 +506,13 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
     items.append(Item("logits and loss", logits, chunking))
     if run.mode == "online":
         items.append(Item("target forward (no_grad)", target_peak,
-                          "every layer's hidden states; before the draft's step: the peak takes the larger"))
+                          "all hidden states; before the step (the peak takes the larger)"))
     optimizer_step = 2 * params * 4 // share  # foreach AdamW's temporaries
     peak = persistent + max(step, target_peak, optimizer_step)
     device, capacity = device_memory(run, options.device_memory)
     strategy = "FSDP" if run.sharded else "DDP" if run.world_size > 1 else "one device"
     heading = (f"dflash2 plan: {d.architecture}, {d.num_hidden_layers} layers, hidden {d.hidden_size}, vocab "
-               f"{d.vocab_size}; target {tgt.parameters / 1e9:.2f} B parameters ({run.mode}); "
+               f"{d.vocab_size}; target {tgt.parameters / 1e9:.2f} B parameters ({run.mode})\n"
                f"{run.world_size} x {run.accelerator}, {strategy}, "
                f"{'mixed' if run.param_bytes != run.compute_bytes else 'uniform'} precision "
                f"({run.param_bytes} B weights, {run.compute_bytes} B compute)")

@@ -37,6 +37,8 @@ LIGHTNING_ACTIONS: dict[str, str] = {
     "validate": "validate a draft checkpoint on the config's validation data",
 }
 ACTIONS: dict[str, Action] = {
+    "plan": Action("dflash2_lightning.train.plan_command:plan_main",
+                   "what a fit needs per device and on disk, from the config alone, and whether it fits"),
     "quickstart": Action("dflash2_lightning.quickstart.run:quickstart_main",
                          "the whole job on SmolLM2-135M: regenerate, cache features, train, measure tau"),
     "regen": Action("dflash2_lightning.data.regen:regen_main",

@@ -23,6 +23,9 @@ What this CLI adds to plain ``LightningCLI``:
 - naming a target kind on the command line (``--model.init_args.target.path X``, ``.gguf``, ``.tiny`` or a
   whole ``--model.init_args.target '{...}'``) *replaces* the config's target instead of being merged
   with it (a config's ``tiny: {}`` plus a new ``path`` would name two targets);
+- before the target is loaded or a feature cache is built, ``fit`` makes the run's plan
+  (:mod:`~dflash2_lightning.train.plan`: memory per device and the cache's disk, from the target's config.json
+  alone) and refuses a run that clearly cannot fit; ``--plan.check false`` skips it (``dflash2 plan`` prints it);
 - settings that can be checked from the config alone (data files exist, ``token_loss: kd`` offline
   needs ``teacher_top_k > 0``) are checked before anything is instantiated, so a mistake never
   costs a target load or a feature-cache build;
@@ -60,6 +63,7 @@ from dflash2_lightning.data.records import DataError
 from dflash2_lightning.data.datamodule import DraftDataModule
 from dflash2_lightning.reporting import run_command
 from dflash2_lightning.train.module import MISSING_TARGET, DFlash2Module
+from dflash2_lightning.train.plan import PlanOptions
 from dflash2_lightning.train.resume_checks import check_resume, peek_checkpoint, resolve_ckpt_path
 from dflash2_lightning.train.run_lock import RunLock
 
@@ -163,12 +167,21 @@ def _config_value(config: Any, dotted: str) -> Any:
     return node
 
 
-def precheck(config: Any) -> None:
+def plan_options(config: Any) -> PlanOptions:
+    """The parsed ``--plan.*`` options (:class:`~dflash2_lightning.train.plan.PlanOptions`)."""
+    value = config.get("plan")
+    if isinstance(value, PlanOptions):
+        return value
+    return PlanOptions(**(value.as_dict() if hasattr(value, "as_dict") else dict(value or {})))
+
+
+def precheck(config: Any, data_files: bool = True) -> None:
     """Check what the parsed config alone can tell, before the target is loaded or a cache is built.
 
+    ``data_files=False`` leaves out the data files' existence (``dflash2 plan`` runs where they are not).
     Raises :class:`DataError` / :class:`ConfigError` naming the setting.
     """
-    for key in ("train_files", "val_files"):
+    for key in ("train_files", "val_files") if data_files else ():
         files = _config_value(config, f"data.init_args.{key}")
         for path in files or []:
             p = Path(str(path)).expanduser()
@@ -210,6 +223,8 @@ class DFlash2CLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
+        # `--plan.check false`, `--plan.device_memory 80GB`: fit's check of the plan, and `dflash2 plan`'s device
+        parser.add_dataclass_arguments(PlanOptions, "plan")
         parser.link_arguments("model.init_args.target", "data.init_args.target")
         parser.link_arguments("model", "data.init_args.block_size", compute_fn=_draft_block_size,
                               apply_on="instantiate")
@@ -218,12 +233,23 @@ class DFlash2CLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        self.check_target_given(config)
+        precheck(config)
+        options = plan_options(config)
+        if self.subcommand == "fit" and options.check:  # before the target is loaded or a cache is built
+            from dflash2_lightning.train.plan import describe_plan_failure, make_plan
+
+            plan = make_plan(config, options)
+            if plan.clearly_too_big is not None:
+                raise ConfigError(describe_plan_failure(plan))
+
+    def check_target_given(self, config: Any) -> None:
+        """Refuse a config without a target, or whose config files name a target field that does not exist."""
         for path in config.get("config") or []:  # keys jsonargparse drops without a word (`tny: {}`)
             check_config_file_target(str(getattr(path, "absolute", path)), str(getattr(path, "relative", path)))
         target = getattr(getattr(config.get("model"), "init_args", None), "target", None)
         if target is None or all(getattr(target, key, None) is None for key in ("path", "gguf", "tiny")):
             self.parser.error(MISSING_TARGET)
-        precheck(config)
 
     def instantiate_classes(self) -> None:
         try:

@@ -26,7 +26,7 @@ tiny: $(STAMP)
 
 # One BLAS thread per process: the tests are tiny (overhead-bound) and some start several processes.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q --durations=15
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow"

@@ -440,7 +440,12 @@ def test_a_full_disk_during_fit_keeps_the_checkpoint_and_the_metrics(tmp_path, b
 def test_offline_cache_on_a_full_disk_is_refused_before_it_is_built(tmp_path, base, untouched, tmpfs):
     disk = tmpfs("disk", "256k")  # the cache needs about 420 kB
     config = small_config(tmp_path, model={"objective": {"token_loss": "ce"}}, mode="offline", cache_dir=str(disk / "cache"))
+    # fit's plan refuses first, before the target is loaded; without the plan the build's own check does.
     done = run(["fit", "--config", str(config)], tmp_path, base["cache"])
+    assert_user_error(done, "this run does not fit: the offline cache needs", str(disk / "cache"), "free",
+                      "--plan.check false")
+    assert list(disk.iterdir()) == []
+    done = run(["fit", "--config", str(config), "--plan.check", "false"], tmp_path, base["cache"])
     assert_user_error(done, "disk full while writing the offline feature cache", str(disk / "cache"), "needed", "free")
     assert list(disk.iterdir()) == []  # no temporary directory, no Bus error
 

@@ -134,6 +134,18 @@ def assert_same_cache(cache: Path, reference: Path) -> None:
     assert not differ, f"files differ from the one-process build: {differ}"
 
 
+def resume_and_compare(monkeypatch, data: str, cache: Path, reference: Path) -> tuple[DraftDataModule, int]:
+    """Finish the build of ``cache``, then build ``reference`` uninterrupted and assert the two are the same bytes.
+    Returns the resumed data module and how many batches the resume computed."""
+    counter = CountingFeatures(monkeypatch)
+    resumed = one_process_build(data, cache)
+    calls = counter.calls
+    monkeypatch.setattr(Target, "features", counter.real)
+    one_process_build(data, reference)
+    assert_same_cache(cache, reference)
+    return resumed, calls
+
+
 def test_two_ranks_build_the_same_bytes_as_one_process(tmp_path):
     data = write_data(tmp_path)
     reference = tmp_path / "one"
@@ -162,13 +174,9 @@ def test_a_failure_on_one_rank_stops_both_and_the_build_resumes(tmp_path, monkey
     assert done and len(done) < BATCHES, done
 
     # One process resumes the two ranks' build: only the missing batches, and the same bytes as an uninterrupted build.
-    counter = CountingFeatures(monkeypatch)
-    resumed = one_process_build(data, cache)
-    assert counter.calls == BATCHES - len(done)
+    resumed, calls = resume_and_compare(monkeypatch, data, cache, tmp_path / "reference")
+    assert calls == BATCHES - len(done)
     assert len(resumed.train_dataset) == 10 and not build_dir_of(cache).exists()
-    monkeypatch.setattr(Target, "features", counter.real)
-    one_process_build(data, tmp_path / "reference")
-    assert_same_cache(cache, tmp_path / "reference")
 
 
 def test_an_interrupted_build_resumes_and_equals_an_uninterrupted_one(tmp_path, monkeypatch):
@@ -181,12 +189,8 @@ def test_an_interrupted_build_resumes_and_equals_an_uninterrupted_one(tmp_path, 
     build = build_dir_of(cache)
     assert sorted(p.name for p in (build / DONE).iterdir()) == ["train.0-2", "train.2-4", "train.4-6"]
 
-    counter = CountingFeatures(monkeypatch)
-    one_process_build(data, cache)
-    assert counter.calls == BATCHES - 3  # the three finished batches were kept
-    monkeypatch.setattr(Target, "features", counter.real)
-    one_process_build(data, tmp_path / "reference")
-    assert_same_cache(cache, tmp_path / "reference")
+    _, calls = resume_and_compare(monkeypatch, data, cache, tmp_path / "reference")
+    assert calls == BATCHES - 3  # the three finished batches were kept
 
 
 def test_a_build_for_other_settings_is_discarded_not_resumed(tmp_path, monkeypatch):

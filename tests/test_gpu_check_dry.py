@@ -39,6 +39,8 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
     for entry in step["anchors"].values():
         assert entry["grads_finite"] and entry["tokens_per_s_draft_step"] > 0 and entry["model_tflop_per_step"] > 0
         assert entry["mfu"] is None and entry["peak_memory_gib"] is None  # GPU-only figures
+        assert entry["peak_memory_vs_plan"] is None and entry["plan_counts_the_drafts_weights"] is True
+        assert 0.75 <= entry["tensor_peak_vs_plan"] <= 1.25 and entry["planned_step_gib"] > 0
     assert set(step["sdpa_backends"]) == {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"}
     assert step["sdpa_backends"]["MATH"]["ran"] and step["sdpa_backends"]["MATH"]["grad_rel_diff_vs_math"] == 0.0
     assert all("error" in b for b in step["sdpa_backends"].values() if not b["ran"])

@@ -132,10 +132,10 @@ def small_config(tmp_path: Path, mode: str = "online", steps: int = 2, precision
 
 
 MEASURE = """
-import resource, sys, weakref
+import resource, sys
+sys.path.insert(0, sys.argv[2])  # tests/
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from memory_helpers import LiveTensorBytes
 from dflash2_lightning import cli
 from dflash2_lightning.target.tiny import tiny_tokenizer
 # Before the baseline, what the plan does not count: the libraries' code (Lightning, the transformers model,
@@ -145,29 +145,6 @@ from dflash2_lightning.train import lightning_cli, module
 tiny_tokenizer(2048)
 x = torch.ones(64, 64, requires_grad=True)
 (x @ x).sum().backward()
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    # The bytes of every storage an op returns, counted until the storage is freed; `peak` is the most alive at once.
-    def __init__(self):
-        super().__init__()
-        self.sizes, self.live, self.peak = {}, 0, 0
-
-    def forget(self, key):
-        self.live -= self.sizes.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in self.sizes:
-                    weakref.finalize(storage, self.forget, key)
-                self.live += storage.nbytes() - self.sizes.get(key, 0)  # a resized storage counts its new size
-                self.sizes[key] = storage.nbytes()
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 def rss():
@@ -192,7 +169,7 @@ def test_plan_within_20_percent_of_a_measured_cpu_fit(tmp_path):
     # glibc's malloc raises its mmap threshold after each large free, and then keeps freed blocks up to 32 MB in the
     # heap (RSS that no tensor uses); a fixed threshold returns them, so RSS follows the live tensors more closely.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    run = subprocess.run([sys.executable, "-c", MEASURE, str(config)], capture_output=True, text=True, cwd=tmp_path,
+    run = subprocess.run([sys.executable, "-c", MEASURE, str(config), str(REPO / "tests")], capture_output=True, text=True, cwd=tmp_path,
                          timeout=300, env=env)
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("MEASURED")]
     assert line, run.stdout + run.stderr

@@ -8,9 +8,12 @@ nothing is instantiated: no target weights, no feature cache, no trainer. The es
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash2_lightning.train.lightning_cli import DFlash2CLI, plan_options, precheck, quiet_lightning
+
+if TYPE_CHECKING:
+    from dflash2_lightning.train.plan import Plan
 
 DESCRIPTION = """\
 The plan of `dflash2 fit` with the same arguments: per device, the draft's weights, gradients and AdamW state
@@ -59,8 +62,9 @@ def _without_ckpt_path(argv: list[str]) -> list[str]:
     return out
 
 
-def plan_main(argv: list[str]) -> int:
-    """Entry of ``dflash2 plan``: print the plan; 0 when it fits, 1 when it does not."""
+def plan_of(argv: list[str]) -> Plan:
+    """The :class:`~dflash2_lightning.train.plan.Plan` of ``dflash2 fit ARGV`` (``fit``'s arguments, parsed as
+    ``fit`` parses them); bad input raises :class:`~dflash2_lightning.errors.ConfigError` or exits 2 as ``fit``."""
     from dflash2_lightning.data.datamodule import DraftDataModule
     from dflash2_lightning.train.module import DFlash2Module
 
@@ -73,5 +77,11 @@ def plan_main(argv: list[str]) -> int:
                       parser_kwargs={"description": DESCRIPTION, "prog": "dflash2 plan"})
     finally:
         sys.argv = saved
-    print(cli.plan.render(), flush=True)
-    return 0 if cli.plan.fits else 1
+    return cli.plan
+
+
+def plan_main(argv: list[str]) -> int:
+    """Entry of ``dflash2 plan``: print the plan; 0 when it fits, 1 when it does not."""
+    plan = plan_of(argv)
+    print(plan.render(), flush=True)
+    return 0 if plan.fits else 1

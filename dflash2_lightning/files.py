@@ -24,11 +24,17 @@ up front, saying what is needed and what is free; a write that runs out of space
 known, or another process filled the disk) is a :class:`~dflash2_lightning.errors.DiskFullError` naming the
 final path, and the previous file is left as it was. :func:`preallocate` reserves a memory-mapped file's
 blocks before it is mapped, so a full disk is an error and never a ``SIGBUS`` inside the mapping.
+
+Locks. :func:`lock_nowait` takes an exclusive ``flock`` without waiting, the one primitive of the run directory's
+lock (:mod:`~dflash2_lightning.train.run_lock`) and the feature cache's build lock: the kernel drops it when its
+holder dies, however it dies, so a killed job never leaves a lock behind.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -125,6 +131,38 @@ def remove_stale(directory: str | os.PathLike, name: str | None = None) -> list[
     if removed:
         log.info("removed %d temporary file(s) left by killed runs in %s", len(removed), directory)
     return removed
+
+
+# ----------------------------------------------------------------------------- locks
+class Lock(enum.Enum):
+    """What :func:`lock_nowait` got."""
+
+    HELD = "held"                # this process holds the lock
+    BUSY = "busy"                # another process holds it
+    UNSUPPORTED = "unsupported"  # this file system has no flock (some network mounts): nothing was locked
+
+
+#: flock's errors on file systems that do not support it.
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def lock_nowait(path: str | os.PathLike) -> tuple[int, Lock]:
+    """Open ``path`` (created ``0o644``, close-on-exec) and take an exclusive ``flock`` on it without waiting.
+
+    Returns the open descriptor (the caller closes it; closing releases the lock) and what it got. Other
+    errors than a busy lock or a file system without flock are raised, with the descriptor closed.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return fd, Lock.BUSY
+        if error.errno in _NO_FLOCK:
+            return fd, Lock.UNSUPPORTED
+        os.close(fd)
+        raise
+    return fd, Lock.HELD
 
 
 # ----------------------------------------------------------------------------- atomic writes

@@ -274,6 +274,21 @@ def test_run_lock_refuses_a_second_holder_and_not_a_dead_one(tmp_path):
         assert lock.held
 
 
+def test_the_cache_build_lock_refuses_a_second_builder_until_released(tmp_path):
+    from dflash2_lightning.data.cache_build import BuildLock
+    from dflash2_lightning.data.records import DataError
+
+    first, second = BuildLock(tmp_path), BuildLock(tmp_path)
+    first.acquire(tmp_path / "cache")
+    with pytest.raises(DataError, match=r"cache .*/cache is being built by another process \(it holds .*/lock\)"):
+        second.acquire(tmp_path / "cache")
+    assert second.fd is None
+    first.release()
+    second.acquire(tmp_path / "cache")  # released (or its holder died): the next build takes it
+    assert second.fd is not None
+    second.release()
+
+
 def test_resume_checks_name_both_sides():
     from dflash2_lightning.export.checkpoint import CheckpointError
     from dflash2_lightning.train.resume_checks import TARGET_KEY, check_resume, resolve_ckpt_path

@@ -25,8 +25,6 @@ complete, and the manifest format is the one :mod:`dflash2_lightning.data.featur
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
@@ -103,21 +101,16 @@ class BuildLock:
         self.fd: int | None = None
 
     def acquire(self, cache: Path) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(fd)
-            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise DataError(f"the offline feature cache {cache} is being built by another process (it holds "
-                                f"{self.path}): wait for it to finish, or set data cache_dir to another "
-                                "directory") from None
-            if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-            log.warning("%s: this file system has no flock; nothing stops a second job building the same cache",
-                        self.path)
+        fd, state = files.lock_nowait(self.path)
+        if state is files.Lock.HELD:
+            self.fd = fd
             return
-        self.fd = fd
+        os.close(fd)
+        if state is files.Lock.BUSY:
+            raise DataError(f"the offline feature cache {cache} is being built by another process (it holds "
+                            f"{self.path}): wait for it to finish, or set data cache_dir to another directory")
+        log.warning("%s: this file system has no flock; nothing stops a second job building the same cache",
+                    self.path)
 
     def release(self) -> None:
         fd, self.fd = self.fd, None

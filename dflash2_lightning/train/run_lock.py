@@ -15,7 +15,6 @@ be checked, so the message says to delete the file if no run is active there.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -24,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_lightning.errors import UserError
-from dflash2_lightning.files import host_name, process_alive
+from dflash2_lightning.files import Lock, host_name, lock_nowait, process_alive
 
 LOCK_NAME = ".fit.lock"
-_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 class RunLockedError(UserError):
@@ -56,17 +54,12 @@ class RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._created = missing  # removed again on release while empty: a refused run leaves no directory
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as error:
-                if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    holder = _read_holder(fd)
-                    os.close(fd)
-                    raise RunLockedError(self._message(holder)) from None
-                if error.errno not in _NO_FLOCK:
-                    os.close(fd)
-                    raise
+            fd, state = lock_nowait(self.path)
+            if state is Lock.BUSY:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunLockedError(self._message(holder))
+            if state is Lock.UNSUPPORTED:
                 self._check_recorded_holder(fd)  # no flock here: the recorded holder decides
             try:
                 same_file = os.fstat(fd).st_ino == os.stat(self.path).st_ino

@@ -26,6 +26,24 @@ def smollm2_draft_config(**overrides: Any) -> DraftConfig:
     return DraftConfig(**{**SMOLLM2_DRAFT, **overrides})
 
 
+def vocab_gguf(path: Path, vocab_size: int) -> Path:
+    """A minimal target GGUF carrying only a vocabulary (what export-gguf takes from the target)."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"t{i}" for i in range(vocab_size)])
+    w.add_token_types([1] * vocab_size)
+    w.add_token_merges(["t 1", "t 2"])
+    w.add_eos_token_id(0)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def gguf_contents(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(fields, tensors)`` of a GGUF: key -> (types, value), name -> (type, shape, raw bytes)."""
     import gguf

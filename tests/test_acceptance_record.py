@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from llamacpp_helpers import vocab_gguf
 from speculative_helpers import TARGET_SPEC, tiny_target, trained_draft
 
 from dflash2_lightning import cli
@@ -115,21 +116,6 @@ def test_eval_with_a_replay_writes_it_into_the_draft(draft_dir, tmp_path):
     assert len(record["prompts"]) == 3 and record["max_new_tokens"] == 8
 
 
-def _vocab_gguf(path: Path, vocab_size: int) -> Path:
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(vocab_size)])
-    w.add_token_types([1] * vocab_size)
-    w.add_eos_token_id(0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_the_gguf_export_puts_the_record_beside_the_gguf(draft_dir, record, tmp_path):
     pytest.importorskip("gguf")
     from dflash2_lightning.export.gguf import export_gguf
@@ -139,7 +125,7 @@ def test_the_gguf_export_puts_the_record_beside_the_gguf(draft_dir, record, tmp_
     for f in draft_dir.iterdir():
         (draft / f.name).write_bytes(f.read_bytes())
     write_record(record, draft)
-    vocab = _vocab_gguf(tmp_path / "target.gguf", trained_draft("dflash2").config.vocab_size)
+    vocab = vocab_gguf(tmp_path / "target.gguf", trained_draft("dflash2").config.vocab_size)
     gguf = export_gguf(draft, vocab, tmp_path / "out" / "draft.gguf", "f16")
     beside = read_record(gguf_record_path(gguf))
     assert gguf_record_path(gguf) == tmp_path / "out" / "draft.acceptance.json"

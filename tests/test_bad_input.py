@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from llamacpp_helpers import vocab_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -391,23 +392,6 @@ def fill(directory: Path, leave: int) -> None:
     if free > leave:
         with open(directory / "filler", "wb") as f:
             f.write(b"\0" * (free - leave))
-
-
-def vocab_gguf(path: Path, vocab_size: int) -> Path:
-    """A minimal target GGUF carrying only a vocabulary (what export-gguf takes from the target)."""
-    gguf = pytest.importorskip("gguf")
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"t{i}" for i in range(vocab_size)])
-    w.add_token_types([1] * vocab_size)
-    w.add_token_merges(["t 1", "t 2"])
-    w.add_eos_token_id(0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def csv_rows(path: Path) -> list[dict[str, str]]:

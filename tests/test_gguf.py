@@ -12,27 +12,11 @@ from dflash2_lightning.export.checkpoint import expected_tensors, save_draft
 from dflash2_lightning import cli
 from dflash2_lightning.export.gguf import (GGUFExportError, export_gguf, export_gguf_main, gguf_tensor_name)
 from dflash2_lightning.model import DraftModel
-from llamacpp_helpers import PROVENANCE_KEYS, gguf_contents, llama_source_or_skip, smollm2_draft_config
+from llamacpp_helpers import (PROVENANCE_KEYS, gguf_contents, llama_source_or_skip, smollm2_draft_config,
+                              vocab_gguf)
 from conftest import randomize_draft_
 
 gguf = pytest.importorskip("gguf")
-
-
-def _vocab_gguf(path: Path, vocab_size: int) -> Path:
-    """A minimal target GGUF carrying only a vocabulary (what the exporter takes from the target)."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"t{i}" for i in range(vocab_size)])
-    w.add_token_types([1] * vocab_size)
-    w.add_token_merges(["t 1", "t 2"])
-    w.add_eos_token_id(0)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def _draft_dir(tmp_path: Path, cfg, name: str = "draft") -> Path:
@@ -58,7 +42,7 @@ def test_every_contract_tensor_has_a_distinct_llama_cpp_name(tiny_draft_config, 
 def test_keys_and_tensors_round_trip(tmp_path, tiny_draft_config, projector):
     cfg = tiny_draft_config(projector_type=projector)
     draft = _draft_dir(tmp_path, cfg)
-    out = export_gguf(draft, _vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size), tmp_path / "d.gguf")
+    out = export_gguf(draft, vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size), tmp_path / "d.gguf")
     fields, tensors = gguf_contents(out)
     value = {k: v for k, (_, v) in fields.items()}
     assert value["general.architecture"] == "dflash"
@@ -90,7 +74,7 @@ def test_keys_and_tensors_round_trip(tmp_path, tiny_draft_config, projector):
 def test_q8_0_and_f16_storage_types_and_values(tmp_path, tiny_draft_config):
     cfg = tiny_draft_config()
     draft = _draft_dir(tmp_path, cfg)
-    target = _vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size)
+    target = vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size)
     from safetensors.torch import load_file
 
     state = load_file(str(draft / "model.safetensors"))
@@ -111,11 +95,11 @@ def test_q8_0_and_f16_storage_types_and_values(tmp_path, tiny_draft_config):
 def test_bad_inputs_are_named(tmp_path, tiny_draft_config):
     cfg = tiny_draft_config()
     draft = _draft_dir(tmp_path, cfg)
-    target = _vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size)
+    target = vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size)
     with pytest.raises(GGUFExportError, match="outtype='q4_k'"):
         export_gguf(draft, target, tmp_path / "x.gguf", "q4_k")
     with pytest.raises(GGUFExportError, match="vocab_size=96 .* 90 tokens"):
-        export_gguf(draft, _vocab_gguf(tmp_path / "other.gguf", 90), tmp_path / "x.gguf")
+        export_gguf(draft, vocab_gguf(tmp_path / "other.gguf", 90), tmp_path / "x.gguf")
     wide = _draft_dir(tmp_path, tiny_draft_config(selector_top_k=6), "wide")  # 6 * 7 = 42 > hidden 32
     with pytest.raises(GGUFExportError, match=r"selector_top_k=6 .* hidden_size >= .* = 42"):
         export_gguf(wide, target, tmp_path / "x.gguf")
@@ -129,7 +113,7 @@ def test_cli_needs_the_target_gguf_for_an_hf_target(tmp_path, tiny_draft_config,
                      str(tmp_path / "d.gguf")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dflash2: error: ") and "--target-gguf" in err and len(err.splitlines()) == 1
-    target = _vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size)
+    target = vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size)
     assert export_gguf_main(["--draft", str(draft), "--target", str(tmp_path), "--target-gguf", str(target),
                              "--out", str(tmp_path / "d.gguf"), "--outtype", "bf16"]) == 0
     fields, _ = gguf_contents(tmp_path / "d.gguf")

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ SEQ_LEN = 64
 STEPS = 6  # max_steps (the recipe counts 6 epochs): what the learning-rate schedule spans
 CRASH_AT = 4  # the first run dies at this step, after its checkpoint; the resume trains the rest
 EVERY = 2  # validation and last.ckpt every EVERY steps (recipe: 2000 and 500)
+FIT_TIMEOUT = 600  # seconds; one fit takes ~40 s on 2 busy cores
 
 
 def write_data(directory: Path, n: int = 48) -> list[str]:
@@ -108,8 +110,19 @@ def environment(directory: Path, **extra: str) -> dict[str, str]:
 def fit(config: Path, directory: Path, *extra: str, expect: int = 0, **env: str) -> subprocess.CompletedProcess:
     if not DFLASH2.exists():
         pytest.fail(f"{DFLASH2} not found: install the package first (pip install -e .)")
-    done = subprocess.run([str(DFLASH2), "fit", "--config", str(config), *extra], cwd=directory,
-                          env=environment(directory, **env), capture_output=True, text=True, timeout=600)
+    # Its own session, with faulthandler on: a fit that hangs is sent SIGABRT with its ranks and data workers, and
+    # every thread's Python stack is in the failure's stderr (a hang is a bug to be found, not a slow run).
+    process = subprocess.Popen([str(DFLASH2), "fit", "--config", str(config), *extra], cwd=directory,
+                               env={**environment(directory, **env), "PYTHONFAULTHANDLER": "1"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=FIT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGABRT)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"dflash2 fit {' '.join(extra)} hung for {FIT_TIMEOUT} s; the stacks of its processes at SIGABRT:\n"
+                    f"{stderr[-40000:]}\nstdout:\n{stdout[-2000:]}")
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert done.returncode == expect, \
         f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
     return done

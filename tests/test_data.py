@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -321,3 +322,24 @@ def test_validation_holds_out_whole_prompts():
     assert len(held_out_by_prompt(one_prompt, n_val=1)) == 1  # one prompt: single records, never all of them
     assert held_out_by_prompt(records[:6], n_val=6) != set(range(6))  # the last group always trains
     assert prompt_key("plain text") == "plain text"
+
+
+# ---------------------------------------------------------------------- worker processes
+def test_forked_workers_are_a_known_hang_before_python_3_11_8():
+    from dflash2_lightning.data.workers import fork_deadlock_risk
+
+    risk = fork_deadlock_risk((3, 11, 7), "fork")
+    assert risk is not None and "Python 3.11.7" in risk and "gh-112275" in risk and "num_workers 0" in risk
+    assert fork_deadlock_risk((3, 11, 8), "fork") is None and fork_deadlock_risk((3, 12, 1), "fork") is None
+    assert fork_deadlock_risk((3, 11, 7), "spawn") is None and fork_deadlock_risk((3, 11, 7), "forkserver") is None
+
+
+def test_setup_warns_where_workers_can_hang(monkeypatch):
+    import dflash2_lightning.data.datamodule as datamodule
+
+    monkeypatch.setattr(datamodule, "fork_deadlock_risk", lambda: "Python 3.11.7 can deadlock (gh-112275)")
+    with pytest.warns(UserWarning, match=r"^warning: \[data\] num_workers=2: Python 3.11.7 can deadlock"):
+        DraftDataModule(TINY, seq_len=32, block_size=8, max_samples=20, num_workers=2).setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DraftDataModule(TINY, seq_len=32, block_size=8, max_samples=20, num_workers=0).setup()  # no workers: silent

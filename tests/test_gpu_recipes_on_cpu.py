@@ -5,7 +5,8 @@ overridden: the target (a tiny random Qwen3 instead of Qwen3-8B), the data (smal
 accelerator (``cpu``), the device count (2 processes under Lightning's DDP with the gloo backend), and the
 sample geometry, step counts and intervals scaled down. Everything else is the recipe's own: the
 objective, the optimizer and its schedule, the loggers and checkpoint callbacks, gradient clipping,
-validation and sanity steps, the data workers, the offline feature cache. Each run then resumes with
+validation and sanity steps, the data workers (none on Python < 3.11.8, where a forked worker can hang:
+dflash2_lightning/data/workers.py), the offline feature cache. Each run then resumes with
 ``--ckpt_path last`` and writes the HF checkpoint, which the strict loader must read back.
 
 What this proves: the recipes parse, two DDP processes build (offline) and share the feature cache,
@@ -33,6 +34,7 @@ import pytest
 import torch
 import yaml
 
+from dflash2_lightning.data.workers import fork_deadlock_risk
 from dflash2_lightning.export.checkpoint import load_draft
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,6 +95,10 @@ def rehearsal_config(recipe: Path, directory: Path) -> tuple[Path, dict[str, Any
     data = config["data"]["init_args"]
     # val_fraction 0.1 (recipe 0.01): 1% of 48 records is a single validation sample for two ranks.
     data.update(train_files=write_data(directory), seq_len=SEQ_LEN, val_fraction=0.1)
+    # The recipe's data workers, except where a forked worker can deadlock (CPython < 3.11.8, gh-112275; seen once
+    # here as a resumed fit hung at its first validation, dflash2_lightning/data/workers.py): there, none.
+    if fork_deadlock_risk() is not None:
+        data["num_workers"] = 0
     if data["mode"] == "offline":
         data["cache_dir"] = str(directory / "features")
     path = directory / recipe.name

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from dflash2_lightning.data.feature_cache import CACHE_FORMAT, MANIFEST, cache_b
 from dflash2_lightning.data.order import ResumableLoader, ResumableOrder
 from dflash2_lightning.data.records import SPLIT_RULE, DataError, read_jsonl, validation_split
 from dflash2_lightning.data.encode import encode_split
+from dflash2_lightning.data.workers import fork_deadlock_risk
 from dflash2_lightning.errors import check
 from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetSpec, default_cache_dir
@@ -361,6 +362,9 @@ class DraftDataModule(pl.LightningDataModule):
         """Tokenise (online) or open the memory-mapped cache (offline, building it on every rank if missing)."""
         if self.train_dataset is not None:
             return
+        risk = fork_deadlock_risk() if self.num_workers > 0 else None
+        if risk is not None:
+            rank_zero_warn(f"warning: [data] num_workers={self.num_workers}: {risk}")
         if self.mode == "offline":
             datasets = self._load_cache(self.build_cache())
         else:

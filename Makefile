@@ -25,11 +25,14 @@ tiny: $(STAMP)
 	$(BIN)/dflash2 fit --config configs/tiny.yaml
 
 # One BLAS thread per process: the tests are tiny (overhead-bound) and some start several processes.
+# TEST_WORKERS pytest-xdist workers (one per core of CI's 2); each test file runs whole on one worker, so its
+# module-scoped fixtures are built once.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_draft_step.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -66,7 +68,8 @@ def randomized_draft() -> Callable[..., DraftModel]:
 @pytest.fixture(scope="session")
 def trained_smollm2_draft(tmp_path_factory) -> Path:
     """A SmolLM2 draft trained briefly (the quickstart recipe, 60 online steps on the built-in corpus), shared
-    by the llama.cpp tests of the session (several minutes on 2 cores; trained once).
+    by the llama.cpp tests of the session (several minutes on 2 cores; trained once, also across the
+    pytest-xdist workers of ``make test``: the first one trains it under a lock, the others wait and reuse it).
 
     In float32 where the CPU emulates bf16 (as the quickstart chooses there): the config's bf16-mixed
     online steps take minutes each on such a CPU."""
@@ -75,16 +78,21 @@ def trained_smollm2_draft(tmp_path_factory) -> Path:
     from dflash2_lightning.threads import fast_bf16_matmuls
 
     llama_cpp_or_skip()  # before the training: a skipped test should not pay for it
-    run = tmp_path_factory.mktemp("fit")
-    cmd = [sys.executable, "-m", "dflash2_lightning", "fit", "--config",
-           str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
-           "--trainer.max_steps", "60", "--trainer.val_check_interval", "60", "--data.init_args.train_files", "null",
-           "--data.init_args.mode", "online", "--data.init_args.seq_len", "128"]
-    if not fast_bf16_matmuls():
-        cmd += ["--trainer.precision", "32-true"]
-    done = subprocess.run(cmd, cwd=run, capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    hf = next(run.glob("runs/quickstart/train/hf"))
+    base = tmp_path_factory.getbasetemp()
+    run = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "trained-smollm2-draft"
+    run.mkdir(exist_ok=True)
+    hf = run / "runs" / "quickstart" / "train" / "hf"
+    with open(run / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or its holder dies)
+        if not (hf / "model.safetensors").is_file():
+            cmd = [sys.executable, "-m", "dflash2_lightning", "fit", "--config",
+                   str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
+                   "--trainer.max_steps", "60", "--trainer.val_check_interval", "60", "--data.init_args.train_files",
+                   "null", "--data.init_args.mode", "online", "--data.init_args.seq_len", "128"]
+            if not fast_bf16_matmuls():
+                cmd += ["--trainer.precision", "32-true"]
+            done = subprocess.run(cmd, cwd=run, capture_output=True, text=True, timeout=3600)
+            assert done.returncode == 0, done.stderr[-3000:]
     assert (hf / "model.safetensors").is_file()
     return hf
 
@@ -143,3 +151,4 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail(f"{item.nodeid} needs {missing}, and `-m {asked}` asked for it on a machine without it",
                     pytrace=False)
     pytest.skip(f"needs {missing} (run with `pytest -m gpu` where it exists)")
+

@@ -192,6 +192,12 @@ def test_training_steps_then_export(tmp_path):
     assert exported.config == model.draft_config
     assert all(torch.equal(exported.state_dict()[k], state[k]) for k in state)
     assert any(not torch.equal(before[k], state[k]) for k in state)
+    # The acceptance record beside the export: the exported draft's T=0 replay on 8 held-out prompts.
+    from dflash2_lightning.evaluate.acceptance_record import read_record, weights_digest
+
+    record = read_record(tmp_path / "hf")
+    assert record["expected"]["prompts"] == 8 and len(record["prompts"]) == 8
+    assert record["expected"]["tau"] >= 1.0 and record["draft"]["weights_sha256"] == weights_digest(tmp_path / "hf")
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.25])

@@ -91,7 +91,8 @@ def serving_markdown(cfg: DraftConfig, draft_dir: str | Path, target: TargetInfo
               f"`{RECORD_NAME}` beside this checkpoint (and `draft.acceptance.json` beside a GGUF "
               "`dflash2 export-gguf` writes) is the acceptance record: held-out prompts as token ids, the target's greedy continuation, and "
               "the accepted drafts per verify step this draft earns at T=0, with the expected tau and its 95% "
-              "interval. `dflash2 eval --replay-prompts N` and the quickstart write it; `dflash2 acceptance-record "
+              "interval. `dflash2 fit` writes it with the export (export.acceptance_prompts), `dflash2 eval "
+              "--replay-prompts N` and the quickstart rewrite it; `dflash2 acceptance-record "
               f"--draft {_q(draft)} --target TARGET` writes it for any draft.",
               "",
               f"`dflash2 check-serving --server http://HOST:PORT --draft {_q(draft)}` sends those prompts at T=0 to "

@@ -127,6 +127,8 @@ class DFlash2Module(pl.LightningModule):
         check(optimizer.warmup_steps is None or optimizer.warmup_steps >= 0, "optimizer.warmup_steps",
               optimizer.warmup_steps, "None or >= 0")
         check(0 <= optimizer.min_lr_ratio <= 1, "optimizer.min_lr_ratio", optimizer.min_lr_ratio, "in [0, 1]")
+        check(export.acceptance_prompts >= 0, "export.acceptance_prompts", export.acceptance_prompts, ">= 0")
+        check(export.acceptance_tokens >= 1, "export.acceptance_tokens", export.acceptance_tokens, ">= 1")
         check(experimental.selector_lr_scale > 0, "experimental.selector_lr_scale", experimental.selector_lr_scale,
               "> 0")
         check(experimental.selector_init in ("random", "target_embedding"), "experimental.selector_init",
@@ -513,7 +515,27 @@ class DFlash2Module(pl.LightningModule):
         for finding in findings:
             if finding.level != "note":  # notes are in SERVING.md; warnings must be seen now
                 rank_zero_warn(str(finding))
+        if self.options.export.acceptance_prompts > 0:
+            self._write_acceptance_record(directory)
         rank_zero_info(f"how to serve it: {serving}")
+
+    def _write_acceptance_record(self, directory: Path) -> None:
+        """``directory/acceptance.json``: the tau the exported draft earns at T=0 on held-out prompts, with the
+        target already loaded here (what ``dflash2 check-serving`` compares an engine with). The export is
+        complete before it: a record that cannot be made is a warning, never a lost checkpoint."""
+        from dflash2_lightning.evaluate.acceptance_record import make_record, summary_line, write_record
+
+        export = self.options.export
+        try:
+            record = make_record(directory, self.target, num_prompts=export.acceptance_prompts,
+                                 max_new_tokens=export.acceptance_tokens)
+            path = write_record(record, directory)
+        except Exception as error:  # noqa: BLE001 - the checkpoint is written; the record can be made later
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            rank_zero_warn(f"warning: [export] no acceptance record beside {directory} ({first}); write it with "
+                           f"`dflash2 acceptance-record --draft {directory} --target TARGET`")
+            return
+        rank_zero_info(summary_line(record, path))
 
 
 class WarmupCosine:

@@ -124,10 +124,17 @@ class ExportOptions:
         dir: the HF checkpoint directory (default ``<run dir>/hf``).
         dtype: dtype of the exported weights (default: the target's dtype as its checkpoint declares it,
             because the engines run the draft beside the target; not the training dtype).
+        acceptance_prompts: the acceptance record (``acceptance.json``, what ``dflash2 check-serving`` compares
+            an engine with) is written beside the export from the T=0 replay of the exported draft on this many
+            of the shipped held-out evaluation prompts, ``acceptance_tokens`` tokens each (0: no record; write
+            it later with ``dflash2 acceptance-record``).
+        acceptance_tokens: tokens the target generates per prompt for the record.
     """
 
     dir: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    acceptance_prompts: int = 8
+    acceptance_tokens: int = 64
 
 
 @dataclass(frozen=True)

@@ -348,3 +348,12 @@ def test_online_greedy_labels_without_the_full_logits():
     flat = greedy.view(-1)
     assert torch.equal(flat[rows], full.logits.max(-1).indices.view(-1)[rows])
     assert (flat[torch.ones(b * s, dtype=torch.bool).index_fill_(0, rows, False)] == -1).all()
+
+
+def test_an_acceptance_record_that_cannot_be_made_is_a_warning(tmp_path):
+    """The export is complete before the record: its failure warns, names the command to write it later."""
+    model = DFlash2Module(target=SPEC, **grouped(**SMALL))
+    with pytest.warns(UserWarning, match=r"^warning: \[export\] no acceptance record beside .*missing \(.*config\.json "
+                                         r"not found.*\); write it with `dflash2 acceptance-record --draft"):
+        model._write_acceptance_record(tmp_path / "missing")
+    assert not (tmp_path / "missing").exists()

@@ -524,6 +524,7 @@ class DFlash2Module(pl.LightningModule):
         target already loaded here (what ``dflash2 check-serving`` compares an engine with). The export is
         complete before it: a record that cannot be made is a warning, never a lost checkpoint."""
         from dflash2_lightning.evaluate.acceptance_record import make_record, summary_line, write_record
+        from dflash2_lightning.reporting import describe
 
         export = self.options.export
         try:
@@ -531,8 +532,8 @@ class DFlash2Module(pl.LightningModule):
                                  max_new_tokens=export.acceptance_tokens)
             path = write_record(record, directory)
         except Exception as error:  # noqa: BLE001 - the checkpoint is written; the record can be made later
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            rank_zero_warn(f"warning: [export] no acceptance record beside {directory} ({first}); write it with "
+            rank_zero_warn(f"warning: [export] no acceptance record beside {directory} "
+                           f"({describe(error).splitlines()[0]}); write it with "
                            f"`dflash2 acceptance-record --draft {directory} --target TARGET`")
             return
         rank_zero_info(summary_line(record, path))

@@ -5,9 +5,10 @@ Measured against the plan (stated here, asserted below):
   2048, a 2-layer DFlash2 draft, 16 samples of 256 tokens, 64 anchors of block 8) runs 2 training steps in a
   subprocess, in float32 with hard CE. Two peaks are measured there: the most bytes of tensor storage alive at once
   (every storage an op returns, counted until it is freed: what the plan counts, the same on every machine) must be
-  within 20% of the plan's peak (here: planned 934 MB, measured 872 MB); the peak RSS (``ru_maxrss``) minus the RSS
-  just before ``fit`` adds the allocator's and the libraries' own buffers, which differ by machine (914 MB here,
-  1232 MB on CI's machine for the same run), so it is held to 0.8-1.5 times the plan;
+  within 20% of the plan's peak (here: planned 934 MB, measured 872 MB). The peak RSS (``ru_maxrss``) minus the RSS
+  just before ``fit`` is recorded beside it (the test's output and its junit property), never asserted: it adds the
+  allocator's and the math libraries' own buffers, which the machine decides (the same run measured 914 MB,
+  1232 MB and 1641 MB on three CPU kinds);
 - disk: the offline cache a real build writes (bytes of every file) is within 20% of the planned size (it is
   exact up to the manifest, which the plan leaves out).
 """
@@ -161,7 +162,7 @@ print("MEASURED", tensors.peak, rss_peak - before, status or 0)
 # bf16-mixed is not measured: on a CPU its peak says more about oneDNN's bf16 buffers than about the plan (RSS 776 MB
 # in one run, 1129 MB in CI's full suite, planned 856 MB); the GPU check is where the mixed-precision terms are to be
 # compared.
-def test_plan_within_20_percent_of_a_measured_cpu_fit(tmp_path):
+def test_plan_within_20_percent_of_a_measured_cpu_fit(tmp_path, record_property):
     config = small_config(tmp_path)
     code, out, err = run_plan("--config", str(config))
     assert code == 0, out + err
@@ -176,9 +177,11 @@ def test_plan_within_20_percent_of_a_measured_cpu_fit(tmp_path):
     tensor_peak, rss_delta, status = map(int, line[0].split()[1:])
     print(f"CPU fit (float32, ce): planned peak {planned / 1e6:.1f} MB, measured tensor peak {tensor_peak / 1e6:.1f} "
           f"MB, peak RSS delta {rss_delta / 1e6:.1f} MB")
+    record_property("planned_peak_bytes", planned)
+    record_property("tensor_peak_bytes", tensor_peak)
+    record_property("rss_peak_delta_bytes", rss_delta)  # recorded only: the machine's allocator decides it
     assert status == 0
     assert abs(planned - tensor_peak) <= 0.2 * tensor_peak, (planned, tensor_peak, out)
-    assert 0.8 * planned <= rss_delta <= 1.5 * planned, (planned, rss_delta, out)
 
 
 def test_plan_within_20_percent_of_a_built_offline_cache(tmp_path, argv_plain):

@@ -14,9 +14,9 @@ and its own block only. This script answers, at the recipe's geometry (hidden 40
   backward with the dense mask and without any mask (the same dense arithmetic, no mask read: what the mask
   itself adds), the peak resident memory above the step's start and the time.
 
-Run: ``python benchmarks/bench_attention_mask.py [--anchors 256]``. Writes
-``benchmarks/results/bench_attention_mask.json``. Not a test: no assertion. Timings mean something only on a
-quiet machine (the record carries the load).
+Run: ``python benchmarks/bench_attention_mask.py [--anchors 256] [--json PATH]``. Writes
+``benchmarks/results/bench_attention_mask.json`` (``--json``). Not a test: no assertion. Timings mean something only
+on a quiet machine (the record carries the load).
 """
 
 from __future__ import annotations
@@ -87,15 +87,16 @@ def one_layer(mode: str, anchors: int, seq_len: int) -> dict[str, float]:
             "threads": torch.get_num_threads()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--anchors", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=3072)
+    parser.add_argument("--json", type=Path, default=RESULT, help=f"JSON output (default {RESULT})")
     parser.add_argument("--mode", choices=["dense_mask", "no_mask"], help=argparse.SUPPRESS)  # the child process
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.mode:
         print(json.dumps(one_layer(args.mode, args.anchors, args.seq_len)))
-        return
+        return 0
     load_before = load_average()
     figures = counted(args.anchors, args.seq_len)
     print(f"Q {figures['queries']} x K {figures['keys']}: {100 * figures['attended_fraction']:.1f}% of pairs "
@@ -109,12 +110,13 @@ def main() -> None:
         rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{mode:10s}: peak {rows[mode]['peak_bytes'] / 2**30:.2f} GiB above the step's start, "
               f"{rows[mode]['seconds']:.1f} s")
-    write_json(RESULT, {
+    write_json(args.json, {
         "what": "one recipe-size draft attention layer (fp32, CPU) forward+backward, dense block mask vs none",
         "anchors": args.anchors, "block_size": BLOCK, "seq_len": args.seq_len, "counted": figures,
         "measured": rows, "machine": machine(rows["dense_mask"]["threads"], load_before)})
-    print(f"written {RESULT}")
+    print(f"written {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

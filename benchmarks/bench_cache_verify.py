@@ -7,8 +7,9 @@ then times :func:`~dflash2_lightning.data.datamodule.verify_cache` in both modes
 for scale. The file is freshly written, so it is read from the page cache: a cold read from disk adds the
 disk's own time to both the read and the full hash.
 
-Run: ``python benchmarks/bench_cache_verify.py [--megabytes 300] [--repeats 3]``. Prints the figures and
-writes ``benchmarks/results/bench_cache_verify.json`` with the load average beside them. Not a test.
+Run: ``python benchmarks/bench_cache_verify.py [--megabytes 300] [--repeats 3] [--json PATH]``. Prints the
+figures and writes ``benchmarks/results/bench_cache_verify.json`` (``--json``) with the load average beside them.
+Not a test.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import numpy as np
 
 from dflash2_lightning.data import feature_cache as data
 from record import load_average, loaded_label, machine, write_json
+
+RESULT = Path(__file__).resolve().parent / "results" / "bench_cache_verify.json"
 
 
 def build(root: Path, megabytes: int, seq_len: int = 512, width: int = 1024) -> dict:
@@ -48,11 +51,12 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megabytes", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, default=RESULT, help=f"JSON output (default {RESULT})")
+    args = parser.parse_args(argv)
     load_before = load_average()
     root = Path(tempfile.mkdtemp(prefix="cache-verify-"))
     try:
@@ -79,9 +83,10 @@ def main() -> None:
           f"({gb / results['full_sha256_s']:.2f} GB/s), sampled blocks {results['sampled_s'] * 1e3:.1f} ms "
           f"(load average {load_before[0]:.2f} -> "
           f"{results['machine']['load_average_after'][0]:.2f}{loaded_label(results['machine'])})")
-    out = Path(__file__).resolve().parent / "results" / "bench_cache_verify.json"
-    write_json(out, results)
+    write_json(args.json, results)
+    print(f"wrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -2,6 +2,8 @@
 
     python benchmarks/bench_dflash_vs_dflash2.py --out runs/recipe [--eval-prompts 32] [--eval-tokens 96]
     python benchmarks/bench_dflash_vs_dflash2.py --out runs/recipe --skip-train --skip-eval   # re-summarise
+    # drafts already in DIR/<variant>/train/hf, another target, the record elsewhere:
+    python benchmarks/bench_dflash_vs_dflash2.py --out DIR --skip-train --target tiny --json out.json
 
 1. trains the ``shipped`` (DFlash2), ``shipped_insert_last`` (DFlash2 with ModelOpt's selector loss, the
    recipe shipped before) and ``shipped_dflash`` (DFlash: no convolution, no selector) variants of
@@ -11,7 +13,8 @@
 3. writes ``benchmarks/results/dflash_vs_dflash2.json``: τ with its 95% interval, per-position acceptance,
    tokens/s, and a *paired* bootstrap over prompts of DFlash2's accepted drafted tokens over DFlash's
    (the same prompts and the same target outputs on both sides, so the pairing removes prompt
-   difficulty), plus the plot ``dflash_vs_dflash2.png`` (τ with intervals, acceptance per offset).
+   difficulty), plus the plot ``dflash_vs_dflash2.png`` (τ with intervals, acceptance per offset) beside it
+   (``--json PATH`` writes PATH and PATH with the suffix ``.png``).
 
 Not a test: training and evaluating both takes ~30 minutes on 2 cores.
 """
@@ -29,6 +32,11 @@ from dflash2_lightning.evaluate.intervals import paired_ratio_interval
 from record import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _f(value: float | None) -> str:
+    """A ratio or bound to 3 decimals; '-' where there is none (a baseline that accepted no draft)."""
+    return "-" if value is None else f"{value:.3f}"
 # bench_recipe variant -> label; the first DFlash2 row is the shipped recipe.
 VARIANTS = {"shipped": "DFlash2", "shipped_insert_last": "DFlash2 (insert_last)", "shipped_dflash": "DFlash"}
 
@@ -92,39 +100,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=96)
     p.add_argument("--threads", default="auto", help="torch threads of the evaluation (default auto)")
+    p.add_argument("--target", default="smollm2",
+                   help="the target, as `dflash2 eval --target` takes it (default smollm2; the training, "
+                        "bench_recipe's quickstarts, is given it too)")
+    p.add_argument("--json", type=Path, default=RESULTS / "dflash_vs_dflash2.json",
+                   help="JSON output; the plot goes beside it with the suffix .png and the training's "
+                        "bench_recipe.json in the same folder (default benchmarks/results/dflash_vs_dflash2.json)")
     p.add_argument("--skip-train", action="store_true", help="reuse the trained variants under --out")
     p.add_argument("--skip-eval", action="store_true", help="reuse OUT/<variant>/cmp_eval/eval.json")
     args = p.parse_args(argv)
     out = Path(args.out)
     here = Path(__file__).resolve().parent
     if not args.skip_train:
+        common = [] if args.target == "smollm2" else ["--", "--target", args.target]
         subprocess.run([sys.executable, str(here / "bench_recipe.py"), "--out", str(out), "--variants",
-                        ",".join(VARIANTS)], check=True)
+                        ",".join(VARIANTS), "--results", str(args.json.with_name("bench_recipe.json")), *common],
+                       check=True)
     reports, commands = {}, []
     for variant in VARIANTS:
         eval_dir = out / variant / "cmp_eval"
-        cmd = ["dflash2", "eval", "--draft", str(out / variant / "train" / "hf"), "--target", "smollm2",
+        cmd = ["dflash2", "eval", "--draft", str(out / variant / "train" / "hf"), "--target", args.target,
                "--out", str(eval_dir), "--max-prompts", str(args.eval_prompts), "--max-new-tokens",
                str(args.eval_tokens), "--temperature", "0", "--threads", args.threads, "--no-progress"]
         commands.append(" ".join(cmd))
-        if not args.skip_eval:
-            subprocess.run(cmd, check=True)
+        if not args.skip_eval:  # the dflash2 beside this interpreter (its venv's), as bench_recipe runs it
+            subprocess.run([str(Path(sys.executable).parent / "dflash2"), *cmd[1:]], check=True)
         reports[variant] = json.loads((eval_dir / "eval.json").read_text())
     summary = summarise(reports)
     summary.update(eval_commands=commands, prompts=args.eval_prompts, max_new_tokens=args.eval_tokens)
-    write_json(RESULTS / "dflash_vs_dflash2.json", summary)
-    plot(summary, RESULTS / "dflash_vs_dflash2.png")
+    write_json(args.json, summary)
+    plot(summary, args.json.with_suffix(".png"))
     for r in summary["rows"]:
         lo, hi = r["tau_interval"]
         print(f"{r['draft']:8} {r['path']:9} tau {r['tau']:.3f} [{lo:.3f}, {hi:.3f}]  accept "
               + " / ".join(f"{a:.3f}" for a in r["accept"]) + f"  {r['tokens_per_second']:.1f} tok/s")
     for v in summary["dflash2_over_dflash"].values():
         a = v["accepted_drafts"]
-        print(f"{v['draft']} {v['path']} / DFlash: tau {v['tau_ratio']:.3f}x, accepted drafts {a['ratio']:.3f}x "
-              f"[{a['interval'][0]:.3f}, {a['interval'][1]:.3f}] (paired; better on {a['prompts_better']} prompts, "
+        print(f"{v['draft']} {v['path']} / DFlash: tau {v['tau_ratio']:.3f}x, accepted drafts {_f(a['ratio'])}x "
+              f"[{_f(a['interval'][0])}, {_f(a['interval'][1])}] (paired; better on {a['prompts_better']} prompts, "
               f"worse on {a['prompts_worse']})")
+    print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

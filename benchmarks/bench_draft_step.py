@@ -24,8 +24,9 @@ random and the conv and selector are moved off their no-op init, so every part r
 Both sides are timed round-robin in one process (median over ``--repeats`` after ``--warmup``), as wall
 clock and as process CPU time; the CPU-time ratio is the steadier one on a shared machine.
 
-Run: ``python benchmarks/bench_draft_step.py [--threads 1] [--repeats N] [--warmup N] [--context C]``. Prints
-a markdown table and writes ``benchmarks/results/bench_draft_step.json``. Not a test: no assertion on time.
+Run: ``python benchmarks/bench_draft_step.py [--threads 1] [--repeats N] [--warmup N] [--context C] [--json PATH]``.
+Prints a markdown table and writes ``benchmarks/results/bench_draft_step.json`` (``--json``). Not a test: no
+assertion on time.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def bench_config(projector: str, layers: int, context: int, repeats: int, warmup
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -161,7 +162,9 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", type=int, default=[1, 5])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's own choice); 1 is steadier on a busy machine")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, default=RESULTS / "bench_draft_step.json",
+                        help="JSON output (default benchmarks/results/bench_draft_step.json)")
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = load_average()
@@ -188,8 +191,10 @@ def main() -> None:
     print("\n".join(lines))
 
     meta = dict(**info, repeats=args.repeats, warmup=args.warmup, dtype="float32", batch=1, geometry=GEOMETRY)
-    write_json(RESULTS / "bench_draft_step.json", dict(meta=meta, rows=rows))
+    write_json(args.json, dict(meta=meta, rows=rows))
+    print(f"wrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -41,6 +40,7 @@ from torch import Tensor, nn
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import ContextKV, DraftCache, DraftModel
 from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES, OrtDrafter
+from record import write_json
 
 SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_target_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, intermediate_size=1536, rope_theta=100000.0,
@@ -358,7 +358,7 @@ def _ints(text: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench.py", description="Drafting latency per step: torch eager vs "
+    p = argparse.ArgumentParser(description="Drafting latency per step: torch eager vs "
                                 "onnxruntime on CPU (and TensorRT / CUDA on a GPU), SmolLM2-135M geometry.")
     p.add_argument("--batches", type=_ints, default=[1, 8])
     p.add_argument("--contexts", type=_ints, default=[256, 1024, 4096])
@@ -407,7 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     for note in result["notes"]:
         print(f"note: {note}")
     out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**result, "table": table}, indent=2) + "\n")
+    write_json(out, {**result, "table": table})
     print(f"wrote {out} ({result['seconds']} s)")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

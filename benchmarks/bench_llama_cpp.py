@@ -12,8 +12,8 @@ Run (needs ``make llama-cpp``)::
 
     python benchmarks/bench_llama_cpp.py --draft runs/quickstart/train/hf [--prompts 12 --max-new-tokens 48]
 
- Writes ``benchmarks/results/bench_llama_cpp.json`` (machine and load
-beside the figures) and prints a table. Not a test.
+Writes ``benchmarks/results/bench_llama_cpp.json`` (``--out``; machine and load beside the figures) and prints
+a table. Not a test.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help=f"JSON output file (default {RESULTS})")
     args = p.parse_args(argv)
     load_before = load_average()  # before this script's own setup (tokenizer, imports) adds to it
     width = load_config(args.draft).block_size - 1
@@ -89,13 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     result = {"draft": str(args.draft), "target_gguf": args.target_gguf, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "machine": info, "rows": rows}
     write_json(Path(args.out), result)
-    print("\n| draft type | drafted per step | p_min | drafted | τ | tok/s with draft | target alone | speed-up |"
-          + loaded_label(info))
+    before, after = info["load_average_before"], info["load_average_after"]
+    print(f"\n{args.prompts} prompts x {args.max_new_tokens} tokens, {args.threads} llama.cpp threads, load average "
+          + (f"{before[0]:.2f} -> {after[0]:.2f}" if before and after else "unknown") + loaded_label(info))
+    print("| draft type | drafted per step | p_min | drafted | τ | tok/s with draft | target alone | speed-up |")
     print("|---|---:|---:|---:|---|---:|---:|---|")
     for r in rows:
         print(f"| {r['draft_outtype']} | {r['draft_n_max']} | {r['draft_p_min']} | {r['drafted']} | {r['tau']:.2f} "
               f"| {r['speculative_tokens_per_second']:.1f} | {r['target_tokens_per_second']:.1f} "
               f"| {r['speedup']:.2f}x |")
+    print(f"wrote {args.out}")
     return 0
 
 

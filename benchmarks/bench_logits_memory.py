@@ -7,8 +7,8 @@ only the logits are large, once in one piece (``keep_logits=True``, what every s
 once chunked (the default above ``LOGITS_CHUNK_ELEMENTS``), each in its own process. The peak is the
 process's resident high-water mark (``VmHWM``) minus its resident size just before the step.
 
-Run: ``python benchmarks/bench_logits_memory.py [--anchors 256] [--seq-len 3072]``. Prints the figures and
-writes ``benchmarks/results/bench_logits_memory.json``. Not a test: no assertion.
+Run: ``python benchmarks/bench_logits_memory.py [--anchors 256] [--seq-len 3072] [--json PATH]``. Prints the
+figures and writes ``benchmarks/results/bench_logits_memory.json`` (``--json``). Not a test: no assertion.
 """
 
 from __future__ import annotations
@@ -60,16 +60,17 @@ def one_step(mode: str, anchors: int, seq_len: int, vocab: int) -> dict[str, flo
             "logits_elements": out.blocks.valid.numel() * vocab}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--anchors", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=3072)
     parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--json", type=Path, default=RESULT, help=f"JSON output (default {RESULT})")
     parser.add_argument("--mode", choices=["one_piece", "chunked"], help=argparse.SUPPRESS)  # the child process
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.mode:
         print(json.dumps(one_step(args.mode, args.anchors, args.seq_len, args.vocab)))
-        return
+        return 0
     from dflash2_lightning.train.objective import LOGITS_CHUNK_ELEMENTS
 
     load_before = load_average()
@@ -82,13 +83,14 @@ def main() -> None:
         print(f"{mode:9s}: peak {rows[mode]['peak_bytes'] / 2**30:.2f} GiB above the step's start, "
               f"{rows[mode]['seconds']:.1f} s, loss {rows[mode]['loss']:.6f}")
     same = math.isclose(rows["one_piece"]["loss"], rows["chunked"]["loss"], rel_tol=1e-6)
-    write_json(RESULT, {
+    write_json(args.json, {
         "what": "objective forward+backward, 1 sample, hidden-64 stand-in draft, vocab and slots of the recipe",
         "anchors": args.anchors, "block_size": 16, "seq_len": args.seq_len, "vocab": args.vocab,
         "logits_chunk_elements": LOGITS_CHUNK_ELEMENTS, "results": rows, "losses_close_rel_1e-6": same,
         "machine": machine(1, load_before)})
-    print(f"written {RESULT}")
+    print(f"written {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,12 +5,15 @@ alone), all on the same regenerated responses: the responses of the first varian
 others' output directories with their settings stamp, so only the training and the evaluation differ
 (the offline feature cache is content-keyed and shared between variants with the same features).
 
-    python benchmarks/bench_recipe.py --out runs/recipe [--variants base,kd,...] [--eval-prompts 16]
+    python benchmarks/bench_recipe.py --out runs/recipe [--variants shipped,kd32,...] [-- --eval-prompts 16]
+
+Flags after ``--`` go to every variant's quickstart.
 
 Each row: measured τ (selector walk and backbone argmax, real speculative decoding on the held-out
 prompts, with the report's interval where it has one), the trainer's validation τ, speed-up vs the
 target alone, and the wall/CPU time of training. Results go to ``benchmarks/results/bench_recipe.json``
-(merged by variant name, so a partial re-run keeps the other rows) and a markdown table is printed.
+(``--results``; merged by variant name, so a partial re-run keeps the other rows) and a markdown table is
+printed; a variant whose quickstart fails keeps its row (return code, log) and makes the script exit 1.
 Not a test: a full run takes an hour or more on 2 cores.
 
 The rows in ``bench_recipe.json`` ran on the 1x recipe shipped before the 3x-text one (greedy responses only,
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     results_path = Path(args.results)
     results: dict[str, Any] = {}
     first: Path | None = Path(args.responses_from) if args.responses_from else None
+    failed = []
     for name in names:
         flags, what = VARIANTS[name]
         print(f"== {name}: {what}", flush=True)
@@ -261,14 +265,20 @@ def main(argv: list[str] | None = None) -> int:
         row["what"] = what
         first = first or out / name
         results = save_row(results_path, name, row)
+        if row.get("returncode"):
+            failed.append(f"{name} (rc {row['returncode']}, log {row['log']})")
         print(f"   tau {row.get('tau')} val {row.get('validation_tau')} ({row.get('wall_seconds')} s, "
               f"rc {row.get('returncode')})", flush=True)
     print(table({n: results[n] for n in names}))
     if args.plot:
         plot_acceptance(results, names, Path(args.plot))
         print(f"plot: {args.plot}")
+    print(f"wrote {results_path}")
+    if failed:
+        print("failed: " + ", ".join(failed), file=sys.stderr)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

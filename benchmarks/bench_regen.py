@@ -10,9 +10,9 @@ per second of wall time and per CPU-second, with the machine's load average besi
 arithmetic floor: the target's matmul FLOPs per generated token over the measured bf16/fp32 matmul
 rate of this machine at the same batch.
 
-    python benchmarks/bench_regen.py [--prompts 64] [--new 64] [--threads 2]
+    python benchmarks/bench_regen.py [--prompts 64] [--new 64] [--threads 2] [--configs static:float32,...]
 
-Writes ``benchmarks/results/bench_regen.json``. Not a test.
+Writes ``benchmarks/results/bench_regen.json`` (``--json``). Not a test.
 
 ``--mix`` measures the regeneration's own job mix instead: ``--prompts`` seed prompts x (a greedy and
 ``--sampled`` sampled responses at T=0.8, top-p 0.95), up to ``--new`` tokens, ``--slots`` at a time,
@@ -20,7 +20,7 @@ scheduled two ways on the same jobs: ``batches`` (what ``dflash2 regen`` did bef
 apart, length-sorted batches of ``--slots`` prompts, each decoded until its longest response ends) and
 ``continuous`` (what it does now: one stream, an ended response's cache row taken by the next prompt).
 Both in the dtype regeneration uses on this CPU; same responses, so the ratio is the scheduler's alone.
-Writes ``benchmarks/results/bench_regen_mix.json``.
+Writes ``benchmarks/results/bench_regen_mix.json`` (``--json``).
 """
 
 from __future__ import annotations
@@ -151,17 +151,26 @@ def matmul_rate(dtype: str, rows: int) -> float:
     return 2 * rows * 576 * 1536 * n / (time.perf_counter() - start) / 1e9
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--configs", default=",".join(f"{loop}:{dtype}" for loop, dtype in CONFIGS),
+                   help="comma-separated loop:dtype rows to run (default all: %(default)s)")
     p.add_argument("--mix", action="store_true", help="the regeneration's job mix: batches vs continuous")
     p.add_argument("--sampled", type=int, default=2, help="--mix: sampled responses per prompt")
     p.add_argument("--slots", type=int, default=128, help="--mix: responses generated together")
+    p.add_argument("--json", type=Path, default=None,
+                   help="JSON output (default benchmarks/results/bench_regen.json, with --mix bench_regen_mix.json)")
     p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.command = "python benchmarks/bench_regen.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    configs = [tuple(c.split(":", 1)) for c in args.configs.split(",") if c]
+    unknown = [":".join(c) for c in configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs {unknown}: choose from {','.join(f'{loop}:{dtype}' for loop, dtype in CONFIGS)}")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -170,12 +179,12 @@ def main() -> None:
         row = (run_mix(mode, dtype, args.target, args.prompts, args.new, args.sampled, args.slots) if args.mix
                else run_one(mode, dtype, args.target, args.prompts, args.new))
         print("RESULT " + json.dumps(row), flush=True)
-        return
+        return 0
     load = load_average()
     if args.mix:
         return mix_main(args, load)
     rows = []
-    for loop, dtype in CONFIGS:
+    for loop, dtype in configs:
         cmd = [sys.executable, __file__, "--one", loop, dtype, "--target", args.target, "--prompts",
                str(args.prompts), "--new", str(args.new), "--threads", str(args.threads)]
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -190,12 +199,14 @@ def main() -> None:
     for r in rows:
         print(f"| {r['loop']} | {r['dtype']} | {r['tokens']} | {r['wall_s']} | {r['tokens_per_s']} | "
               f"{r['tokens_per_cpu_s']} | {r['achieved_gflop_per_s']} | {floors[r['dtype']]} |")
-    write_json(RESULTS, {"command": "python benchmarks/bench_regen.py " + " ".join(sys.argv[1:]),
-                         "machine": machine(args.threads, load), "matmul_gflop_per_s": floors, "results": rows})
-    print(f"wrote {RESULTS}")
+    out = args.json or RESULTS
+    write_json(out, {"command": args.command, "machine": machine(args.threads, load), "matmul_gflop_per_s": floors,
+                     "results": rows})
+    print(f"wrote {out}")
+    return 0
 
 
-def mix_main(args: argparse.Namespace, load: list[float]) -> None:
+def mix_main(args: argparse.Namespace, load: list[float]) -> int:
     """``--mix``: both schedulers on the same jobs, each in its own process, alternated twice."""
     from dflash2_lightning.threads import fast_bf16_matmuls
 
@@ -218,12 +229,14 @@ def mix_main(args: argparse.Namespace, load: list[float]) -> None:
           f"continuous / batches = {best['continuous'] / best['batches']:.2f}x (best of two each)")
     for r in rows:
         del r["greedy_responses"]
-    write_json(MIX_RESULTS, {"command": "python benchmarks/bench_regen.py " + " ".join(sys.argv[1:]),
-                             "machine": machine(args.threads, load), "greedy_responses_identical": same,
-                             "continuous_over_batches": round(best["continuous"] / best["batches"], 3),
-                             "results": rows})
-    print(f"wrote {MIX_RESULTS}")
+    out = args.json or MIX_RESULTS
+    write_json(out, {"command": args.command, "machine": machine(args.threads, load),
+                     "greedy_responses_identical": same,
+                     "continuous_over_batches": round(best["continuous"] / best["batches"], 3),
+                     "results": rows})
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

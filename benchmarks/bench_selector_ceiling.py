@@ -38,7 +38,7 @@ from record import load_average, machine, write_json
 RESULTS = Path(__file__).resolve().parent / "results" / "selector_ceiling.json"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--drafts", required=True, help="comma-separated draft checkpoint directories")
     p.add_argument("--base", default=None, help="a draft to pair every path against (e.g. the DFlash baseline)")
@@ -49,8 +49,9 @@ def main() -> None:
                    help="decode the target's outputs in batches (~10x faster than one stream; what `dflash2 eval "
                         "--replay-prompts` does) instead of one prompt at a time (the loop's own reference)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--results", type=Path, default=RESULTS)
-    args = p.parse_args()
+    p.add_argument("--results", type=Path, default=RESULTS,
+                   help="JSON results file, merged by draft (default benchmarks/results/selector_ceiling.json)")
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from dflash2_lightning.export.checkpoint import load_draft
     from dflash2_lightning.evaluate.replay import greedy_outputs, replay_lengths, replay_summary
@@ -98,7 +99,8 @@ def main() -> None:
                                       for path, r in replays[d].items()}
                 print(f"{d} vs {args.base}: " + ", ".join(
                     f"{path} tau ratio {v['tau_ratio']['ratio']:.3f} [{v['tau_ratio']['interval'][0]:.3f}, "
-                    f"{v['tau_ratio']['interval'][1]:.3f}], accepted drafts {v['ratio']:.2f}x"
+                    f"{v['tau_ratio']['interval'][1]:.3f}], accepted drafts "
+                    + ("-" if v["ratio"] is None else f"{v['ratio']:.2f}x")  # None: the base accepted no draft
                     for path, v in rows[d]["vs_base"].items()), flush=True)
     run = {"command": f"python benchmarks/bench_selector_ceiling.py --drafts {args.drafts}"
                       + (f" --base {args.base}" if args.base else "")
@@ -115,7 +117,9 @@ def main() -> None:
                generated_tokens=sum(len(o) for o in outputs),
                outputs="batched greedy" if args.batched else "greedy, one prompt at a time")
     write_json(args.results, old)
+    print(f"wrote {args.results}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -15,8 +15,9 @@ vocab 49152, the DFlash2 defaults on a SmolLM2-sized vocabulary):
 All functions are timed round-robin in one process (median over ``--repeats`` after ``--warmup``), as
 wall clock and as process CPU time; the CPU-time ratio is the steadier one on a shared machine.
 
-Run: ``python benchmarks/bench_selector_walk.py [--threads 1] [--repeats N] [--batch 1 4]``. Prints a
-markdown table and writes ``benchmarks/results/bench_selector_walk.json``. Not a test: no assertion on time.
+Run: ``python benchmarks/bench_selector_walk.py [--threads 1] [--repeats N] [--batch 1 4] [--json PATH]``. Prints
+a markdown table and writes ``benchmarks/results/bench_selector_walk.json`` (``--json``). Not a test: no assertion
+on time.
 """
 
 from __future__ import annotations
@@ -56,14 +57,16 @@ def interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, dict[str, flo
             for name in fns}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's own choice); 1 is steadier on a busy machine")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, default=RESULTS / "bench_selector_walk.json",
+                        help="JSON output (default benchmarks/results/bench_selector_walk.json)")
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = load_average()
@@ -132,8 +135,10 @@ def main() -> None:
 
     meta = dict(**info, repeats=args.repeats, warmup=args.warmup, length=LENGTH, top_k=TOP_K, rank=RANK,
                 vocab=VOCAB, hidden=HIDDEN, dtype="float32")
-    write_json(RESULTS / "bench_selector_walk.json", dict(meta=meta, rows=rows))
+    write_json(args.json, dict(meta=meta, rows=rows))
+    print(f"wrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -20,8 +20,9 @@ valid slots of all anchored blocks). Throughput = their sum over the timed steps
 wall time (from ``on_train_batch_start`` to ``on_train_batch_end``, after ``--warmup`` steps).
 Peak RSS is the process maximum (``ru_maxrss``), target and data included.
 
-Run: ``python benchmarks/bench_training.py [--steps N] [--warmup N] [--threads T] [--only tiny|smollm2]``.
-Prints a markdown table and writes ``benchmarks/results/bench_training.json``. Not a test.
+Run: ``python benchmarks/bench_training.py [--steps N] [--warmup N] [--threads T] [--only tiny|smollm2]
+[--json PATH]``. Prints a markdown table and writes ``benchmarks/results/bench_training.json`` (``--json``).
+Not a test.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str, prec
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
@@ -120,9 +121,11 @@ def main() -> None:
     parser.add_argument("--modes", default="online,offline", help="comma-separated data modes (default both)")
     parser.add_argument("--precisions", default="32",
                         help="comma-separated Lightning precisions, e.g. 32,bf16-mixed (default 32)")
+    parser.add_argument("--json", type=Path, default=RESULTS / "bench_training.json",
+                        help="JSON output (default benchmarks/results/bench_training.json)")
     parser.add_argument("--one", nargs=3, metavar=("TARGET", "MODE", "PRECISION"), help=argparse.SUPPRESS)
     parser.add_argument("--cache", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         import torch
 
@@ -130,7 +133,7 @@ def main() -> None:
     if args.one:  # child process: one configuration, one JSON line
         name, mode, precision = args.one
         print("RESULT " + json.dumps(run_one(name, mode, args.steps, args.warmup, args.cache, precision)), flush=True)
-        return
+        return 0
 
     load_before = load_average()
     rows = []
@@ -155,14 +158,14 @@ def main() -> None:
         print(f"| {r['target']} | {r['mode']} | {r['precision']} | {r['batch']} x {r['seq_len']} | "
               f"{r['supervised_tokens_per_step']:.0f} | {r['step_s']:.3f} | {r['step_cpu_s']:.3f} | "
               f"{r['supervised_tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} |")
-    out = {"command": "python benchmarks/bench_training.py " + " ".join(sys.argv[1:]),
+    out = {"command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine(args.threads, load_before),
            "note": "CPU; step CPU (s) is the process's CPU time per step, less sensitive to other load",
            "results": rows}
-    path = RESULTS / "bench_training.json"
-    write_json(path, out)
-    print(f"\nwrote {path}")
+    write_json(args.json, out)
+    print(f"\nwrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -107,6 +107,23 @@ def test_save_in_another_dtype_records_it(tiny_draft_config, randomized_draft, t
     assert next(load_draft(tmp_path, dtype=torch.float32).parameters()).dtype == torch.float32
 
 
+def test_a_bf16_checkpoint_keeps_ropes_frequencies_in_float32(tiny_draft_config, randomized_draft, tmp_path):
+    """A bf16 draft (loaded for evaluation, drafting or export) rotates by the float32 frequencies every engine uses:
+    cast with the weights, ``inv_freq`` would be rounded to 8 bits of mantissa (radians off at position 3000)."""
+    model = randomized_draft(tiny_draft_config(rope_theta=1_000_000.0, head_dim=16))
+    save_draft(model, tmp_path, dtype="bfloat16")
+    loaded = load_draft(tmp_path)
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+    reference = model.rotary.inv_freq
+    assert loaded.rotary.inv_freq.dtype == torch.float32 and torch.equal(loaded.rotary.inv_freq, reference)
+    positions = torch.tensor([[0, 1, 2999, 3000]])
+    cos, sin = loaded.rotary(positions, torch.float32)
+    cos_ref, sin_ref = model.rotary(positions, torch.float32)
+    assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
+    rounded = reference.to(torch.bfloat16).to(torch.float32)  # what the cast used to leave
+    assert (3000 * (reference - rounded)).abs().max() > 0.1  # radians: what the checks above would catch
+
+
 @pytest.fixture
 def saved(tiny_draft_config, tmp_path):
     save_draft(DraftModel(tiny_draft_config()), tmp_path)

@@ -13,6 +13,7 @@ checkpoint computes the same numbers here, in the z-lab reference and in the ser
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,24 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default RoPE with the target's base. ``inv_freq`` is a non-persistent buffer (never saved)."""
+    """Default RoPE with the target's base. ``inv_freq`` is a non-persistent buffer (never saved), float32 whatever
+    the module is cast to: ``model.to(torch.bfloat16)`` would otherwise round it to 8 bits of mantissa, an angle
+    error of up to ~3.5 rad at position 3000, which no engine makes (they all compute RoPE in float32)."""
 
     def __init__(self, head_dim: int, base: float) -> None:
         super().__init__()
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-        self.register_buffer("inv_freq", 1.0 / (base**exponent), persistent=False)
+        self.head_dim, self.base = head_dim, base
+        self.register_buffer("inv_freq", self._inv_freq(None), persistent=False)
+
+    def _inv_freq(self, device: torch.device | None) -> Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / self.head_dim
+        return 1.0 / (self.base**exponent)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        super()._apply(fn, recurse)
+        if self.inv_freq.device.type != "meta":  # recomputed, not cast back (that would keep the rounding)
+            self.inv_freq = self._inv_freq(self.inv_freq.device)
+        return self
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``positions [B, S]`` -> ``(cos, sin)`` of shape ``[B, 1, S, head_dim]`` in ``dtype``."""

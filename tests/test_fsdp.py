@@ -240,6 +240,17 @@ def test_lightnings_own_fsdp_precision_refuses_norm_clipping() -> None:
         DraftFSDPPrecision("bf16-mixed").clip_grad_by_norm(None, 1.0)
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
+def test_the_batch_keeps_its_dtype_where_lightnings_fsdp_plugin_casts_it_to_float32(precision: str) -> None:
+    """Offline bf16 features and teacher logits reach the step in bf16 (as under DDP), not doubled to float32."""
+    batch = {"features": torch.ones(2, 3, dtype=torch.bfloat16), "logits": torch.ones(2, dtype=torch.float16),
+             "input_ids": torch.ones(2, dtype=torch.long)}
+    if precision != "32-true":  # the reason for the override: Lightning's own plugin casts under mixed precision
+        assert FSDPPrecision(precision).convert_input(batch)["features"].dtype == torch.float32
+    converted = DraftFSDPPrecision(precision).convert_input(batch)
+    assert {k: v.dtype for k, v in converted.items()} == {k: v.dtype for k, v in batch.items()}
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
 def test_half_true_precisions_are_refused(precision: str) -> None:
     with pytest.raises(ConfigError, match=f"trainer.precision='{precision}' is invalid with DraftFSDPStrategy"):

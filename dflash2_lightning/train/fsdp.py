@@ -20,9 +20,10 @@ Parameter groups need nothing here: :meth:`DFlash2Module.parameter_groups` decid
 each parameter's shape recorded before wrapping. The HF export gathers full weights on rank 0 through
 Lightning's ``lightning_module_state_dict`` (``state_dict_type="full"``, the default).
 
-Use it in a config or on the command line::
+Use it in a config (``trainer: {strategy: {class_path: dflash2_lightning.train.fsdp.DraftFSDPStrategy}}``) or on
+the command line, as a class config (Lightning takes a plain string only for its own registered names)::
 
-    --trainer.strategy dflash2_lightning.train.fsdp.DraftFSDPStrategy
+    --trainer.strategy '{"class_path": "dflash2_lightning.train.fsdp.DraftFSDPStrategy"}'
 """
 
 from __future__ import annotations
@@ -62,13 +63,20 @@ def draft_wrap_policy() -> set[type[Module]]:
 
 
 class DraftFSDPPrecision(FSDPPrecision):
-    """Lightning's FSDP precision plugin, with norm clipping over all shards (the root's ``clip_grad_norm_``)."""
+    """Lightning's FSDP precision plugin, with norm clipping over all shards (the root's ``clip_grad_norm_``) and
+    the batch left in its own dtype."""
 
     def __init__(self, precision: Any, scaler: Any = None) -> None:
         super().__init__(precision)  # the scaler set after: Lightning 2.6.6 refuses one before it knows the precision
         if scaler is not None:
             self.scaler = scaler
         self.root: FullyShardedDataParallel | None = None  # set by DraftFSDPStrategy once the model is wrapped
+
+    def convert_input(self, data: Any) -> Any:
+        """The batch as the data module made it. Lightning's plugin casts every floating tensor of the batch to
+        float32 under ``bf16-mixed``, on the host, before the transfer: offline bf16 features and teacher logits
+        would cross to the GPU at twice their bytes, to be cast back to bf16 by autocast. DDP does not cast."""
+        return data
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         """Scale every gradient so that their global 2-norm (all ranks' shards together) is at most ``clip_val``."""

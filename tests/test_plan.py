@@ -80,13 +80,25 @@ def test_qwen3_8b_online_plan_per_gpu(qwen3_8b):
     code, small, _ = run_plan("--config", config, "--model.init_args.target.path", str(qwen3_8b),
                               "--plan.device_memory", "40GB")
     assert code == 1 and "verdict: does not fit" in small
-    assert "num_anchors 128" in small and "--trainer.strategy fsdp" in small
-    # FSDP divides the draft's states by 8; the frozen target stays whole on every GPU.
+    # The advice names the project's FSDP strategy as a class config (Lightning's own `fsdp` refuses the recipe's
+    # norm clipping, and a plain class name is not a strategy Lightning takes).
+    assert "num_anchors 128" in small
+    assert """--trainer.strategy '{"class_path": "dflash2_lightning.train.fsdp.DraftFSDPStrategy"}'""" in small
+    # Mixed precision: autocast's bf16 copy of every draft weight lives through the step.
+    assert figure(out, "draft weights, autocast copies") == pytest.approx(figure(out, "draft weights") / 2, rel=0.03)
+    # FSDP divides the draft's states by 8; the frozen target stays whole on every GPU. DraftFSDPStrategy gathers
+    # float32 weights (its mixed precision keeps float32 master weights), Lightning's own fsdp bf16 ones.
     code, fsdp, _ = run_plan("--config", config, "--model.init_args.target.path", str(qwen3_8b),
-                             "--plan.device_memory", "40GB", "--trainer.strategy", "fsdp")
+                             "--plan.device_memory", "40GB", "--trainer.strategy",
+                             '{"class_path": "dflash2_lightning.train.fsdp.DraftFSDPStrategy"}')
     assert figure(fsdp, "draft weights") == pytest.approx(figure(out, "draft weights") / 8, rel=0.01)
     assert figure(fsdp, "frozen target") == figure(out, "frozen target")
-    assert code == 0 and figure(fsdp, "peak (estimate)") < peak - 15 * GB
+    # DDP's 4 x 4.7 GB of draft states (weights, gradients, the bucket copy, AdamW's two) become an eighth (without a
+    # bucket copy), less two float32 layers gathered.
+    assert code == 0 and figure(fsdp, "peak (estimate)") < peak - 12 * GB
+    code, lightning_fsdp, _ = run_plan("--config", config, "--model.init_args.target.path", str(qwen3_8b),
+                                       "--plan.device_memory", "40GB", "--trainer.strategy", "fsdp")
+    assert figure(fsdp, "FSDP gathered unit") == pytest.approx(2 * figure(lightning_fsdp, "FSDP gathered unit"), rel=0.02)
 
 
 def test_qwen3_8b_offline_cache_per_sample(qwen3_8b, tmp_path):
@@ -214,3 +226,26 @@ def test_fit_refuses_a_run_that_clearly_does_not_fit_before_loading_the_target(t
     assert "--plan.check false" in err
     assert not (tmp_path / "runs").exists()  # nothing started
     assert not any('"hidden_size": 256' in key for key in _TARGETS)  # the target was never loaded
+
+
+@pytest.mark.parametrize("devices, local_rank, expected", [(8, None, 0), (8, "3", 3), ("[4, 5]", "1", 5)])
+def test_each_rank_asks_its_own_gpu_for_free_memory(monkeypatch, devices, local_rank, expected):
+    """fit runs the plan in every rank before Lightning sets the rank's device: asking the current device would open
+    a CUDA context on GPU 0 from every rank (seven stray contexts under 8-GPU DDP)."""
+    import torch
+
+    from dflash2_lightning.train.plan_command import plan_of
+
+    asked: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (70 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or "GPU")
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    plan = plan_of(["--config", str(REPO / "configs" / "tiny.yaml"), "--trainer.accelerator", "gpu",
+                    "--trainer.devices", str(devices)])
+    assert asked == [expected, expected]  # free memory and name, both of the rank's own device, never the current one
+    assert f"cuda:{expected}" in plan.device and plan.capacity == 70 * 2**30

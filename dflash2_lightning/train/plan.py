@@ -19,8 +19,11 @@ block rows, ``C = B*S`` context rows; ``s`` bytes of a parameter, ``a`` of the c
                                   output, the MLP's four I-wide tensors, the block convolutions' deltas and outputs
     logits and loss               the head's logits, their float32 copy, log-softmax and its gradient, for all
                                   B*N*(bs-1) slots or one chunk of LOGITS_CHUNK_ELEMENTS (objective.py)
+    autocast weight copies        mixed precision: every draft weight in the compute dtype, saved for backward
+    FSDP gathered unit            the largest layer unsharded, twice (float32 under DraftFSDPStrategy)
 
-Peak = the persistent part + the largest of the target's forward, the draft's step and the optimiser step.
+Peak = the persistent part + the largest of the target's forward, the draft's step and the optimiser step (the
+for-each AdamW's temporaries on a CPU; CUDA's fused AdamW updates in place).
 It is an estimate of what is saved for backward, not a trace: ``tests/test_plan.py`` checks it against the
 measured peak of CPU fits (within 20%) and the offline cache against the bytes a real build writes.
 """
@@ -28,6 +31,7 @@ measured peak of CPU fits (within 20%) and the offline cache against the bytes a
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,8 +235,10 @@ class RunSetup:
     accelerator: str      # "cpu" or "cuda"
     world_size: int
     sharded: bool         # FSDP / DeepSpeed: weights, gradients and optimiser state divided across devices
+    gather_bytes: int     # bytes of a parameter as FSDP gathers it (DraftFSDPStrategy: float32 master weights)
     bucket_view: bool     # DDP's gradient_as_bucket_view (no second copy of the gradients)
     forks: bool           # the strategy forks this process: the GPU's free memory is not asked here
+    device_index: int     # the CUDA device of this process's rank (asked for its free memory)
     param_bytes: int
     compute_bytes: int
     feature_dtype: str
@@ -260,13 +266,15 @@ def precision_bytes(precision: Any) -> tuple[int, int]:
     return (2, 2) if text.endswith("-true") else (4, 2)
 
 
-def strategy_kind(strategy: Any) -> tuple[bool, bool, bool]:
-    """``(sharded, gradient_as_bucket_view, forks)`` of a Lightning ``strategy`` setting (a name or a class config);
-    ``forks``: its launcher forks this process (CUDA must not be initialised before)."""
+def strategy_kind(strategy: Any) -> tuple[bool, bool, bool, bool]:
+    """``(sharded, gradient_as_bucket_view, forks, float32_gather)`` of a Lightning ``strategy`` setting (a name or a
+    class config); ``forks``: its launcher forks this process (CUDA must not be initialised before);
+    ``float32_gather``: FSDP gathers float32 weights (DraftFSDPStrategy), not the compute dtype."""
     name = str(_get(strategy, "class_path", strategy) or "").lower()
     sharded = "fsdp" in name or "deepspeed" in name
     forks = "fork" in name or "notebook" in name or str(_get(strategy, "init_args.start_method", "")) == "fork"
-    return sharded, bool(_get(strategy, "init_args.gradient_as_bucket_view", False)), forks
+    return (sharded, bool(_get(strategy, "init_args.gradient_as_bucket_view", False)), forks,
+            name.endswith("draftfsdpstrategy"))
 
 
 def world_size(trainer: Any, accelerator: str) -> int:
@@ -329,7 +337,7 @@ def setup_from_config(config: Any) -> RunSetup:
         raise ConfigError(f"trainer.accelerator={accelerator!r}: the plan knows cpu and gpu/cuda; pass "
                           "--plan.check false to train without it")
     param_bytes, compute_bytes = precision_bytes(_get(trainer, "precision"))
-    sharded, bucket_view, forks = strategy_kind(_get(trainer, "strategy"))
+    sharded, bucket_view, forks, float32_gather = strategy_kind(_get(trainer, "strategy"))
     data = _get(config, "data.init_args")
     mode = str(_get(data, "mode", "online"))
     seq_len = int(_get(data, "seq_len", 256))
@@ -338,7 +346,9 @@ def setup_from_config(config: Any) -> RunSetup:
     return RunSetup(
         draft=draft, objective=objective, target=target, mode=mode, batch_size=int(_get(data, "batch_size", 8)),
         seq_len=seq_len, accelerator=accelerator, world_size=world_size(trainer, accelerator), sharded=sharded,
-        bucket_view=bucket_view, forks=forks, param_bytes=param_bytes, compute_bytes=compute_bytes,
+        gather_bytes=param_bytes if float32_gather else compute_bytes, bucket_view=bucket_view, forks=forks,
+        device_index=local_device_index(_get(trainer, "devices")), param_bytes=param_bytes,
+        compute_bytes=compute_bytes,
         feature_dtype=str(_get(data, "feature_dtype", "float16")), teacher_top_k=int(_get(data, "teacher_top_k", 0)),
         cache_dir=Path(str(cache_dir)).expanduser() if cache_dir else None,
         samples=count_samples(data) if mode == "offline" else None)
@@ -415,15 +425,29 @@ def target_forward(run: RunSetup) -> tuple[int, int]:
     return states + layer + logits + features, features + logits
 
 
+def local_device_index(devices: Any) -> int:
+    """The CUDA device this process's rank trains on: its local rank (``LOCAL_RANK``, set by Lightning's launcher for
+    the ranks it starts and by torchrun) indexing ``trainer.devices`` when that lists device ids."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if isinstance(devices, (list, tuple)) and local_rank < len(devices):
+        return int(devices[local_rank])
+    return local_rank
+
+
 def device_memory(run: RunSetup, option: str | None) -> tuple[str, int | None]:
-    """``(the device in words, its memory in bytes or None)``: the option, else what this machine has."""
+    """``(the device in words, its memory in bytes or None)``: the option, else what this machine has.
+
+    On a GPU, the free memory of this rank's own device: every rank of a fit runs the plan before Lightning sets
+    its device, and a query of the current device would open a CUDA context on GPU 0 from every rank."""
     if run.accelerator == "cuda":
         words = f"one of {run.world_size} GPU{'s' if run.world_size > 1 else ''}"
         if option is not None:
             return f"{words}, --plan.device_memory", parse_bytes(option)
         if torch.cuda.is_available() and not run.forks:  # initialising CUDA before a fork would break the ranks
-            free, total = torch.cuda.mem_get_info()
-            return f"{words}: {torch.cuda.get_device_name()} ({format_bytes(total)}, free now)", int(free)
+            index = run.device_index
+            free, total = torch.cuda.mem_get_info(index)
+            return (f"{words}: {torch.cuda.get_device_name(index)} (cuda:{index}, {format_bytes(total)}, free now)",
+                    int(free))
         return f"{words} (none visible here)", None
     words = "CPU" + (f", {run.world_size} processes sharing the host's RAM" if run.world_size > 1 else "")
     if option is not None:
@@ -483,7 +507,8 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
     if run.world_size > 1 and not run.sharded and not run.bucket_view:
         items.append(Item("DDP gradient buckets", params * s, "a second copy (gradient_as_bucket_view: false)"))
     if run.sharded and share > 1:
-        items.append(Item("FSDP gathered unit", 2 * unit * run.compute_bytes, "the largest layer, unsharded, x2"))
+        items.append(Item("FSDP gathered unit", 2 * unit * run.gather_bytes,
+                          f"the largest layer, unsharded, x2, {run.gather_bytes} B a parameter"))
     tgt, t = run.target, run.target.dtype_bytes
     if run.mode == "online":
         items.append(Item("frozen target", tgt.parameters * t,
@@ -500,15 +525,23 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
     target_peak, carried = target_forward(run) if run.mode == "online" else (0, 0)
     if run.mode == "offline":
         carried = run.batch_size * run.seq_len * d.num_target_features * d.hidden_size * t  # the batch's features
-    step = carried + acts + logits + 2 * largest  # + backward's gradient of the largest activation, in and out
+    # Mixed precision: autocast casts each weight to the compute dtype as a layer runs and the matmul saves the
+    # copy for backward, so a copy of every draft weight lives through the step.
+    weight_copies = params * run.compute_bytes if run.compute_bytes != run.param_bytes else 0
+    step = carried + acts + logits + 2 * largest + weight_copies  # + the largest activation's gradient in and out
     items.append(Item("features for the step", carried, "the target's features (and logits for kd) the step reads"))
     items.append(Item("draft activations", acts + 2 * largest,
                       f"{anchors} anchors x block {d.block_size}, seq {run.seq_len}, batch {run.batch_size}"))
     items.append(Item("logits and loss", logits, chunking))
+    if weight_copies:
+        items.append(Item("draft weights, autocast copies", weight_copies,
+                          f"{run.compute_bytes} B a parameter, saved for backward"))
     if run.mode == "online":
         items.append(Item("target forward (no_grad)", target_peak,
                           "all hidden states; before the step (the peak takes the larger)"))
-    optimizer_step = 2 * params * 4 // share  # foreach AdamW's temporaries
+    # The for-each AdamW of a CPU run keeps temporaries of two parameter-sized lists; CUDA runs the fused AdamW
+    # (DFlash2Module.configure_optimizers), which updates in place.
+    optimizer_step = 2 * params * 4 // share if run.accelerator == "cpu" else 0
     peak = persistent + max(step, target_peak, optimizer_step)
     device, capacity = device_memory(run, options.device_memory)
     strategy = "FSDP" if run.sharded else "DDP" if run.world_size > 1 else "one device"
@@ -541,8 +574,9 @@ def advice(plan: Plan, run: RunSetup, anchors: int) -> list[str]:
         if run.batch_size > 1:
             out.append(f"a smaller batch: --data.init_args.batch_size {max(1, run.batch_size // 2)} (with "
                        f"--trainer.accumulate_grad_batches {2} to keep the samples per step)")
-        if not run.sharded and run.world_size > 1:
-            out.append("shard the draft's weights, gradients and optimiser state: --trainer.strategy fsdp")
+        if not run.sharded and run.world_size > 1 and run.accelerator == "cuda":
+            out.append("shard the draft's weights, gradients and optimiser state with this project's FSDP: "
+                       "--trainer.strategy '{\"class_path\": \"dflash2_lightning.train.fsdp.DraftFSDPStrategy\"}'")
         if run.mode == "online":
             out.append("offline mode (the target's features cached on disk, only its embedding and head on the "
                        "device): --data.init_args.mode offline")

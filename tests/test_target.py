@@ -171,3 +171,26 @@ def test_smollm2_greedy_answer():
     ids = tgt.tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = tgt.hf.generate(ids, max_new_tokens=2, do_sample=False)
     assert tgt.tokenizer.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+
+
+def test_the_kv_cache_reaches_the_model_under_the_keyword_its_transformers_takes():
+    """transformers renamed a model's cache keyword (``past_key_values`` -> ``cache``, 5.17 -> 5.24); a wrong name is
+    swallowed by ``**kwargs`` and every step decodes without its past. Cached greedy decoding equals uncached."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    from dflash2_lightning.target.hf_cache import with_cache
+    from dflash2_lightning.target.tiny import build_tiny
+
+    hf = build_tiny({}, seed=0)[0].eval()
+    (keyword,) = with_cache(hf, None)
+    assert keyword in inspect.signature(type(hf).forward).parameters
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    cache = DynamicCache(config=hf.config)
+    with torch.no_grad():
+        hf(input_ids=ids[:, :5], **with_cache(hf, cache), use_cache=True)
+        cached = hf(input_ids=ids[:, 5:], position_ids=torch.tensor([[5]]), **with_cache(hf, cache),
+                    use_cache=True).logits[0, -1]
+        full = hf(input_ids=ids).logits[0, -1]
+    assert torch.allclose(cached, full, atol=1e-5)

@@ -61,6 +61,7 @@ from dflash2_lightning.decode.drafter import DraftPath, Drafter, Head, as_drafte
 from dflash2_lightning.decode.sampling import Sampling, draw, probabilities, verify
 from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.target.cpu_linear import declare_rows
+from dflash2_lightning.target.hf_cache import with_cache
 
 
 # ----------------------------------------------------------------------------- the target side
@@ -107,8 +108,8 @@ def _crop(cache: Any, length: int) -> None:
 def _forward(hf: nn.Module, ids: Tensor, start: int, cache: Any, hidden: bool, last_only: bool = False) -> Any:
     """One cached target forward of ``ids`` at positions ``start..``; ``last_only`` keeps only the last logits."""
     positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
-    return hf(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=hidden,
-              logits_to_keep=1 if last_only else 0)
+    return hf(input_ids=ids, position_ids=positions, **with_cache(hf, cache), use_cache=True,
+              output_hidden_states=hidden, logits_to_keep=1 if last_only else 0)
 
 
 def target_features(hidden_states: Sequence[Tensor], layer_ids: Iterable[int]) -> Tensor:

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash2_lightning.decode.sampling import Sampling, draw_rows
+from dflash2_lightning.target.hf_cache import with_cache
 
 
 def _next_tokens(logits: Tensor, sampling: Sampling, generators: Sequence[torch.Generator | None]) -> Tensor:
@@ -322,7 +323,7 @@ def _decode_transformers(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new
     device, n = ids.device, ids.shape[0]
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = hf(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+    logits = hf(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(hf, cache),
                 use_cache=True, logits_to_keep=1).logits[:, -1]
     live = torch.arange(n)  # original row of each row still generating
     out: list[list[int]] = [[] for _ in range(n)]
@@ -341,5 +342,5 @@ def _decode_transformers(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
         last_pos = last_pos + 1
         logits = hf(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                    cache=cache, use_cache=True).logits[:, -1]
+                    **with_cache(hf, cache), use_cache=True).logits[:, -1]
     return out

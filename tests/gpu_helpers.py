@@ -100,7 +100,7 @@ def single_op_graphs(directory: Path, dtype: str = "float32") -> dict[str, Path]
         [io("tokens", i64, ["batch", BS - 1])])
     paths = {}
     for graph in (conv, walk):
-        model = helper.make_model(graph, opset_imports=opsets)
+        model = helper.make_model(graph, opset_imports=opsets, ir_version=10)  # torch.onnx's; onnxruntime 1.30 reads <= 13
         onnx.checker.check_model(model)
         paths[graph.name] = directory / f"{graph.name}.{dtype}.trt.onnx"
         onnx.save(model, str(paths[graph.name]))

@@ -93,7 +93,12 @@ def test_top_k_oracle_bounds_both_paths() -> None:
     report = evaluate_draft(draft, target, prompts()[:3], NEW_TOKENS, progress=False)
     orc = report["temperatures"]["0"]["oracle"]
     assert orc["top_k"] == k
-    assert orc["replayed_tau"] >= max(r["measured"]["tau"] for r in report["paths"].values()) - 1e-12
+    # Per block (the estimate over every position) the oracle's accepted prefix is at least each path's, so its τ
+    # bounds theirs. Its replay is no bound: accepting more in one cycle moves where the next one starts (torch 2.11
+    # measured the walk's replay 2.12 here, the oracle's 2.07).
+    paths = report["temperatures"]["0"]["paths"]
+    assert orc["tau"] >= max(r["estimated"]["tau"] for r in paths.values()) - 1e-12
+    assert orc["blocks"] == paths["selector"]["estimated"]["blocks"] and orc["replayed_tau"] >= 1.0
     assert any(line.strip().startswith("oracle: tau") for line in summary_lines(report))
     with pytest.raises(Exception, match="oracle_top_k=0 is invalid"):
         evaluate_draft(draft, target, prompts()[:1], 4, progress=False, oracle_top_k=0)

@@ -19,7 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dflash2_lightning import __version__
 from dflash2_lightning.errors import USER_EXIT
+from dflash2_lightning.recipes import recipe_names, with_recipe_paths
 from dflash2_lightning.reporting import print_error, run_command, split_debug
 
 
@@ -74,7 +76,9 @@ def overview() -> str:
              "actions:"]
     lines += [f"  {name:<{width}}  {summary}" for name, summary in LIGHTNING_ACTIONS.items()]
     lines += [f"  {name:<{width}}  {action.summary}" for name, action in ACTIONS.items()]
-    lines += ["", "--debug (any action) shows the full traceback of an error."]
+    lines += ["", "Shipped recipes (fit, validate and plan take them by name, e.g. `dflash2 fit --config tiny`):",
+              "  " + ", ".join(recipe_names()),
+              "", "--debug (any action) shows the full traceback of an error; --version prints the version."]
     return "\n".join(lines)
 
 
@@ -99,9 +103,12 @@ def main(args: Sequence[str] | None = None) -> int | None:
 
     Returns the exit status (``None`` is 0).
     """
-    argv = list(sys.argv[1:] if args is None else args)
+    argv = with_recipe_paths(list(sys.argv[1:] if args is None else args))
     if not argv or argv[0] in ("-h", "--help"):
         print(overview())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"dflash2-lightning {__version__}")
         return 0
     if argv[0] in ACTIONS:
         entry = ACTIONS[argv[0]].entry
@@ -112,5 +119,6 @@ def main(args: Sequence[str] | None = None) -> int | None:
     from dflash2_lightning.train.lightning_cli import lightning_main
 
     if args is None:
-        sys.argv[1:] = split_debug(sys.argv[1:])[0]  # LightningCLI reads sys.argv itself
+        # LightningCLI reads sys.argv itself (and DDP's launcher starts the other ranks with it)
+        sys.argv[1:] = split_debug(with_recipe_paths(sys.argv[1:]))[0]
     return lightning_main(argv, from_sys_argv=args is None)

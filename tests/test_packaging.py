@@ -1,0 +1,112 @@
+"""The package as users install it: a wheel built from the tree, installed into a new environment, used from elsewhere.
+
+The wheel must carry what a user reaches without the source tree: the shipped prompts, the recipes (by name:
+``dflash2 fit --config tiny``) and the license. The new environment holds only the wheel (installed with
+``--no-deps --no-index``); its dependencies are the test environment's, seen through a path entry (their ``.pth``
+files, among them this checkout's editable install, are not run), so the code that runs is the wheel's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import tomllib
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from dflash2_lightning import __version__
+from dflash2_lightning.recipes import RECIPES, recipe_names, recipe_path, with_recipe_paths
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(out), str(REPO)], check=True, capture_output=True, text=True, timeout=600)
+    (built,) = out.glob("dflash2_lightning-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new virtual environment with the wheel installed; returns its ``bin/``."""
+    env_dir = tmp_path_factory.mktemp("fresh-env")
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "test-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    "--no-index", str(wheel)], check=True, capture_output=True, text=True, timeout=600)
+    return env_dir / "bin"
+
+
+def run(bin_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    return subprocess.run([str(bin_dir / "dflash2"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_the_wheel_carries_prompts_recipes_and_license(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    recipes = {Path(n).name for n in names if n.startswith("dflash2_lightning/configs/") and n.endswith(".yaml")}
+    assert recipes == {p.name for p in RECIPES.glob("*.yaml")} and "qwen3_8b_online.yaml" in recipes
+    assert any(n.startswith("dflash2_lightning/data/prompts/") and n.endswith(".jsonl") for n in names)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata
+    assert "Requires-Python: >=3.11" in metadata
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    assert requires and not any("==" in line for line in requires), requires  # ranges, never exact pins
+
+
+def test_the_installed_wheel_runs_help_version_and_a_tiny_fit_from_its_own_recipe(installed: Path,
+                                                                                   tmp_path: Path) -> None:
+    done = run(installed, tmp_path, "--help")
+    assert done.returncode == 0 and "actions:" in done.stdout and "qwen3_8b_online" in done.stdout, done.stderr
+    done = run(installed, tmp_path, "--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"dflash2-lightning {__version__}"
+    where = subprocess.run([str(installed / "python"), "-c", "import dflash2_lightning; print(dflash2_lightning.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": ""})
+    assert str(REPO) not in where.stdout  # the wheel's code, not this checkout's
+    done = run(installed, tmp_path, "fit", "--config", "tiny", "--trainer.max_steps", "4",
+               "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+               "--model.init_args.export.acceptance_prompts", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    hf = tmp_path / "runs" / "tiny" / "default" / "hf"
+    assert (hf / "model.safetensors").is_file() and (hf / "config.json").is_file() and (hf / "SERVING.md").is_file()
+
+
+def test_lightning_entry_point_is_the_same_command(installed: Path, tmp_path: Path) -> None:
+    done = subprocess.run([str(installed / "lightning"), "--version"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 0 and done.stdout.strip() == f"dflash2-lightning {__version__}"
+
+
+def test_recipes_are_reached_by_name_and_paths_stay_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert {"tiny", "quickstart", "qwen3_8b_online", "qwen3_8b_offline"} <= set(recipe_names())
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    for name in ("tiny", "tiny.yaml", "configs/tiny.yaml"):
+        assert recipe_path(name) == str(RECIPES / "tiny.yaml")
+    own = tmp_path / "tiny.yaml"
+    own.write_text("trainer: {}\n")
+    assert recipe_path("tiny.yaml") == "tiny.yaml"  # an existing file is taken as given
+    assert recipe_path("elsewhere/tiny.yaml") == "elsewhere/tiny.yaml"  # a path that names no recipe stays
+    assert recipe_path("nope") == "nope"  # and so does an unknown name (the parser then says it is missing)
+    assert with_recipe_paths(["fit", "--config", "qwen3_8b_online", "--config=tiny"]) == [
+        "fit", "--config", str(RECIPES / "qwen3_8b_online.yaml"), f"--config={RECIPES / 'tiny.yaml'}"]
+
+
+def test_the_metadata_admits_the_pythons_it_is_tested_on() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=3.11"
+    tested = {c.rsplit(":: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")}
+    assert tested == {"3.11", "3.12", "3.13"}
+    assert not [d for d in project["dependencies"] if "==" in d]

@@ -1,30 +1,41 @@
-"""The GPU check (tests/test_gpu_recipe.py) in its CPU dry mode, so that it does not rot where no GPU is.
+"""The GPU check in its CPU dry mode, run exactly as a lent GPU machine runs it, so that it does not rot where no GPU is.
 
-Runs ``pytest -m gpu --gpu-dry-run tests/test_gpu_recipe.py`` in a subprocess (the way a lent GPU machine runs
-``pytest -m gpu``, less the GPU) and checks the JSON record it writes: every check present, with the fields
-a GPU run fills and null where only a GPU can measure. ~50 s on 2 busy cores (three short CPU fits).
+``python tools/gpu_check.py run --dry-run`` in a subprocess (the one command documented for the GPU machine, less
+the GPU: the checks marked ``gpu_dry_run`` at a tiny geometry) and the JSON record it writes: every check present,
+finished, with the fields a GPU run fills and null where only a GPU can measure. ~50 s on 2 busy cores (three
+short CPU fits). The tool's own parts (the marker it picks, the time cap, what it carries) are tested below.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+import tomllib
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import gpu_check  # noqa: E402  (tools/ is no package: the script is imported by path, as it is run)
 
 
 def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: Path) -> None:
     record = tmp_path / "gpu-check.json"
-    env = {**os.environ, "DFLASH2_GPU_RECORD": str(record), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--gpu-dry-run", "-q", "-p", "no:cacheprovider",
-                           "tests/test_gpu_recipe.py"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "run", "--dry-run", "--record",
+                           str(record), "--wheels", str(tmp_path / "no-wheels"), "--site", str(tmp_path / "site")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "3 passed" in done.stdout, done.stdout[-2000:]
+    versions = json.loads(re.search(r"^gpu_check: running with (\{.*\})$", done.stdout, re.MULTILINE).group(1))
+    assert versions["torch"] and versions["jsonargparse"] and versions["python"]  # what it ran with, printed
+    assert "-m gpu_dry_run" in done.stdout and "training_step: passed" in done.stdout
 
     data = json.loads(record.read_text())
     assert data["dry_run"] is True and data["finished"] is True
@@ -32,7 +43,7 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
     assert data["device"] is None  # no GPU figures pretend to come from a device
     checks = data["checks"]
     assert set(checks) == {"training_step", "drafting_latency", "fit_resume"}
-    assert all(c["passed"] is True for c in checks.values()), checks
+    assert all(c["passed"] is True and c["in_progress"] is False for c in checks.values()), checks
 
     step = checks["training_step"]
     assert len(step["anchors"]) == 2
@@ -56,3 +67,50 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
     assert fit["single_device"]["export"] == {"loads": True, "tensors": fit["single_device"]["export"]["tensors"],
                                               "equals_last_checkpoint": True}
     assert fit["fsdp"]["ran"] is False and "requires a GPU accelerator" in fit["fsdp"]["reason"]  # said, not silent
+
+
+@pytest.mark.parametrize("dry_run, tensorrt, marker", [(False, False, "gpu and not tensorrt"), (False, True, "gpu"),
+                                                       (True, False, "gpu_dry_run")])
+def test_the_tensorrt_checks_run_only_where_tensorrt_imports(dry_run: bool, tensorrt: bool, marker: str) -> None:
+    cmd = gpu_check.pytest_command(dry_run, tensorrt, ["tests/test_gpu.py"])
+    assert cmd[cmd.index("-m", 2) + 1] == marker and cmd[-1] == "tests/test_gpu.py"
+    assert ("--gpu-dry-run" in cmd) is dry_run
+
+
+def test_the_time_cap_ends_the_whole_process_group_with_124(tmp_path: Path) -> None:
+    """A check that outlives the cap is stopped, with every process it started (a fit's ranks, data workers)."""
+    child_pid = tmp_path / "child.pid"
+    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(600)']); open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    code = gpu_check.run_capped([sys.executable, "-c", script], dict(os.environ), time.monotonic() + 3)
+    assert code == 124
+    pid = int(child_pid.read_text())
+    for _ in range(100):  # the grandchild gets SIGTERM with its group; reaped by init shortly after
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the capped command's child {pid} outlived the cap")
+
+
+def names(requirements: list[str]) -> set[str]:
+    """Distribution names (normalised, extras dropped) of requirement strings."""
+    return {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", r).group(0)).lower() for r in requirements}
+
+
+def test_what_is_carried_covers_what_the_gpu_machine_lacks() -> None:
+    """Every dependency of the package is on the GPU machine or carried; what is carried is pinned as CI's lock pins it."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    machine = [l.split("#")[0].strip() for l in (REPO / "requirements" / "gpu-machine.txt").read_text().splitlines()]
+    carried = gpu_check.carried_requirements()
+    needed = names(project["dependencies"]) | {"docstring-parser", "typeshed-client"}  # jsonargparse[signatures]
+    missing = needed - names([m for m in machine if m]) - names(carried)
+    assert not missing, f"neither on the GPU machine nor carried: {sorted(missing)} (requirements/gpu-carry.txt)"
+    lock = dict(line.split("==") for line in (REPO / "requirements" / "lock.txt").read_text().splitlines()
+                if "==" in line and not line.startswith(" "))
+    for requirement in carried:
+        name, version = requirement.split("==")
+        assert lock[name] == version, f"{requirement}: the lock pins {name}=={lock[name]}"

@@ -110,3 +110,30 @@ def test_the_metadata_admits_the_pythons_it_is_tested_on() -> None:
     tested = {c.rsplit(":: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")}
     assert tested == {"3.11", "3.12", "3.13"}
     assert not [d for d in project["dependencies"] if "==" in d]
+
+
+def test_every_lower_bound_is_a_version_the_tests_ran_with() -> None:
+    """A lower bound names a version that ran: CI's lock (Python 3.11) or the GPU machine's set (Python 3.12,
+    `make gpu-env`). Raising a bound means testing it; a bound below both would be a claim nobody checked."""
+    import re
+
+    def pins(path: Path) -> dict[str, str]:
+        found = {}
+        for line in path.read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if "==" in line:
+                name, version = line.split("==")
+                found[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+        return found
+
+    lock, machine = pins(REPO / "requirements" / "lock.txt"), pins(REPO / "requirements" / "gpu-machine.txt")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    for requirement in requirements:
+        name = re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)).lower()
+        lower = re.search(r">=\s*([0-9][0-9a-z.]*)", requirement)
+        assert lower, f"{requirement}: no lower bound"
+        if name == "tensorrt-cu13":  # TensorRT cannot be installed on these machines: its floor is a run-time check
+            continue
+        tested = {v for v in (lock.get(name), machine.get(name)) if v}
+        assert lower.group(1) in tested, f"{requirement}: its lower bound ran nowhere (lock / GPU machine: {tested})"

@@ -1,9 +1,10 @@
 """The package as users install it: a wheel built from the tree, installed into a new environment, used from elsewhere.
 
 The wheel must carry what a user reaches without the source tree: the shipped prompts, the recipes (by name:
-``dflash2 fit --config tiny``) and the license. The new environment holds only the wheel (installed with
-``--no-deps --no-index``); its dependencies are the test environment's, seen through a path entry (their ``.pth``
-files, among them this checkout's editable install, are not run), so the code that runs is the wheel's.
+``dflash2 fit --config tiny``) and the license. The new environment holds only the wheel (installed by its own pip
+with ``--no-deps --no-index``); its dependencies are the test process's, seen through a ``.pth`` listing the folders
+of its path that do not hold this checkout's source (their own ``.pth`` files, among them the checkout's editable
+install, are not run), so the code that runs is the wheel's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
 import tomllib
 import venv
 import zipfile
@@ -38,13 +38,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A new virtual environment with the wheel installed; returns its ``bin/``."""
     env_dir = tmp_path_factory.mktemp("fresh-env")
-    venv.create(env_dir, with_pip=False)
+    venv.create(env_dir, with_pip=True)  # its own pip installs the console scripts into its own bin/
     python = env_dir / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "test-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-                    "--no-index", str(wheel)], check=True, capture_output=True, text=True, timeout=600)
+    # Without PYTHONPATH: a checkout on it (its .egg-info) would look like the package already installed.
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+    # The dependencies: every folder on this test's path that does not hold the package's source.
+    deps = [p for p in sys.path if p and Path(p).is_dir() and not (Path(p) / "dflash2_lightning").exists()]
+    Path(site, "test-dependencies.pth").write_text("\n".join(deps) + "\n")
     return env_dir / "bin"
 
 

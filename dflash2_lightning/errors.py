@@ -23,8 +23,12 @@ class UserError(Exception):
     """Base of every error that means "the input is wrong", not "the program is wrong".
 
     Subclasses name their stage (``ConfigError``, ``TargetError``, ``DataError``, ``CheckpointError`` ...);
-    :func:`~dflash2_lightning.reporting.run_command` prints their message as one line and exits with status 2.
+    :func:`~dflash2_lightning.reporting.run_command` prints their message as one line and exits with
+    :attr:`exit_status`: 2, unless the error says otherwise (a fit stopped by a signal exits ``128 + signal``,
+    as a process killed by it would: :class:`~dflash2_lightning.train.preemption.FitInterrupted`).
     """
+
+    exit_status: int = USER_EXIT
 
 
 class ConfigError(UserError, ValueError):
@@ -45,8 +49,12 @@ def check(ok: bool, name: str, value: Any, bound: str, error: type[UserError] = 
 
 
 class ReportedByAnotherRank(UserError):
-    """A user error of a multi-process job that rank 0 reports: this process exits with status 2 and prints
-    nothing, so the user reads the error once, not once per process."""
+    """A user error of a multi-process job that rank 0 reports: this process exits with status 2 (or
+    ``exit_status``, rank 0's own) and prints nothing, so the user reads the error once, not once per process."""
+
+    def __init__(self, message: str = "", exit_status: int = USER_EXIT) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 class DiskFullError(UserError):

@@ -6,6 +6,8 @@
 - a *user error* (bad config, data, target, checkpoint, file path or argument) prints one short
   message and exits with status 2, no traceback (in a multi-process job, a user error that rank 0 reports
   for every rank, :class:`~dflash2_lightning.errors.ReportedByAnotherRank`, exits 2 quietly on the others);
+  a machine or scheduler fault is reported the same way (a full disk, a rank that died); a fit stopped by
+  SIGTERM / SIGUSR1 exits with its own status, ``128 + signal`` (``UserError.exit_status``);
 - anything else is a bug: the traceback is printed, then one line saying so, exit status 1;
 - ``--debug`` (anywhere on the command line) or ``DFLASH2_DEBUG=1`` lets every exception through
   with its full traceback.
@@ -76,12 +78,8 @@ def _is_user_os_error(error: BaseException) -> bool:
     return error.errno in PATH_ERRNOS and getattr(error, "filename", None) is not None
 
 
-def find_user_error(error: BaseException) -> BaseException | None:
-    """The first user error in ``error``'s cause/context chain (``error`` itself first), or None.
-
-    A :class:`UserError` anywhere in the chain is preferred to an OS or network error: it is the message
-    the program wrote for this very case.
-    """
+def exception_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and every exception in its cause/context chain, breadth first, each once."""
     chain: list[BaseException] = []
     seen: set[int] = set()
     stack: list[BaseException | None] = [error]
@@ -92,6 +90,16 @@ def find_user_error(error: BaseException) -> BaseException | None:
         seen.add(id(current))
         chain.append(current)
         stack += [current.__cause__, current.__context__]
+    return chain
+
+
+def find_user_error(error: BaseException) -> BaseException | None:
+    """The first user error in ``error``'s cause/context chain (``error`` itself first), or None.
+
+    A :class:`UserError` anywhere in the chain is preferred to an OS or network error: it is the message
+    the program wrote for this very case.
+    """
+    chain = exception_chain(error)
     types = user_error_types()
     found = next((e for e in chain if isinstance(e, types)), None)
     return found if found is not None else next((e for e in chain if _is_user_os_error(e)), None)
@@ -227,7 +235,7 @@ def run_command(function: Callable[[list[str]], Any], argv: Sequence[str], prog:
             if cause is not None:
                 if not isinstance(cause, ReportedByAnotherRank):  # rank 0 prints that one
                     print_error(describe(cause), prog)
-                return USER_EXIT
+                return getattr(cause, "exit_status", USER_EXIT)  # an OS error has none: 2
             traceback.print_exc()
             print_error(f"internal error ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
                         f"this is a bug, please report it with the traceback above (rerun with {DEBUG_FLAG} "

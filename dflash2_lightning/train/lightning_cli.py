@@ -32,6 +32,10 @@ What this CLI adds to plain ``LightningCLI``:
 - ``--ckpt_path last`` with no checkpoint in the run directory says so on stderr and starts a fresh
   run (so the same command starts and resumes a preemptible job); temporary checkpoint files of
   killed runs are removed when a fit starts and when it ends;
+- SIGTERM or SIGUSR1 (a scheduler's preemption, SLURM's requeue warning) stops every rank of a fit at the next
+  step boundary with a checkpoint of that step and one line saying how to resume
+  (:mod:`~dflash2_lightning.train.preemption`); a rank that dies is one line naming it, and no rank is left
+  waiting on a collective (:mod:`~dflash2_lightning.train.launcher`);
 - one status line at the end of ``fit`` (step, final train loss, validation τ, where the draft went),
   a progress bar without the meaningless ``Epoch 0/-2`` and ``v_num``, and without Lightning's
   advertisement and irrelevant warnings.
@@ -63,7 +67,9 @@ from dflash2_lightning.data.records import DataError
 from dflash2_lightning.data.datamodule import DraftDataModule
 from dflash2_lightning.reporting import run_command
 from dflash2_lightning.train.module import MISSING_TARGET, DFlash2Module
+from dflash2_lightning.train.launcher import WatchedLauncher, install_launcher
 from dflash2_lightning.train.plan import PlanOptions
+from dflash2_lightning.train.preemption import STOP, install_preemption, resume_command
 from dflash2_lightning.train.resume_checks import check_resume, peek_checkpoint, resolve_ckpt_path
 from dflash2_lightning.train.run_lock import RunLock
 
@@ -203,7 +209,9 @@ def precheck(config: Any, data_files: bool = True) -> None:
 class DFlash2CLI(LightningCLI):
     """``LightningCLI`` with the model -> data links, atomic checkpoints and the run-directory guard."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, resume: str | None = None, **kwargs: Any) -> None:
+        # The command that resumes this fit (`... --ckpt_path last`), for the messages of an interrupted fit.
+        self.resume = resume or "the same command with --ckpt_path last"
         # Errors come back as exceptions (ArgumentError), explained in one line by the command's handler.
         parser_kwargs = kwargs.pop("parser_kwargs", None) or {}
         parser_kwargs.setdefault("exit_on_error", False)
@@ -278,6 +286,9 @@ class DFlash2CLI(LightningCLI):
             raise ConfigError(f"trainer settings refused by Lightning: {error}") from error
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # the default, non-atomic writer
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self.subcommand == "fit":  # SIGTERM / SIGUSR1: every rank stops at a step boundary, with a checkpoint
+            install_preemption(trainer)
+            install_launcher(trainer, self.resume)  # a rank that dies: one line naming it
         checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
         if checkpoints and not any(cb.save_last for cb in checkpoints) and checkpoints[0].save_last is None:
             checkpoints[0].save_last = True  # exactly one writer of last.ckpt, so `--ckpt_path last` works
@@ -301,10 +312,24 @@ class DFlash2CLI(LightningCLI):
             raise
 
     def fit(self, model: Any, **kwargs: Any) -> None:
-        """``Trainer.fit``, holding the run directory's lock until it returns or fails."""
+        """``Trainer.fit``, holding the run directory's lock until it returns or fails; a collective that failed
+        because a rank died becomes one line naming that rank, and no child rank outlives a failed fit."""
+        launcher = self.trainer.strategy.launcher
+        watched = launcher if isinstance(launcher, WatchedLauncher) else None
         try:
             self.trainer.fit(model, **kwargs)
+        except BaseException as error:
+            if watched is None:
+                raise
+            failure = watched.failure_of(error)
+            watched.end()
+            watched.stop_children()
+            if failure is not None:
+                raise failure from error
+            raise
         finally:
+            if watched is not None:
+                watched.end()
             self._release_run_lock()
 
     def _release_run_lock(self) -> None:
@@ -430,10 +455,13 @@ def written_dirs(trainer: Trainer, model: Any) -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
-def build_cli(args: Sequence[str] | None = None, run: bool = True) -> DFlash2CLI:
-    """The configured CLI (``run=False`` only parses and instantiates: ``cli.model``, ``cli.trainer``)."""
+def build_cli(args: Sequence[str] | None = None, run: bool = True, resume: str | None = None) -> DFlash2CLI:
+    """The configured CLI (``run=False`` only parses and instantiates: ``cli.model``, ``cli.trainer``).
+
+    ``resume``: the command that resumes the fit (:func:`~dflash2_lightning.train.preemption.resume_command`).
+    """
     quiet_lightning()
-    return DFlash2CLI(
+    return DFlash2CLI(resume=resume,
         model_class=DFlash2Module, subclass_mode_model=True,
         datamodule_class=DraftDataModule, subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},  # a resumed run rewrites config.yaml in its own directory
@@ -494,7 +522,12 @@ def lightning_main(argv: list[str], from_sys_argv: bool) -> int | None:
 
         return explain_message(str(error), _config_files(argv), prog=f"dflash2 {subcommand}")
 
-    def run(rest: list[str]) -> None:
-        build_cli(None if from_sys_argv else rest)
+    resume = resume_command(argv)
 
-    return run_command(run, argv, formatters=[explain])
+    def run(rest: list[str]) -> None:
+        build_cli(None if from_sys_argv else rest, resume=resume)
+
+    if subcommand != "fit":
+        return run_command(run, argv, formatters=[explain])
+    with STOP.watching(resume):  # SIGTERM / SIGUSR1 from here on: preemption.py
+        return run_command(run, argv, formatters=[explain])

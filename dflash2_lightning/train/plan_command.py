@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from dflash2_lightning.train.lightning_cli import DFlash2CLI, plan_options, precheck, quiet_lightning
+from dflash2_lightning.train.preemption import without_ckpt_path
 
 if TYPE_CHECKING:
     from dflash2_lightning.train.plan import Plan
@@ -49,19 +50,6 @@ class PlanCLI(DFlash2CLI):
         """Nothing to seed (and no "Seed set" line in the plan's output)."""
 
 
-def _without_ckpt_path(argv: list[str]) -> list[str]:
-    # `fit`'s --ckpt_path changes nothing in the plan: accepted so that the fit command line can be reused.
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--ckpt_path":
-            skip = True
-        elif not arg.startswith("--ckpt_path="):
-            out.append(arg)
-    return out
-
-
 def plan_of(argv: list[str]) -> Plan:
     """The :class:`~dflash2_lightning.train.plan.Plan` of ``dflash2 fit ARGV`` (``fit``'s arguments, parsed as
     ``fit`` parses them); bad input raises :class:`~dflash2_lightning.errors.ConfigError` or exits 2 as ``fit``."""
@@ -70,7 +58,8 @@ def plan_of(argv: list[str]) -> Plan:
 
     quiet_lightning()
     saved = sys.argv  # LightningCLI reads sys.argv (given args beside a different sys.argv, it warns)
-    sys.argv = [saved[0], *_without_ckpt_path(argv)]
+    # `fit`'s --ckpt_path changes nothing in the plan: accepted so that the fit command line can be reused.
+    sys.argv = [saved[0], *without_ckpt_path(argv)]
     try:
         cli = PlanCLI(model_class=DFlash2Module, subclass_mode_model=True, datamodule_class=DraftDataModule,
                       subclass_mode_data=True, auto_configure_optimizers=False, run=False,

@@ -155,7 +155,10 @@ class ResumableCSVLogger(CSVLogger):
 
     @rank_zero_only
     def log_early(self, metrics: dict[str, Any], step: int) -> None:
-        """Write a step's row now (before its checkpoint lands); the same row logged again is skipped."""
+        """Write a step's row now (before its checkpoint lands); the same row logged again is skipped (also when
+        the same step is checkpointed twice: a preemption stop right after ``ModelCheckpoint``'s own save)."""
+        if (step, dict(metrics)) == getattr(self, "_early_row", None):
+            return
         super().log_metrics(metrics, step)
         self.save()
         self._early_row = (step, dict(metrics))

@@ -8,9 +8,12 @@ nothing is instantiated: no target weights, no feature cache, no trainer. The es
 from __future__ import annotations
 
 import sys
+from argparse import ArgumentError
 from typing import TYPE_CHECKING, Any
 
-from dflash2_lightning.train.lightning_cli import DFlash2CLI, plan_options, precheck, quiet_lightning
+from dflash2_lightning.errors import UsageError
+from dflash2_lightning.train.lightning_cli import (DFlash2CLI, argument_errors, plan_options, precheck,
+                                                   quiet_lightning)
 
 if TYPE_CHECKING:
     from dflash2_lightning.train.plan import Plan
@@ -27,6 +30,9 @@ its config.json alone and the draft is built on the meta device.
 Exit status: 0 when the run fits, 1 when it does not, 2 for bad input (one `dflash2: error: ...` line).
 `dflash2 fit` checks the same plan before it loads the target and refuses a run that clearly cannot fit
 (--plan.check false trains anyway)."""
+
+
+PROG = "dflash2 plan"
 
 
 class PlanCLI(DFlash2CLI):
@@ -74,7 +80,9 @@ def plan_of(argv: list[str]) -> Plan:
     try:
         cli = PlanCLI(model_class=DFlash2Module, subclass_mode_model=True, datamodule_class=DraftDataModule,
                       subclass_mode_data=True, auto_configure_optimizers=False, run=False,
-                      parser_kwargs={"description": DESCRIPTION, "prog": "dflash2 plan"})
+                      parser_kwargs={"description": DESCRIPTION, "prog": PROG})
+    except ArgumentError as error:  # fit's one-line wording of jsonargparse's errors, with the closest key
+        raise UsageError(argument_errors(argv, PROG)(error) or str(error)) from error
     finally:
         sys.argv = saved
     return cli.plan

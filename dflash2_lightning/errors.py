@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -90,6 +91,7 @@ def bounded(kind: Callable[[str], Any], low: Any = None, high: Any = None,
             low_open: bool = False) -> Callable[[str], Any]:
     """An argparse ``type=`` that parses with ``kind`` and refuses a value outside ``[low, high]``
     (``(low, high]`` with ``low_open``), saying the bound: ``argument --concurrency: 0 is invalid: must be >= 1``.
+    A float that is not finite (``nan``, ``inf``) is refused whatever the bounds.
 
     Checked when the command line is parsed, before anything is loaded or computed.
     """
@@ -99,6 +101,8 @@ def bounded(kind: Callable[[str], Any], low: Any = None, high: Any = None,
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a{'n' if kind is int else ''} "
                                              f"{getattr(kind, '__name__', 'value')}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite number")
         too_low = low is not None and (value <= low if low_open else value < low)
         too_high = high is not None and value > high
         if too_low or too_high:

@@ -148,15 +148,40 @@ def describe_os_error(error: OSError) -> str:
 
 
 def describe_network_error(error: BaseException) -> str:
-    """One line for a server that cannot be reached or answers with an HTTP error."""
+    """One line for a server that cannot be reached, answers with an HTTP error, or does not speak HTTP."""
+    import http.client
     import urllib.error
 
     if isinstance(error, urllib.error.HTTPError):
         return (f"{error.url or error.filename} answered HTTP {error.code} ({error.reason}): check the server's log "
                 "and the URL, then rerun")
+    if isinstance(error, http.client.IncompleteRead):
+        return (f"the server's answer was cut off ({len(error.partial)} bytes of "
+                f"{len(error.partial) + (error.expected or 0)} received): check the server's log, then rerun")
+    if isinstance(error, http.client.HTTPException) and not isinstance(error, ConnectionError):
+        return (f"the server did not answer with HTTP ({type(error).__name__}: '{printable(str(error), 80)}'): is the "
+                "URL the server's HTTP address (host and port)?")
     reason = getattr(error, "reason", None) or error
-    return (f"cannot reach the server ({reason}): is it running, and is the URL right? Rerun the same command once "
-            "it answers")
+    return (f"cannot reach the server ({printable(str(reason), 200)}): is it running, and is the URL right? Rerun the "
+            "same command once it answers")
+
+
+def printable(text: str, limit: int | None = None) -> str:
+    """``text`` on one line, as a terminal shows it safely: line breaks, carriage returns and tabs become spaces,
+    other control bytes (NUL, escape sequences) their ``\\xNN`` escapes; cut to ``limit`` characters (``...`` added).
+
+    What a message echoes from outside (a server's answer, a file's bytes) goes through this, so an error stays
+    one readable line."""
+    out = []
+    for ch in text:
+        if ch in "\n\r\t\v\f":
+            out.append(" ")
+        elif not ch.isprintable():
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    line = "".join(out)
+    return line if limit is None or len(line) <= limit else line[:limit] + " ..."
 
 
 def describe(error: BaseException) -> str:
@@ -173,8 +198,8 @@ def describe(error: BaseException) -> str:
 
 
 def print_error(message: str, prog: str = PROG) -> None:
-    """``<prog>: error: <message>`` on stderr."""
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    """``<prog>: error: <message>`` on stderr, always one line (:func:`printable`)."""
+    print(f"{prog}: error: {printable(message)}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -310,3 +310,88 @@ def behaviour_of(record: dict[str, Any], width: int | None = None,
                      accepted=[accepted(list(x["accepted_per_step"])) if accepted else list(x["accepted_per_step"])
                                for x in p],
                      width=record["draft"]["block_size"] - 1 if width is None else width)
+
+
+# ----------------------------------------------------------------------------- broken servers
+class Broken:
+    """A server on 127.0.0.1 that answers wrongly, for a ``with`` block; ``.url`` is its root.
+
+    ``answers`` maps ``"GET /path"`` / ``"POST /path"`` to what is sent back: a ``str`` body (JSON, as the test
+    wrote it, status 200), a ``(status, body)`` pair, or ``(status, body, declared_length)`` whose body is cut off
+    before the ``Content-Length`` it declares. An unlisted request gets 404. ``delay`` (seconds) is slept before
+    every answer (a slow or hung server), or before those it maps (``{"GET /metrics": 5.0}``). ``raw`` (bytes):
+    the server does not speak HTTP and sends these bytes to any connection, then closes it.
+    """
+
+    def __init__(self, answers: dict[str, Any] | None = None, delay: float | dict[str, float] = 0.0,
+                 raw: bytes | None = None) -> None:
+        import socket
+        import time
+
+        self.answers, self.requests = answers or {}, []
+        owner = self
+        if raw is not None:
+            self.socket = socket.socket()
+            self.socket.bind(("127.0.0.1", 0))
+            self.socket.listen()
+
+            def serve() -> None:
+                while True:
+                    try:
+                        connection, _ = self.socket.accept()
+                    except OSError:  # closed by __exit__
+                        return
+                    with connection:
+                        connection.recv(65536)
+                        connection.sendall(raw)
+
+            self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+            self.thread = threading.Thread(target=serve, daemon=True)
+            self.server = None
+            return
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, method: str) -> None:
+                if method == "POST":
+                    self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                key = f"{method} {self.path}"
+                owner.requests.append(key)
+                time.sleep(delay.get(key, 0.0) if isinstance(delay, dict) else delay)
+                answer = owner.answers.get(key, (404, '{"detail": "Not Found"}'))
+                status, body, length = ((200, answer, None) if isinstance(answer, str)
+                                        else (*answer, None) if len(answer) == 2 else answer)
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(length if length is not None else len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._answer("GET")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._answer("POST")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "Broken":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.server is None:
+            self.socket.close()
+            return
+        self.server.shutdown()
+        self.server.server_close()
+
+
+#: a model listing as every engine answers ``GET /v1/models``
+MODELS = json.dumps({"object": "list", "data": [{"id": "/models/target", "object": "model"}]})

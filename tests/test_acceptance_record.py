@@ -15,9 +15,11 @@ from speculative_helpers import TARGET_SPEC, tiny_target, trained_draft
 from dflash2_lightning import cli
 from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.decode.speculative import speculative_generate
-from dflash2_lightning.evaluate.acceptance_record import (RECORD_FORMAT, RECORD_NAME, RecordError, expected,
-                                                          gguf_record_path, make_record, read_record,
-                                                          weights_digest, write_record)
+from dflash2_lightning.config import ConfigError
+from dflash2_lightning.evaluate.acceptance_record import (RECORD_FORMAT, RECORD_NAME, RecordError,
+                                                          check_record_weights, expected, gguf_record_path,
+                                                          make_record, read_record, remove_stale_record,
+                                                          stale_weights, weights_digest, write_record)
 from dflash2_lightning.evaluate.replay import replay_summary
 from dflash2_lightning.export.checkpoint import save_draft
 
@@ -93,7 +95,71 @@ def test_the_action_writes_it(draft_dir, tmp_path, capsys):
     assert len(record["prompts"]) == 2 and record["max_new_tokens"] == 6
     assert f"acceptance record: expected tau {record['expected']['tau']:.2f}" in capsys.readouterr().out
     assert cli.main(["acceptance-record", "--draft", str(draft_dir), "--target", "tiny", "--num-prompts", "0"]) == 2
-    assert "num_prompts=0 is invalid: must be >= 1" in capsys.readouterr().err
+    assert "argument --num-prompts: 0 is invalid: must be >= 1" in capsys.readouterr().err  # when parsed
+
+
+@pytest.fixture
+def no_generation(monkeypatch):
+    """Any call of the replay (the target's greedy decoding) fails the test: the refusals come before it."""
+    from dflash2_lightning.evaluate import replay
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the replay ran: the check came after the expensive step")
+
+    monkeypatch.setattr(replay, "run_replay", refuse)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--max-new-tokens", "3000"], ["max_new_tokens=3000 is invalid: must be < the target's context of 2048 positions",
+                                    "lower --max-new-tokens"]),
+    (["--max-new-tokens", "2040"], ["1 of 1 prompts do not fit the target's context", "prompt 1 of",
+                                    "--prompt-overflow truncate"]),
+    (["--max-new-tokens", "4", "--target", '{"tiny": {"hidden_size": 128, "head_dim": 32}}'],
+     ["was not trained for this target: hidden_size 64 vs the target's 128", "pass the target the draft was trained"]),
+])
+def test_a_budget_past_the_context_or_a_target_of_another_geometry_is_refused_before_generating(
+        draft_dir, tmp_path, capsys, no_generation, args, needles):
+    """As `dflash2 eval` refuses them (the same checks: fit_to_context, Target.check_fits): one line, nothing
+    written."""
+    out = tmp_path / "rec.json"
+    target = ["--target", json.dumps(TARGET_SPEC)] if "--target" not in args else []
+    assert cli.main(["acceptance-record", "--draft", str(draft_dir), *target, "--num-prompts", "1", "--out", str(out),
+                     *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash2: error: ") and err.count("\n") == 1, err
+    assert all(needle in err for needle in needles), err
+    assert not out.exists()
+
+
+def test_fits_record_budget_is_checked_before_training():
+    """fit's end-of-fit export makes the record with export.acceptance_tokens: checked when the module is built
+    (before any step), naming the setting as the command line writes it."""
+    from dflash2_lightning.train.module import DFlash2Module
+
+    with pytest.raises(ConfigError, match=r"model.init_args.export.acceptance_tokens=3000 is invalid: must be < the "
+                                          r"target's context of 2048 positions .*lower "
+                                          r"--model.init_args.export.acceptance_tokens$"):
+        DFlash2Module(target={"tiny": {}}, draft={"block_size": 4, "selector_rank": 8, "selector_top_k": 4},
+                      export={"acceptance_tokens": 3000})
+    DFlash2Module(target={"tiny": {}}, draft={"block_size": 4, "selector_rank": 8, "selector_top_k": 4},
+                  export={"acceptance_tokens": 3000, "acceptance_prompts": 0})  # no record: nothing to check
+
+
+def test_a_record_of_other_weights_is_found_and_removed(draft_dir, record, tmp_path):
+    """What check-serving refuses and a fit removes: a record whose weights_sha256 is not model.safetensors'."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for f in draft_dir.iterdir():
+        (draft / f.name).write_bytes(f.read_bytes())
+    write_record(record, draft)
+    assert stale_weights(record, draft) is None and remove_stale_record(draft) is None
+    assert (draft / RECORD_NAME).exists()
+    (draft / "model.safetensors").write_bytes((draft / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\0")
+    assert "was made for other weights than" in stale_weights(record, draft)
+    with pytest.raises(RecordError, match="made for other weights .*--allow-stale-record"):
+        check_record_weights(record, draft)
+    assert remove_stale_record(draft) == draft / RECORD_NAME and not (draft / RECORD_NAME).exists()
+    assert stale_weights(record, tmp_path) is None  # no weights there: nothing to compare with
 
 
 def test_eval_with_a_replay_writes_it_into_the_draft(draft_dir, tmp_path):

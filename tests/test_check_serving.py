@@ -20,7 +20,7 @@ from dflash2_lightning.evaluate.check_serving import check_serving, compare_outp
 from dflash2_lightning.evaluate.engine_counters import (LLAMA_CPP, SGLANG, VLLM, Counts, EngineError,
                                                         Served as ServedOutput,
                                                         metrics_counts, parse_prometheus, read_completion, total)
-from serving_fakes import (FakeEngine, Served, behaviour_of, llama_cpp_completion, llama_cpp_metrics,
+from serving_fakes import (MODELS, Broken, FakeEngine, Served, behaviour_of, llama_cpp_completion, llama_cpp_metrics,
                            sglang_completion, vllm_completion, vllm_metrics)
 
 BLOCK = 4
@@ -308,3 +308,99 @@ def test_every_engine_and_check_has_causes():
     for engine in (VLLM, SGLANG, LLAMA_CPP):
         for code in ("no_drafts", "outputs", "width", "tau"):
             assert likely_causes(engine, code, 4, "bfloat16", 2), (engine, code)
+
+
+# ----------------------------------------------------------------------------- could not check: bad input and servers
+def one_error_line(err: str, *needles: str) -> str:
+    """stderr is exactly one ``dflash2: error:`` line holding every needle, with no raw control byte."""
+    assert err.startswith("dflash2: error: ") and err.count("\n") == 1 and err.endswith("\n"), err
+    assert not any(c in err[:-1] for c in "\x00\r\t"), repr(err)
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+def test_a_record_of_other_weights_is_refused_unless_allowed(record, tmp_path, capsys):
+    """The record's weights_sha256 is not the draft's model.safetensors: refused before any request (as
+    export-gguf refuses to copy it); --allow-stale-record checks anyway, with a warning and a note."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "model.safetensors").write_bytes(b"the weights of a later run")
+    with Served(fake(VLLM, record)) as server:
+        code, out, err = run_cli(capsys, record, tmp_path, server)
+        assert server.fake.requests == []
+        assert code == 2 and out == ""
+        one_error_line(err, "acceptance record was made for other weights than", "model.safetensors",
+                       f"dflash2 acceptance-record --draft {draft}", "--allow-stale-record")
+        assert cli.main(["check-serving", "--server", server.url, "--record", str(draft / "acceptance.json")]) == 2
+        one_error_line(capsys.readouterr().err, "made for other weights")
+        code, out, err = run_cli(capsys, record, tmp_path, server, "--allow-stale-record")
+    assert code == 0 and "verdict: AGREE" in out and "note: the acceptance record was made for other weights" in out
+    assert err.startswith("dflash2: warning: the acceptance record was made for other weights") and err.count("\n") == 1
+    # A GGUF's copy describes the GGUF (export-gguf copies only a record of the same weights): not compared.
+    write_record({**record, "gguf": {"file": "draft.gguf", "outtype": "f32"}}, draft / "draft.acceptance.json")
+    with Served(fake(VLLM, record)) as server:
+        assert cli.main(["check-serving", "--server", server.url, "--record",
+                         str(draft / "draft.acceptance.json")]) == 0
+
+
+@pytest.mark.parametrize("value, needle", [("nan", "nan is invalid: must be a finite number"),
+                                           ("inf", "inf is invalid: must be a finite number"),
+                                           ("0", "0 is invalid: must be > 0"), ("-5", "-5 is invalid: must be > 0")])
+def test_a_timeout_that_is_no_duration_is_refused_when_parsed(record, tmp_path, capsys, value, needle):
+    with Served(fake(VLLM, record)) as server:
+        code, out, err = run_cli(capsys, record, tmp_path, server, "--timeout", value)
+        assert server.fake.requests == []
+    assert code == 2 and out == ""
+    one_error_line(err, "argument --timeout", needle)
+
+
+def test_a_slow_server_is_said_to_be_slow_and_detection_honours_the_timeout(record, tmp_path, capsys):
+    """A server that answers later than --timeout: 'did not answer within', never 'is the engine running';
+    the engine's detection probes wait --timeout too (not a fixed 30 s each)."""
+    with Broken({"GET /v1/models": MODELS}, delay=2.0) as slow:
+        code, _, err = run_cli(capsys, record, tmp_path, slow, "--timeout", "0.2")
+    assert code == 2
+    one_error_line(err, f"{slow.url}/v1/models did not answer within 0.2 s (--timeout)", "larger --timeout")
+    assert "running" not in err
+    with Broken({"GET /v1/models": MODELS}, delay={"GET /metrics": 5.0}) as hung:
+        code, _, err = run_cli(capsys, record, tmp_path, hung, "--timeout", "0.5")
+    assert code == 2  # /v1/models answers at once, /metrics hangs: the detection's probe gives up after --timeout
+    one_error_line(err, f"{hung.url}/metrics", "0.5 s (--timeout)")
+
+
+MALFORMED = [
+    ({"GET /v1/models": "[]"}, "/v1/models", "the answer is a list ([]), not an object"),
+    ({"GET /v1/models": '{"data": [1]}'}, "/v1/models", "data[0] is a number (1), not a model object"),
+    ({"GET /v1/models": '{"data": "m"}'}, "/v1/models", 'data is a string ("m"), not a list of models'),
+    ({"POST /v1/completions": "[]"}, "/v1/completions", "the answer is a list ([]), not an object"),
+    ({"POST /v1/completions": '{"choices": [{"text": "a"}], "timings": "garbage"}'}, "/v1/completions",
+     'timings is a string ("garbage"), not an object'),
+    ({"POST /v1/completions": '{"choices": [{"text": "a"}], "timings": {"draft_n": "x"}}'}, "/v1/completions",
+     'timings.draft_n is a string ("x"), not a number'),
+    ({"POST /v1/completions": '{"choices": [{"text": "a", "token_ids": "1 2 3"}]}'}, "/v1/completions",
+     'choices[0].token_ids is a string ("1 2 3"), not a list of token ids'),
+    ({"POST /v1/completions": '{"choices": [{"text": 7}]}'}, "/v1/completions", "choices[0].text is a number (7)"),
+]
+
+
+@pytest.mark.parametrize("answers, endpoint, needle", MALFORMED)
+def test_json_of_another_shape_names_the_endpoint_and_the_field(record, tmp_path, capsys, answers, endpoint, needle):
+    with Broken({"GET /v1/models": MODELS, **answers}) as server:
+        code, out, err = run_cli(capsys, record, tmp_path, server, "--engine", "llama.cpp", "--timeout", "30")
+    assert code == 2 and out == ""
+    one_error_line(err, f"{server.url}{endpoint} answered JSON of another shape: {needle}",
+                   "OpenAI-compatible server")
+
+
+def test_a_server_that_is_not_http_or_cuts_its_answer_off_is_said_so(record, tmp_path, capsys):
+    with Broken(raw=b"\x00\x01SSH-2.0-OpenSSH_9.6\r\n\x00\x1b[2J more\r\n") as other:
+        code, _, err = run_cli(capsys, record, tmp_path, other, "--timeout", "30")
+    assert code == 2
+    one_error_line(err, f"{other.url}/v1/models did not answer in HTTP", "\\x00\\x01SSH-2.0-OpenSSH_9.6",
+                   "the server's HTTP address")
+    with Broken({"GET /v1/models": (200, '{"data": [{"id": "m"', 500)}) as cut:
+        code, _, err = run_cli(capsys, record, tmp_path, cut, "--timeout", "30")
+    assert code == 2
+    one_error_line(err, f"{cut.url}/v1/models cut its answer off (20 of 500 bytes received)")
+    assert "cannot reach" not in err and "running" not in err

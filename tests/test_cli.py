@@ -229,3 +229,30 @@ def test_an_old_flat_config_says_how_to_write_it_now(tmp_path, argv, capsys):
         capsys.readouterr().err
     assert cli.main(["fit", "--config", str(TINY), "--model.init_args.lr", "0.1"]) == 2
     assert "model.init_args.lr is now optimizer.lr" in capsys.readouterr().err
+
+
+def test_a_truncated_checkpoint_named_explicitly_is_refused_as_last_refuses_it(tmp_path, argv, capsys):
+    """`--ckpt_path trunc.ckpt` (fit and validate) gets the one line `--ckpt_path last` gets for the same file,
+    before Lightning reads its hyperparameters; nothing is written."""
+    import torch
+
+    config = small_config(tmp_path)
+    checkpoints = tmp_path / "runs" / "tiny" / "default" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    trunc = tmp_path / "trunc.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(4096)}, "global_step": 2}, trunc)
+    os.truncate(trunc, trunc.stat().st_size // 2)
+    (checkpoints / "last.ckpt").write_bytes(trunc.read_bytes())
+    errors = {}
+    for action, ckpt in (("fit", str(trunc)), ("validate", str(trunc)), ("fit", "last")):
+        assert cli.main([action, "--config", str(config), "--ckpt_path", ckpt]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("dflash2")]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        errors[(action, ckpt)] = lines[0]
+    shown = {str(trunc): str(trunc), "last": str(checkpoints / "last.ckpt")}
+    for (action, ckpt), line in errors.items():
+        assert line.startswith(f"dflash2: error: checkpoint {shown[ckpt]} cannot be read ("), line
+        assert line.endswith("it is truncated or not a Lightning checkpoint; delete it and resume from another "
+                             "checkpoint (--ckpt_path <file>), or start the run again"), line
+    assert sorted(p.name for p in checkpoints.parent.iterdir()) == ["checkpoints"]  # nothing written

@@ -352,3 +352,36 @@ def test_a_target_with_an_unknown_field_is_refused_on_the_command_line():
     with pytest.raises(ConfigError, match=r"model.init_args.target.tny is not a field of the target \(on the command "
                                           r"line\); did you mean tiny\?"):
         replace_target_overrides(["--model.init_args.target", '{"tny": {}}'])
+
+
+def test_an_error_is_printed_on_one_line_whatever_it_echoes(capsys):
+    """What a message echoes from outside (a server's bytes, a file's content) cannot break the one-line form."""
+    from dflash2_lightning.reporting import print_error, printable
+
+    assert printable("a\x00\x01SSH-2.0\r\nb\tc\x1b[2J") == "a\\x00\\x01SSH-2.0  b c\\x1b[2J"
+    assert printable("x" * 50, 10) == "x" * 10 + " ..."
+    print_error("got '\x00\r\nend'")
+    assert capsys.readouterr().err == "dflash2: error: got '\\x00  end'\n"
+
+
+def test_a_float_option_refuses_what_is_not_a_finite_number():
+    import argparse
+
+    from dflash2_lightning.errors import bounded
+
+    parse = bounded(float, 0.0, low_open=True)
+    assert parse("2.5") == 2.5
+    for text, message in (("nan", "nan is invalid: must be a finite number"),
+                          ("inf", "inf is invalid: must be a finite number"), ("0", "0 is invalid: must be > 0.0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(text)
+
+
+def test_explain_plans_group_typos_missing_values_and_a_missing_config():
+    assert explain("Group 'trainer' does not accept option 'max_stepz'", ["c.yaml"], prog="dflash2 plan") == (
+        "trainer.max_stepz is not a setting (in config c.yaml); did you mean trainer.max_steps? `dflash2 plan --help` "
+        "lists every setting")
+    assert explain("the following arguments are required: fit.data, fit.model").startswith(
+        "data, model not given (no config?): pass the run's config, `dflash2 fit --config CONFIG.yaml`")
+    assert explain("argument --trainer.max_steps: expected one argument", prog="dflash2 plan").startswith(
+        "--trainer.max_steps needs a value (on the command line): `--trainer.max_steps VALUE`;")

@@ -200,6 +200,29 @@ def test_training_steps_then_export(tmp_path):
     assert record["expected"]["tau"] >= 1.0 and record["draft"]["weights_sha256"] == weights_digest(tmp_path / "hf")
 
 
+def test_a_fit_that_writes_no_record_removes_the_previous_runs(tmp_path):
+    """export.acceptance_prompts 0 after an earlier export into the same directory (a resume): the earlier
+    acceptance.json describes other weights, so it goes, rather than stand beside the new ones."""
+    from dflash2_lightning.evaluate.acceptance_record import RECORD_NAME
+
+    hf = tmp_path / "hf"
+    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    first = DFlash2Module(target=SPEC, **grouped(export_dir=str(hf), lr=1e-2, warmup_ratio=0.0, **SMALL))
+    _trainer(tmp_path, max_steps=1).fit(first, train_dataloaders=loader)
+    assert (hf / RECORD_NAME).is_file()
+    groups = grouped(export_dir=str(hf), lr=1e-2, warmup_ratio=0.0, **SMALL)
+    groups["export"]["acceptance_prompts"] = 0
+    _trainer(tmp_path, max_steps=2).fit(DFlash2Module(target=SPEC, **groups), train_dataloaders=loader)
+    assert (hf / "model.safetensors").is_file() and not (hf / RECORD_NAME).exists()
+
+
+def test_a_recipes_mask_token_outside_the_targets_vocabulary_names_the_setting_and_the_fix():
+    with pytest.raises(ConfigError, match=r"^--model.init_args.draft.mask_token_id=151669 is invalid: must satisfy "
+                                          r"0 <= mask_token_id < vocab_size=512; the Qwen3 recipes reserve that id .*"
+                                          r"delete mask_token_id from the config's draft settings"):
+        DFlash2Module(target=SPEC, **grouped(**SMALL, mask_token_id=151669))
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 def test_selector_lr_scale_gives_the_selector_its_own_rate(tmp_path, scale):
     """Scaled: the selector's parameters (and only they) train at scale x lr through the schedule."""

@@ -296,3 +296,34 @@ def test_bad_arguments_name_the_field(tmp_path):
 
     with pytest.raises(TargetError, match="path='nowhere' is not a Hugging Face model directory"):
         cli.resolve_target("nowhere", draft)
+
+
+@pytest.mark.parametrize("opset", ["99", "29", "17", "5", "0", "-1"])
+def test_an_opset_outside_the_supported_range_is_refused_when_parsed(tmp_path, capsys, opset):
+    """Checked with the command line, before the draft is loaded: above the installed onnx's newest opset the graphs
+    would stay at torch's own while drafter.json claimed the other; below 18 the reference bodies do not exist."""
+    from dflash2_lightning import cli as dflash2
+    from dflash2_lightning.export.onnx.export import MIN_OPSET, max_opset
+
+    assert max_opset() == onnx.defs.onnx_opset_version() < 29
+    code = dflash2.main(["export-onnx", "--draft", str(tmp_path / "no-draft"), "--target", "tiny", "--out",
+                         str(tmp_path / "onnx"), f"--opset={opset}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert (f"dflash2: error: dflash2 export-onnx: argument --opset: {opset} is invalid: must be >= {MIN_OPSET} and "
+            f"<= {max_opset()}") in err
+    assert not (tmp_path / "onnx").exists()
+    with pytest.raises(ValueError, match=rf"opset={opset} is invalid: must be from 18 to {max_opset()}"):
+        export_drafter(DraftModel(CFG), *random_embedding_and_head(CFG.vocab_size, CFG.hidden_size), tmp_path / "o",
+                       opset=int(opset))
+
+
+def test_the_export_script_refuses_an_opset_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "export" / "to_onnx.py"
+    done = subprocess.run([sys.executable, str(script), "--draft", str(tmp_path), "--target", "tiny", "--out",
+                           str(tmp_path / "onnx"), "--opset", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "argument --opset: 3 is invalid: must be >= 18" in done.stderr and not (tmp_path / "onnx").exists()

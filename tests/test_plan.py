@@ -249,3 +249,123 @@ def test_each_rank_asks_its_own_gpu_for_free_memory(monkeypatch, devices, local_
                     "--trainer.devices", str(devices)])
     assert asked == [expected, expected]  # free memory and name, both of the rank's own device, never the current one
     assert f"cuda:{expected}" in plan.device and plan.capacity == 70 * 2**30
+
+
+# ----------------------------------------------------------------------------- bad input: fit's one-line errors
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def plan_error(capsys, *args: str) -> str:
+    """`dflash2 plan ARGS` in-process: exit 2 and exactly one `dflash2: error:` line on stderr (returned)."""
+    assert cli.main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash2: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--config", str(TINY), "--trainer.max_stepz", "3"],
+     ["--trainer.max_stepz is not a setting (on the command line); did you mean --trainer.max_steps?",
+      "`dflash2 plan --help` lists every setting"]),
+    (["--config", str(TINY), "--bogus", "1"], ["--bogus is not a setting (on the command line);"]),
+    (["--config", str(TINY), "--trainer.max_steps"], ["--trainer.max_steps needs a value"]),
+    (["--config", "missing.yaml"], ["config file", "missing.yaml' does not exist: check the --config path"]),
+    ([], ["data, model not given (no config?)", "`dflash2 plan --config CONFIG.yaml`"]),
+    (["--config", str(TINY), "--plan.device_memory", "0"], ["plan.device_memory='0' is invalid: must be a positive, "
+                                                            "finite size"]),
+    (["--config", str(TINY), "--plan.device_memory", "1e400"], ["plan.device_memory='1e400' is invalid"]),
+], ids=["typo", "unknown", "no-value", "missing-config", "no-config", "memory-0", "memory-1e400"])
+def test_plan_maps_command_line_mistakes_as_fit_does(argv_plain, capsys, args, needles):
+    err = plan_error(capsys, *args)
+    assert all(needle in err for needle in needles), err
+
+
+CONFIG_FILES = {
+    "binary": (b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)), ["is not a text file (byte 8 is not UTF-8)"]),
+    "yaml-syntax": (b"trainer:\n  max_steps: [\n", ["is not valid YAML: expected the node content",
+                                                    "at line 3, column 1", "fix that line"]),
+    "empty": (b"", ["is empty (no settings)"]),
+    "comments-only": (b"# nothing here\n", ["is empty (no settings)"]),
+    "a-list": (b"- trainer\n- model\n", ["holds a YAML list, not a mapping of settings"]),
+    "typo": (TINY.read_bytes().replace(b"max_steps:", b"max_stepz:"),
+             ["trainer.max_stepz is not a setting (in config", "did you mean trainer.max_steps?"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_FILES))
+def test_a_config_file_that_is_no_yaml_mapping_is_named(tmp_path, argv_plain, capsys, name):
+    """Binary, broken YAML, empty, a list: one line naming the file (never `<unicode string>`), in plan and fit."""
+    content, needles = CONFIG_FILES[name]
+    path = tmp_path / f"{name}.yaml"
+    path.write_bytes(content)
+    for action in ("plan", "fit"):
+        assert cli.main([action, "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("dflash2")]
+        assert len(lines) == 1 and lines[0].startswith("dflash2: error: ") and "Traceback" not in err, err
+        assert str(path) in lines[0] and "<unicode string>" not in err, err
+        assert all(needle in lines[0] for needle in needles), err
+    assert not (tmp_path / "runs").exists()
+
+
+def _with_config(directory: Path, config: str) -> Path:
+    directory.mkdir()
+    (directory / "config.json").write_text(config)
+    return directory
+
+
+TARGET_CONFIGS = {
+    "vision": (json.dumps({"model_type": "vit", "hidden_size": 768, "num_hidden_layers": 12,
+                           "num_attention_heads": 12, "image_size": 224}),
+               ["model_type 'vit' is not a causal language model", "a draft needs a decoder-only target"]),
+    "truncated": (json.dumps(QWEN3_8B)[:120], ["is not valid JSON (", "truncated? copy the model's config.json"]),
+    "empty": ("", ["config.json is empty"]),
+    "array": ("[1, 2]", ["holds a JSON list, not an object of settings"]),
+    "negative": (json.dumps({**QWEN3_8B, "hidden_size": -4096}), ["hidden_size=-4096 is invalid: must be from 1 to"]),
+    "string": (json.dumps({**QWEN3_8B, "hidden_size": "big"}), ["hidden_size='big' is invalid: must be an integer"]),
+    "deep": (json.dumps({**QWEN3_8B, "num_hidden_layers": 100_000_000}),
+             ["num_hidden_layers=100000000 is invalid: must be from 1 to 1024", "largest published decoder models"]),
+    "unknown-type": (json.dumps({**QWEN3_8B, "model_type": "qwen99"}), ["model_type 'qwen99' is not known"]),
+    "no-hidden-size": (json.dumps({k: v for k, v in QWEN3_8B.items() if k != "hidden_size"}), ["has no hidden_size"]),
+}
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Building the target (on the meta device or with weights) fails the test: the checks come before it."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was built before its config.json was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize("name", sorted(TARGET_CONFIGS))
+def test_a_bad_target_config_json_is_refused_before_anything_is_built(tmp_path, argv_plain, capsys, nothing_built,
+                                                                      name):
+    content, needles = TARGET_CONFIGS[name]
+    target = _with_config(tmp_path / "target", content)
+    err = plan_error(capsys, "--config", str(TINY), "--model.init_args.target.path", str(target))
+    assert str(target / "config.json") in err and all(needle in err for needle in needles), err
+    # fit without its plan check loads the target itself: the same check, before any weight is read
+    assert cli.main(["fit", "--config", str(TINY), "--model.init_args.target.path", str(target), "--plan.check",
+                     "false", "--trainer.logger", "false"]) == 2
+    fit_err = capsys.readouterr().err
+    assert all(needle in fit_err for needle in needles), fit_err
+
+
+def test_the_qwen3_recipe_on_another_vocabulary_names_the_mask_setting_and_the_fix(tmp_path, argv_plain, capsys):
+    llama3 = {**QWEN3_8B, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+              "bos_token_id": 128000, "eos_token_id": 128001}
+    target = _with_config(tmp_path / "llama3", json.dumps(llama3))
+    err = plan_error(capsys, "--config", str(REPO / "configs" / "qwen3_8b_online.yaml"),
+                     "--model.init_args.target.path", str(target))
+    assert err.startswith("dflash2: error: --model.init_args.draft.mask_token_id=151669 is invalid: must satisfy "
+                          "0 <= mask_token_id < vocab_size=128256; the Qwen3 recipes reserve that id"), err
+    assert "delete mask_token_id from the config's draft settings" in err
+    code = cli.main(["plan", "--config", str(REPO / "configs" / "qwen3_8b_online.yaml"),
+                     "--model.init_args.target.path", str(target), "--model.init_args.draft", '{"mask_token_id": null}',
+                     "--plan.device_memory", "80GB"])
+    assert code in (0, 1), capsys.readouterr().err  # the fix given works: a plan, fitting or not

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from dflash2_lightning import cli
 from dflash2_lightning.export.llama_cpp import free_port
 from dflash2_lightning.data.regen import regen, regen_main
 from dflash2_lightning.data.regen_server import ServerError, regen_server
 from llamacpp_helpers import llama_cpp_or_skip
+from serving_fakes import MODELS, Broken
 
 SMOLLM2 = {"gguf": "smollm2"}
 PROMPTS = [
@@ -47,6 +49,39 @@ def test_bad_settings_are_named(prompts_file, tmp_path):
         regen_server(url, {"tiny": {}}, prompts_file, tmp_path / "o.jsonl", concurrency=0)
     with pytest.raises(ValueError, match="top_p=0"):
         regen_server(url, {"tiny": {}}, prompts_file, tmp_path / "o.jsonl", temperature=1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("answers, raw, needles", [
+    ({"GET /v1/models": "[]"}, None, ["/v1/models answered JSON of another shape: the answer is a list ([])"]),
+    ({"GET /v1/models": '{"data": [1]}'}, None, ["/v1/models answered JSON of another shape: data[0] is a number (1)"]),
+    ({"GET /v1/models": MODELS, "POST /v1/completions": '{"choices": [{"text": ["a"]}]}'}, None,
+     ["/v1/completions answered JSON of another shape: choices[0].text is a list", "0 of 2 responses are kept in"]),
+    ({"GET /v1/models": MODELS, "POST /v1/completions": '{"choices": "none"}'}, None,
+     ["/v1/completions answered JSON of another shape: choices is a string"]),
+    ({"GET /v1/models": (200, '{"data": [{"id": "m"', 300)}, None, ["/v1/models cut its answer off (20 of 300 bytes"]),
+    ({}, b"\x00\x01SSH-2.0-OpenSSH_9.6\r\n", ["/v1/models did not answer in HTTP (it sent '\\x00\\x01SSH-2.0"]),
+], ids=["models-list", "models-data-number", "text-list", "choices-string", "cut-off", "not-http"])
+def test_a_server_answering_wrongly_is_one_line_naming_the_endpoint(prompts_file, tmp_path, capsys, answers, raw,
+                                                                    needles):
+    """JSON of another shape, a cut-off answer, a server that is not HTTP: one line naming the endpoint (and the
+    field), exit 2, nothing written but the resumable log."""
+    with Broken(answers, raw=raw) as server:
+        code = cli.main(["regen", "--server", server.url + "/v1", "--target", "tiny", "--prompts", str(prompts_file),
+                         "--max-prompts", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "out.jsonl"),
+                         "--no-progress", "--concurrency", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"dflash2: error: {server.url}/v1/") and err.count("\n") == 1, err
+    assert not any(c in err[:-1] for c in "\x00\r"), repr(err)
+    assert all(needle in err for needle in needles), err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_timeout_that_is_no_duration_is_refused_when_parsed(prompts_file, tmp_path, capsys):
+    for value in ("nan", "0", "-1"):
+        assert cli.main(["regen", "--server", "http://127.0.0.1:9/v1", "--target", "tiny", "--out",
+                         str(tmp_path / "o.jsonl"), "--timeout", value]) == 2
+        err = capsys.readouterr().err
+        assert f"argument --timeout: {value} is invalid" in err and err.count("\n") == 1
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ def test_stops_at_once_without_tensorrt_or_gpu(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "--onnx", str(tmp_path), "--out", str(tmp_path / "e.engine")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == to_trt.EXIT_MISSING == 2
+    assert out.stderr.startswith("dflash2: error: cannot build a TensorRT engine here: (1) ") \
+        and out.stderr.count("\n") == 1, out.stderr  # one line, every missing requirement numbered in it
     if importlib.util.find_spec("tensorrt") is None:
         assert "TensorRT is not installed" in out.stderr
         assert "--extra-index-url https://pypi.nvidia.com" in out.stderr and "tensorrt-cu13" in out.stderr

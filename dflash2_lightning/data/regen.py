@@ -194,6 +194,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--concurrency", type=bounded(int, 1), default=8, help="requests in flight (default 8)")
     group.add_argument("--server-temperature", type=bounded(float, 0.0), default=0.0,
                        help="0 = greedy (default); > 0 samples on the server with --top-p, prompt i with seed + i")
+    group.add_argument("--timeout", type=bounded(float, 0.0, low_open=True), default=600.0,
+                       help="seconds one request may take before the server counts as stuck (default 600)")
 
 
 def regen_main(argv: Sequence[str] | None = None) -> int:
@@ -243,7 +245,7 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
         path = regen_server(args.server, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
                             args.concurrency, args.server_temperature, args.top_p if args.server_temperature else 1.0,
                             args.seed, args.max_prompts, args.overwrite, not args.no_progress,
-                            prompt_overflow=args.prompt_overflow)
+                            timeout=args.timeout, prompt_overflow=args.prompt_overflow)
     else:
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         path = regen(target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens, args.batch_size,

@@ -25,66 +25,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from dflash2_lightning.data.openai_client import ServerError, complete, served_model
 from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
-from dflash2_lightning.errors import UserError, check
-
-
-class ServerError(UserError, RuntimeError):
-    """The server did not answer, or answered with an error (the message names the URL and what is kept)."""
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
-def request_json(url: str, payload: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if payload is None else "POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        body = _one_line(e.read().decode(errors="replace"))
-        raise ServerError(f"{url} answered HTTP {e.code}" + (f" ({body})" if body else "")) from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise ServerError(f"{url} did not answer ({reason}): is the server running and the URL right?") from None
-    except (ValueError, UnicodeDecodeError) as e:  # not JSON: not an OpenAI-compatible endpoint
-        raise ServerError(f"{url} answered something that is not JSON ({e}): is it an OpenAI-compatible "
-                          "server's /v1 URL?") from None
-
-
-def served_model(base_url: str, timeout: float = 30.0) -> str:
-    """The id of the model an OpenAI-compatible server serves (``GET {base_url}/models``, first entry)."""
-    listing = request_json(base_url.rstrip("/") + "/models", None, timeout)
-    models = listing.get("data") or []
-    if not models or "id" not in models[0]:
-        raise ServerError(f"{base_url}/models lists no model: {_one_line(str(listing))}")
-    return str(models[0]["id"])
-
-
-def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, timeout: float = 600.0) -> dict[str, Any]:
-    """One ``POST {base_url}/completions`` with token-id prompt; returns the first choice (text, finish_reason)."""
-    payload: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                               "temperature": temperature, "top_p": top_p, "stream": False}
-    if temperature == 0.0:
-        payload["top_k"] = 1  # greedy on engines that otherwise keep sampling settings (vLLM, SGLang, llama.cpp)
-    if seed is not None:
-        payload["seed"] = seed
-    answer = request_json(base_url.rstrip("/") + "/completions", payload, timeout)
-    choices = answer.get("choices") or []
-    if not choices or "text" not in choices[0]:
-        raise ServerError(f"{base_url}/completions returned no choice: {_one_line(str(answer))}")
-    return choices[0]
+from dflash2_lightning.errors import check
 
 
 def _tokenizer(target_spec: Any) -> tuple[Any, Any]:
@@ -135,6 +82,7 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
     check(concurrency >= 1, "concurrency", concurrency, ">= 1")
     check(temperature >= 0, "temperature", temperature, ">= 0")
     check(0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
+    check(0 < timeout < float("inf"), "timeout", timeout, "a finite number of seconds > 0")
     out, log, finished = output_paths(out_file, overwrite)
     if finished:
         return out
@@ -143,7 +91,7 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
     chats = read_prompts(prompts_file or SEED_PROMPTS, max_prompts)  # a bad file fails before the server is asked
     fitted = fit_to_context([encode_prompt(tokenizer, m) for m in chats], _context_length(target_spec, spec),
                             max_new_tokens, prompt_overflow, prompts_file or SEED_PROMPTS)
-    model = served_model(server_url, min(timeout, 30.0))
+    model = served_model(server_url, timeout)
     hashes = [prompt_hash(m) for m in chats]
     settings = {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
                 "max_new_tokens": max_new_tokens, "engine": "openai-completions", "served_model": model,
@@ -217,7 +165,7 @@ def _context_length(target_spec: Any, spec: Any) -> int | None:
         from dflash2_lightning.target.tiny import TINY_DEFAULTS
 
         return context_length_of_config({**TINY_DEFAULTS, **spec.tiny})
+    from dflash2_lightning.target.hf_config import read_config_json
     from dflash2_lightning.target.load import hf_dir_of
 
-    config = hf_dir_of(spec) / "config.json"
-    return context_length_of_config(json.loads(config.read_text())) if config.is_file() else None
+    return context_length_of_config(read_config_json(hf_dir_of(spec)))

@@ -134,33 +134,54 @@ def expected(record: dict[str, Any], count: int | None = None) -> dict[str, Any]
             "per_prompt_steps": summary["per_prompt_cycles"]}
 
 
+def record_prompts(target: Any, prompts_file: str | os.PathLike | None = None, num_prompts: int = DEFAULT_PROMPTS,
+                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, prompt_overflow: str = "refuse",
+                   budget: str = "--max-new-tokens") -> Any:
+    """The record's prompts as token ids (:class:`~dflash2_lightning.data.prompts.FittedPrompts`): the first
+    ``num_prompts`` of ``prompts_file`` (default: the shipped evaluation prompts), rendered with the loaded
+    ``target``'s chat template and checked, with ``max_new_tokens``, against its context as ``dflash2 eval``
+    checks them (:func:`~dflash2_lightning.data.prompts.fit_to_context`; ``budget`` names the setting).
+
+    Cheap (a tokenisation): ``fit`` calls it before it trains, so a record that cannot be made is refused then."""
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, fit_to_context, read_prompts
+
+    where = Path(prompts_file) if prompts_file is not None else EVAL_PROMPTS
+    prompts = [encode_prompt(target.tokenizer, m) for m in read_prompts(where, num_prompts)]
+    return fit_to_context(prompts, getattr(target, "context_length", None), max_new_tokens, prompt_overflow, where,
+                          budget=budget)
+
+
 def make_record(draft_dir: str | os.PathLike, target: Any, prompts_file: str | os.PathLike | None = None,
                 num_prompts: int = DEFAULT_PROMPTS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                resamples: int | None = None, seed: int = 0, progress: bool = False) -> dict[str, Any]:
+                resamples: int | None = None, seed: int = 0, progress: bool = False,
+                prompt_overflow: str = "refuse", budget: str = "--max-new-tokens") -> dict[str, Any]:
     """Run the T=0 replay of the draft in ``draft_dir`` on the first ``num_prompts`` prompts of
     ``prompts_file`` (default: the shipped evaluation prompts) and return its record.
 
-    ``target``: a loaded :class:`~dflash2_lightning.target.target.Target` or its spec (loaded here).
+    ``target``: a loaded :class:`~dflash2_lightning.target.target.Target` or its spec (loaded here). Before any
+    token is generated, the draft must fit the target (:meth:`~dflash2_lightning.target.target.Target.check_fits`)
+    and every prompt plus ``max_new_tokens`` its context (:func:`record_prompts`; ``prompt_overflow`` as in
+    ``dflash2 eval``), as ``dflash2 eval`` checks them.
     Cost: the target's batched greedy decoding of ``num_prompts x max_new_tokens`` tokens plus one
     teacher-forced pass per prompt (SmolLM2-135M on 2 cores: ~10 s for the default 8 x 64).
     """
-    from dflash2_lightning.config import ConfigError
-    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, read_prompts
+    from dflash2_lightning.errors import check
     from dflash2_lightning.evaluate.replay import run_replay
     from dflash2_lightning.export.checkpoint import load_draft
     from dflash2_lightning.target.load import load_target
 
-    for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
-        if value < 1:
-            raise ConfigError(f"{name}={value} is invalid: must be >= 1")
+    check(num_prompts >= 1, "num_prompts", num_prompts, ">= 1")
+    check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1")
     prompts_file = Path(prompts_file) if prompts_file is not None else EVAL_PROMPTS
-    chats = read_prompts(prompts_file, num_prompts)
+    read_prompts(prompts_file, num_prompts)  # a bad file fails before the draft and the target are loaded
     draft = load_draft(draft_dir)
     target = target if hasattr(target, "hf") else load_target(target)
-    prompts = [encode_prompt(target.tokenizer, m) for m in chats]
-    run = run_replay(draft, target, prompts, max_new_tokens, progress=progress)
+    target.check_fits(draft.config, f"the draft in {draft_dir}")
+    fitted = record_prompts(target, prompts_file, num_prompts, max_new_tokens, prompt_overflow, budget)
+    run = run_replay(draft, target, fitted.prompts, max_new_tokens, progress=progress)
     source = ("the shipped evaluation prompts" if prompts_file == EVAL_PROMPTS else str(prompts_file)) + \
-        f", first {len(prompts)}"
+        f", first {len(fitted.prompts)}" + (f" ({fitted.note()})" if fitted.cut else "")
     return record_from_replay(run, draft_dir, target, source, resamples, seed)
 
 
@@ -213,6 +234,46 @@ def read_record(where: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
+def stale_weights(record: dict[str, Any], draft_dir: str | os.PathLike) -> str | None:
+    """Why ``record`` does not describe the weights in ``draft_dir`` (its ``weights_sha256`` is another
+    ``model.safetensors``'s), or None when it does, or when the directory holds no weights to compare with."""
+    from dflash2_lightning.export.checkpoint import WEIGHTS_NAME
+
+    weights = Path(draft_dir) / WEIGHTS_NAME
+    if not weights.is_file():
+        return None
+    recorded, actual = (record.get("draft") or {}).get("weights_sha256"), weights_digest(draft_dir)
+    if recorded == actual:
+        return None
+    return (f"the acceptance record was made for other weights than {weights} (its weights_sha256 "
+            f"{str(recorded)[:12]}..., the file's {actual[:12]}...)")
+
+
+def check_record_weights(record: dict[str, Any], draft_dir: str | os.PathLike) -> None:
+    """Refuse (:class:`RecordError`) a record of other weights than ``draft_dir``'s (see :func:`stale_weights`)."""
+    why = stale_weights(record, draft_dir)
+    if why is not None:
+        raise RecordError(f"{why}: write it again for these weights (`dflash2 acceptance-record --draft {draft_dir} "
+                          "--target TARGET`), or pass --allow-stale-record to check against it anyway")
+
+
+def remove_stale_record(draft_dir: str | os.PathLike) -> Path | None:
+    """Remove ``draft_dir/acceptance.json`` when it does not describe the weights now in ``draft_dir`` (or cannot
+    be read); returns the removed path, or None. A fit calls this after it writes new weights, so a record of the
+    previous run's weights is never left beside them."""
+    path = Path(draft_dir) / RECORD_NAME
+    if not path.is_file():
+        return None
+    try:
+        stale = stale_weights(read_record(path), draft_dir) is not None
+    except RecordError:
+        stale = True
+    if not stale:
+        return None
+    path.unlink()
+    return path
+
+
 def gguf_record_path(gguf: str | os.PathLike) -> Path:
     """Where the record of a GGUF lives: ``draft.gguf`` -> ``draft.acceptance.json`` beside it."""
     gguf = Path(gguf)
@@ -231,7 +292,7 @@ def copy_beside_gguf(draft_dir: str | os.PathLike, gguf: str | os.PathLike, outt
         record = read_record(source)
     except RecordError:  # an unreadable record is not copied; check-serving says so when it is used
         return None
-    if record["draft"].get("weights_sha256") != weights_digest(draft_dir):
+    if stale_weights(record, draft_dir) is not None:
         return None
     record["gguf"] = {"file": Path(gguf).name, "outtype": outtype}
     return write_record(record, gguf_record_path(gguf))
@@ -249,6 +310,8 @@ def summary_line(record: dict[str, Any], path: str | os.PathLike | None = None) 
 
 def record_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 acceptance-record --draft DIR --target T``: write ``DIR/acceptance.json``."""
+    from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
+    from dflash2_lightning.errors import bounded
     from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
 
     parser = argparse.ArgumentParser(
@@ -262,15 +325,18 @@ def record_main(argv: Sequence[str] | None = None) -> int:
     add_target_arguments(parser)
     parser.add_argument("--prompts", default=None,
                         help="chat jsonl of held-out prompts (default: the shipped evaluation prompts)")
-    parser.add_argument("--num-prompts", type=int, default=DEFAULT_PROMPTS,
+    parser.add_argument("--num-prompts", type=bounded(int, 1), default=DEFAULT_PROMPTS,
                         help=f"how many of them, from the first (default {DEFAULT_PROMPTS})")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                        help=f"greedy continuation length per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=DEFAULT_MAX_NEW_TOKENS,
+                        help=f"greedy continuation length per prompt (default {DEFAULT_MAX_NEW_TOKENS}); with the "
+                             "longest prompt it must fit the target's context")
+    parser.add_argument("--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse",
+                        help=PROMPT_OVERFLOW_HELP)
     parser.add_argument("--out", default=None, help="where to write it (default DRAFT/acceptance.json)")
     parser.add_argument("--progress", action="store_true", help="show the replay's progress bar")
     args = parser.parse_args(list(argv) if argv is not None else None)
     record = make_record(args.draft, target_spec_from_args(args), args.prompts, args.num_prompts,
-                         args.max_new_tokens, progress=args.progress)
+                         args.max_new_tokens, progress=args.progress, prompt_overflow=args.prompt_overflow)
     path = write_record(record, args.out or Path(args.draft) / RECORD_NAME)
     print(summary_line(record, path))
     return 0

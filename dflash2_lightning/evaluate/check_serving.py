@@ -29,11 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash2_lightning.errors import bounded
 from dflash2_lightning.evaluate.acceptance_record import expected, read_record
 from dflash2_lightning.evaluate.engine_counters import (ENGINE_CHOICES, LLAMA_CPP, SGLANG, VLLM, Counts,
                                                         EngineClient, EngineError, Served, metrics_exact, total)
@@ -347,6 +349,24 @@ def recommended_commands(record: dict[str, Any], draft_dir: str | os.PathLike | 
     return {VLLM: commands[engines.VLLM], SGLANG: commands[engines.SGLANG], LLAMA_CPP: commands[engines.LLAMA_CPP]}
 
 
+def _stale_record_note(record: dict[str, Any], draft: str | None, record_file: str | None, allow: bool) -> str | None:
+    """Refuse a record of other weights than the draft directory's (the ``--draft`` given, or the directory of a
+    ``--record`` that is not a GGUF's copy), before any request is sent; with ``allow``, warn and return the note."""
+    from dflash2_lightning.evaluate.acceptance_record import check_record_weights, stale_weights
+
+    directory = draft if draft is not None else (None if record.get("gguf") else Path(record_file or ".").parent)
+    if directory is None:
+        return None
+    if not allow:
+        check_record_weights(record, directory)
+        return None
+    why = stale_weights(record, directory)
+    if why is not None:
+        print(f"dflash2: warning: {why} (--allow-stale-record: checking against it anyway)", file=sys.stderr,
+              flush=True)
+    return why
+
+
 def check_serving_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 check-serving --server URL --draft DIR``: exit 0 agree, 1 disagree, 2 could not check."""
     parser = argparse.ArgumentParser(
@@ -369,16 +389,21 @@ def check_serving_main(argv: Sequence[str] | None = None) -> int:
     where.add_argument("--record", help="an acceptance record file (e.g. draft.acceptance.json beside a GGUF)")
     parser.add_argument("--engine", choices=sorted(ENGINE_CHOICES), default=None,
                         help="the engine (default: detected from /metrics, /props, /server_info, /version)")
-    parser.add_argument("--max-prompts", type=int, default=None,
+    parser.add_argument("--max-prompts", type=bounded(int, 1), default=None,
                         help="check only the record's first N prompts (default: all; the interval is theirs)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
+    parser.add_argument("--timeout", type=bounded(float, 0.0, low_open=True), default=600.0,
+                        help="seconds any one request may take, the engine's detection included (default 600)")
+    parser.add_argument("--allow-stale-record", action="store_true",
+                        help="check against a record made for other weights than the draft's model.safetensors "
+                             "(a warning instead of the refusal; the verdict then says little about these weights)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the verdict as JSON to FILE")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.max_prompts is not None and args.max_prompts < 1:
-        parser.error(f"--max-prompts {args.max_prompts} is invalid: must be >= 1")
     record = read_record(args.draft if args.draft is not None else args.record)
+    stale = _stale_record_note(record, args.draft, args.record, args.allow_stale_record)
     verdict = check_serving(args.server, record, ENGINE_CHOICES[args.engine] if args.engine else None,
                             args.max_prompts, args.timeout)
+    if stale is not None:
+        verdict.notes.append(stale)
     print("\n".join(verdict_lines(verdict, recommended_commands(record, args.draft))))
     if args.json:
         from dflash2_lightning.files import atomic_write_text

@@ -33,14 +33,15 @@ In every engine τ = 1 + accepted drafts / verify steps, the project's definitio
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash2_lightning.data.openai_client import (ServerError, Unreachable, expect, fetch, first_choice, request_json,
+                                                  served_model)
 from dflash2_lightning.errors import UserError
 
 LLAMA_CPP = "llama.cpp"
@@ -182,58 +183,85 @@ def completion_payload(engine: str, model: str, prompt: list[int], max_tokens: i
     return payload
 
 
-def read_completion(engine: str, body: dict[str, Any]) -> Served:
-    """What ``engine`` served in one ``/v1/completions`` response, with its per-request counts when it has them."""
-    choices = body.get("choices") or []
-    if not choices or "text" not in choices[0]:
-        raise EngineError(f"the {engine} completion has no choice with text: {str(body)[:300]}")
-    choice = choices[0]
+def read_completion(engine: str, body: dict[str, Any], url: str = "/v1/completions") -> Served:
+    """What ``engine`` served in one ``/v1/completions`` response, with its per-request counts when it has them.
+
+    A field of another shape than the engine's (``token_ids`` a string, ``timings`` not an object) is an
+    :class:`EngineError` naming ``url`` and the field."""
+    choice = first_choice(body, url, EngineError)
     ids = choice.get("token_ids")
-    served = Served(text=str(choice["text"]), token_ids=[int(i) for i in ids] if isinstance(ids, list) else None,
-                    finish_reason=choice.get("finish_reason"), raw=body)
+    if ids is not None:
+        ids = [_number(i, url, f"choices[0].token_ids[{k}]", int)
+               for k, i in enumerate(expect(ids, list, url, "choices[0].token_ids", "a list of token ids",
+                                            EngineError))]
+    served = Served(text=choice["text"], token_ids=ids, finish_reason=choice.get("finish_reason"), raw=body)
     if engine == LLAMA_CPP:
-        served.counts = _llama_cpp_timings(body.get("timings"))
+        served.counts = _llama_cpp_timings(_object(body, "timings", url), url)
     elif engine == VLLM:
-        served.counts = _vllm_request_metrics((body.get("metrics") or {}).get("speculative_decoding"))
+        metrics = _object(body, "metrics", url) or {}
+        served.counts = _vllm_request_metrics(_object(metrics, "speculative_decoding", url, "metrics."), url)
     elif engine == SGLANG:
-        served.counts = _sglang_details((body.get("sglext") or {}).get("spec_tokens_details"))
+        sglext = _object(body, "sglext", url) or {}
+        details = sglext.get("spec_tokens_details")
+        if isinstance(details, list):
+            details = details[0] if details else None
+        served.counts = _sglang_details(expect(details, (dict, type(None)), url, "sglext.spec_tokens_details",
+                                               "an object", EngineError), url)
     return served
 
 
-def _llama_cpp_timings(timings: dict[str, Any] | None) -> Counts | None:
+def _object(body: dict[str, Any], key: str, url: str, prefix: str = "") -> dict[str, Any] | None:
+    """``body[key]`` when it is an object (None when absent), else an :class:`EngineError` naming the field."""
+    return expect(body.get(key), (dict, type(None)), url, prefix + key, "an object", EngineError)
+
+
+def _number(value: Any, url: str, field: str, kind: type = float) -> Any:
+    """A count of an engine's answer as ``kind``; anything but a number is an :class:`EngineError` naming it."""
+    return kind(expect(value, (int, float), url, field, "a number", EngineError))
+
+
+def _llama_cpp_timings(timings: dict[str, Any] | None, url: str = "llama-server") -> Counts | None:
     """llama-server's ``timings``: ``draft_n`` / ``draft_n_accepted`` (absent: nothing drafted); the verify
     steps estimated as ``predicted_n - 1 - accepted`` (replaced by the ``/metrics`` count when it is read)."""
     if not timings:
         return None
-    drafted, accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
-    steps = max(int(timings.get("predicted_n", 0)) - 1 - accepted, 0) if drafted else 0
+    drafted, accepted, predicted = (_number(timings.get(k, 0), url, f"timings.{k}", int)
+                                    for k in ("draft_n", "draft_n_accepted", "predicted_n"))
+    steps = max(predicted - 1 - accepted, 0) if drafted else 0
     return Counts(drafted, accepted, steps, steps_estimated=True)
 
 
-def _vllm_request_metrics(spec: dict[str, Any] | None) -> Counts | None:
+def _histogram(values: Any, url: str, field: str) -> tuple[float, ...]:
+    """Per position k, the steps that accepted more than k drafts, from a histogram of accepted drafts per step."""
+    hist = [_number(x, url, f"{field}[{k}]", int)
+            for k, x in enumerate(expect(values or [], list, url, field, "a list of counts", EngineError))]
+    return tuple(float(sum(hist[k + 1:])) for k in range(max(len(hist) - 1, 0)))
+
+
+def _vllm_request_metrics(spec: dict[str, Any] | None, url: str = "vLLM") -> Counts | None:
     """vLLM's ``metrics.speculative_decoding``: steps, drafted and accepted, ``num_spec_tokens``, and the
     histogram of accepted drafts per step (``acceptance_histogram[j]``: steps that accepted exactly j)."""
     if not spec:
         return None
-    hist = [int(x) for x in spec.get("acceptance_histogram") or []]
-    per_pos = tuple(float(sum(hist[k + 1:])) for k in range(max(len(hist) - 1, 0)))
-    return Counts(int(spec.get("num_draft_tokens", 0)), int(spec.get("num_accepted_draft_tokens", 0)),
-                  int(spec.get("num_spec_steps", 0)), int(spec["num_spec_tokens"]) if "num_spec_tokens" in spec
-                  else None, per_pos)
+    field = "metrics.speculative_decoding."
+    per_pos = _histogram(spec.get("acceptance_histogram"), url, field + "acceptance_histogram")
+    width = _number(spec["num_spec_tokens"], url, field + "num_spec_tokens", int) if "num_spec_tokens" in spec \
+        else None
+    return Counts(*(_number(spec.get(k, 0), url, field + k, int)
+                    for k in ("num_draft_tokens", "num_accepted_draft_tokens", "num_spec_steps")), width, per_pos)
 
 
-def _sglang_details(details: Any) -> Counts | None:
+def _sglang_details(details: dict[str, Any] | None, url: str = "SGLang") -> Counts | None:
     """SGLang's ``spec_tokens_details`` (one dict for ``n == 1``): verify steps, accepted and proposed drafts
     (proposed = steps x (draft tokens - 1): the width follows), the histogram of accepted drafts per step."""
-    if isinstance(details, list):
-        details = details[0] if details else None
     if not details or not details.get("spec_verify_ct"):
         return None
-    steps, proposed = int(details["spec_verify_ct"]), int(details.get("spec_num_proposed_drafts", 0))
-    hist = [int(x) for x in details.get("spec_correct_drafts_histogram") or []]
-    per_pos = tuple(float(sum(hist[k + 1:])) for k in range(max(len(hist) - 1, 0)))
-    return Counts(proposed, int(details.get("spec_num_correct_drafts", 0)), steps,
-                  proposed // steps if steps else None, per_pos)
+    field = "sglext.spec_tokens_details."
+    steps = _number(details["spec_verify_ct"], url, field + "spec_verify_ct", int)
+    proposed = _number(details.get("spec_num_proposed_drafts", 0), url, field + "spec_num_proposed_drafts", int)
+    per_pos = _histogram(details.get("spec_correct_drafts_histogram"), url, field + "spec_correct_drafts_histogram")
+    return Counts(proposed, _number(details.get("spec_num_correct_drafts", 0), url, field + "spec_num_correct_drafts",
+                                    int), steps, proposed // steps if steps else None, per_pos)
 
 
 # ----------------------------------------------------------------------------- talking to a server
@@ -247,14 +275,15 @@ def root_url(url: str) -> str:
 
 
 def _get(url: str, timeout: float) -> tuple[int, str] | None:
-    """``(status, body)`` of a GET, or None when nothing answers (connection refused, timeout)."""
+    """``(status, body)`` of a GET, or None when nothing answers (connection refused); a server that answers too
+    late or not in HTTP is an :class:`EngineError` saying so (:func:`~dflash2_lightning.data.openai_client.fetch`)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        status, body = fetch(url, None, timeout)
+    except Unreachable:
         return None
+    except ServerError as error:
+        raise EngineError(str(error)) from None
+    return status, body.decode(errors="replace")
 
 
 def _json(text: str) -> dict[str, Any] | None:
@@ -266,12 +295,16 @@ def _json(text: str) -> dict[str, Any] | None:
 
 
 class EngineClient:
-    """Greedy completions and speculative counters of one OpenAI-compatible engine at ``url``."""
+    """Greedy completions and speculative counters of one OpenAI-compatible engine at ``url``.
+
+    Every request, the engine's detection included, waits at most ``timeout`` seconds."""
 
     def __init__(self, url: str, engine: str | None = None, timeout: float = 600.0) -> None:
         self.root = root_url(url)
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise EngineError(f"timeout={timeout!r} is invalid: must be a finite number of seconds > 0")
         self.timeout = timeout
-        if _get(self.root + "/v1/models", min(timeout, 30.0)) is None:
+        if _get(self.root + "/v1/models", timeout) is None:
             raise EngineError(f"nothing answers at {self.root} (GET /v1/models): is the engine running there?")
         self.engine = engine or self.detect()
         self._model: str | None = None
@@ -279,18 +312,18 @@ class EngineClient:
     def detect(self) -> str:
         """Which engine serves here: from its ``/metrics`` prefixes, else its own endpoints (llama.cpp
         ``/props``, SGLang ``/server_info``, vLLM ``/version``)."""
-        got = _get(self.root + "/metrics", 30.0)
+        got = _get(self.root + "/metrics", self.timeout)
         if got is not None and got[0] == 200:
             for engine, prefix in _PREFIX.items():
                 if prefix in got[1]:
                     return engine
-        props = _get(self.root + "/props", 30.0)
+        props = _get(self.root + "/props", self.timeout)
         if props is not None and props[0] == 200 and "default_generation_settings" in (_json(props[1]) or {}):
             return LLAMA_CPP
-        info = _get(self.root + "/server_info", 30.0)
+        info = _get(self.root + "/server_info", self.timeout)
         if info is not None and info[0] == 200 and "speculative_algorithm" in (_json(info[1]) or {}):
             return SGLANG
-        version = _get(self.root + "/version", 30.0)
+        version = _get(self.root + "/version", self.timeout)
         if version is not None and version[0] == 200 and set(_json(version[1]) or {}) == {"version"}:
             return VLLM
         raise EngineError(f"could not tell which engine serves {self.root} (no llama.cpp /props, SGLang "
@@ -300,17 +333,15 @@ class EngineClient:
     def model(self) -> str:
         """The served model's id (``GET /v1/models``, first entry)."""
         if self._model is None:
-            from dflash2_lightning.data.regen_server import ServerError, served_model
-
             try:
-                self._model = served_model(self.root + "/v1", min(self.timeout, 30.0))
+                self._model = served_model(self.root + "/v1", self.timeout)
             except ServerError as error:
                 raise EngineError(str(error)) from None
         return self._model
 
     def metrics(self) -> Counts | None:
         """The engine's speculative counters from ``/metrics`` now (None: no endpoint, or no such counters)."""
-        got = _get(self.root + "/metrics", min(self.timeout, 30.0))
+        got = _get(self.root + "/metrics", self.timeout)
         if got is None or got[0] != 200:
             return None
         return metrics_counts(self.engine, got[1])
@@ -330,11 +361,9 @@ class EngineClient:
 
     def complete(self, prompt: list[int], max_tokens: int) -> Served:
         """One greedy completion of a token-id prompt (see :func:`completion_payload`)."""
-        from dflash2_lightning.data.regen_server import ServerError, request_json
-
+        url = self.root + "/v1/completions"
         try:
-            body = request_json(self.root + "/v1/completions",
-                                completion_payload(self.engine, self.model, prompt, max_tokens), self.timeout)
+            body = request_json(url, completion_payload(self.engine, self.model, prompt, max_tokens), self.timeout)
         except ServerError as error:
             raise EngineError(str(error)) from None
-        return read_completion(self.engine, body)
+        return read_completion(self.engine, body, url)

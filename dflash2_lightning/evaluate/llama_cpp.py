@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.data.regen_server import request_json
+from dflash2_lightning.data.openai_client import request_json
 
 _PER_POS = re.compile(r'^llamacpp:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}\s+(\S+)$')
 

@@ -74,12 +74,13 @@ class TargetInfo:
     @classmethod
     def from_dir(cls, directory: str | Path) -> "TargetInfo":
         """Read a local HF model directory's ``config.json`` (and ``tokenizer.json``), not its weights."""
+        from dflash2_lightning.target.hf_config import read_config_json
+
         directory = Path(directory).expanduser()
-        config = directory / "config.json"
-        if not config.is_file():
+        if not (directory / "config.json").is_file():
             raise FileNotFoundError(f"--target {directory}: no config.json there (give the target's local "
                                     "Hugging Face model directory)")
-        data = json.loads(config.read_text())
+        data = read_config_json(directory)
         text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
         return cls(path=str(directory.resolve()), dtype=_declared_dtype(data) or _declared_dtype(text),
                    num_layers=text.get("num_hidden_layers"), hidden_size=text.get("hidden_size"),

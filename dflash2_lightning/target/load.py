@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from dflash2_lightning.target.gguf import convert_gguf, resolve_gguf
+from dflash2_lightning.target.hf_config import check_config_sizes, target_config
 from dflash2_lightning.target.spec import DTYPES, TargetError, TargetSpec
 from dflash2_lightning.target.target import Target
-from dflash2_lightning.target.tiny import build_tiny
+from dflash2_lightning.target.tiny import TINY_DEFAULTS, build_tiny
 
 _TARGETS: dict[str, Target] = {}
 
@@ -46,6 +47,7 @@ def build_target(spec: TargetSpec) -> Target:
     """A fresh :class:`Target` for ``spec`` (not memoised; prefer :func:`load_target`)."""
     dtype = DTYPES[spec.dtype]
     if spec.tiny is not None:
+        check_config_sizes({**TINY_DEFAULTS, **spec.tiny}, "TargetSpec.tiny", "change that setting")
         hf, tok = build_tiny(spec.tiny, spec.seed)
         hf = hf.to(dtype)
     else:
@@ -55,6 +57,7 @@ def build_target(spec: TargetSpec) -> Target:
 
 
 def hf_dir_of(spec: TargetSpec) -> Path:
+    """The local HF directory of a ``path`` or ``gguf`` target (a GGUF is converted once into the cache)."""
     if spec.path is not None:
         directory = Path(spec.path).expanduser()
         if not (directory / "config.json").is_file():
@@ -67,6 +70,13 @@ def hf_dir_of(spec: TargetSpec) -> Path:
 def _load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
+    config = target_config(directory)  # a broken config.json is refused before any layer is built
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(directory), config=config, dtype=dtype, local_files_only=True)
+    except OSError as error:
+        if error.errno is not None:  # the file system's own fault (a permission, a full disk): reported as such
+            raise
+        raise TargetError(f"{directory}: the target's weights cannot be loaded ({str(error).splitlines()[0][:200]}): "
+                          "give the model directory with its weights (model.safetensors)") from None
     tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     return hf, tok

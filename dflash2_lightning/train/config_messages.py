@@ -29,6 +29,8 @@ _FILE_MISSING = re.compile(r'Parser key "config": File does not exist: (.*)$', r
 _GROUP_OPTION = re.compile(r"Group '([\w.]+)' does not accept option '([\w.]+)'")
 _SUBCOMMAND_OPTION = re.compile(r"Subcommand '(\w+)' does not accept option '([\w.]+)'")
 _GIVEN_VALUE = re.compile(r"Given value: (\{.*\})\s*$", re.S)
+_REQUIRED = re.compile(r"the following arguments are required: (.*)$", re.M)
+_NO_VALUE = re.compile(r"argument (--[\w.]+): expected (one argument|at least one argument)")
 _SECTIONS = ("model", "data", "optimizer", "lr_scheduler")
 #: class_path values of configs written before the package was laid out by pipeline stage -> the path now.
 MOVED_CLASS_PATHS = {
@@ -145,6 +147,14 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
     missing = _FILE_MISSING.search(message)
     if missing:
         return f"config file {missing.group(1).strip()} does not exist: check the --config path"
+    required = _REQUIRED.search(message)
+    if required:
+        keys = re.sub(r"\b(?:fit|validate)\.", "", required.group(1).strip())  # the subcommand's own keys
+        return (f"{keys} not given (no config?): pass the run's config, `{prog} --config "
+                f"CONFIG.yaml` (e.g. configs/tiny.yaml), or those settings on the command line; {help_hint}")
+    no_value = _NO_VALUE.search(message)
+    if no_value:
+        return f"{no_value.group(1)} needs a value (on the command line): `{no_value.group(1)} VALUE`; {help_hint}"
     outer = _PARSER_KEY.match(message.strip())
     section = outer.group(1) if outer else None
     class_path = _CLASS_PATH.search(message)
@@ -158,8 +168,10 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
                 "change it in the config")
 
     top = _SUBCOMMAND_OPTION.search(message)
-    if top and not class_path:  # a top-level or trainer key of a config file (jsonargparse names no file)
-        key = top.group(2)
+    group_key = _GROUP_OPTION.search(message)
+    if (top or group_key) and not class_path:  # a top-level or trainer key of a config file (jsonargparse names no
+        # file): `fit` reports it for its subcommand, `plan` (no subcommands) for the group it is in
+        key = top.group(2) if top else ".".join(group_key.groups())
         head, _, rest = key.partition(".")
         if head in _top_level_keys():
             guess = _closest(key, _top_level_keys())
@@ -168,7 +180,7 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
             guess = _closest(head, [k for k in _top_level_keys() if "." not in k])
             guess, shown = (f"{guess}.{rest}" if guess and rest else guess), key
         where = "in config " + ", ".join(config_files) if config_files else "in the config"
-        return (f"{shown} is not a setting ({where})" + (f"; did you mean {guess}?" if guess else "")
+        return (f"{shown} is not a setting ({where})" + (f"; did you mean {guess}?" if guess else ";")
                 + f" {help_hint}")
 
     in_group = _GROUP_OPTION.search(message)
@@ -176,7 +188,7 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
         group, key = in_group.groups()
         guess = _closest(key, group_fields(cls).get(group, []))
         return (f"{prefix}{group}.{key} is not a setting of {owner}'s {group} group ({_where(message, config_files)})"
-                + (f"; did you mean {group}.{guess}?" if guess else "") + f" {help_hint}")
+                + (f"; did you mean {group}.{guess}?" if guess else ";") + f" {help_hint}")
 
     bad = _NOT_ACCEPTED.search(message)
     given = _GIVEN_VALUE.search(message)
@@ -197,7 +209,7 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
             return f"{prefix}{key} {moved} ({_where(message, config_files)}); {help_hint}"
         guess = _closest_setting(key, cls) if cls is not None else None
         return (f"{prefix}{key} is not a setting of {owner or section} ({_where(message, config_files)})"
-                + (f"; did you mean {guess}?" if guess else "") + f" {help_hint}")
+                + (f"; did you mean {guess}?" if guess else ";") + f" {help_hint}")
 
     unknown = _UNRECOGNIZED.search(message)
     if unknown:
@@ -219,7 +231,7 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
             guess = _closest(key, choices)
             full = key
         return (f"--{full} is not a setting (on the command line)"
-                + (f"; did you mean --{prefix if cls is not None else ''}{guess}?" if guess else "") + f" {help_hint}")
+                + (f"; did you mean --{prefix if cls is not None else ''}{guess}?" if guess else ";") + f" {help_hint}")
 
     keys = _PARSER_KEY.findall(message)
     expected = _EXPECTED.search(message)

@@ -50,7 +50,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,16 +149,51 @@ def check_target_fields(spec: Any, where: str) -> None:
                               "tiny ({} for a tiny random target), with seed, dtype, cache_dir, cpu_linear")
 
 
+def read_config_file(path: str | os.PathLike, shown: str | None = None) -> dict[str, Any]:
+    """The settings of a ``--config`` file, refused in one line naming the file (as ``shown``, the command line's
+    spelling) when it is not a YAML mapping: a binary file, a YAML syntax error (with its line and column), an
+    empty file, a list or a scalar. Read before jsonargparse, whose errors name ``<unicode string>`` or nothing."""
+    import yaml
+
+    shown = shown or str(path)
+    example = "give the run's YAML config, e.g. configs/tiny.yaml"
+    raw = Path(path).expanduser().read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {shown} is not a text file (byte {error.start} is not UTF-8): {example}") \
+            from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        context = getattr(error, "context", None)
+        raise ConfigError(f"config file {shown} is not valid YAML: {problem}{where}"
+                          + (f" ({context})" if context else "")
+                          + "; fix that line (settings are `key: value`, nested keys indented with spaces)") from None
+    if data is None:
+        raise ConfigError(f"config file {shown} is empty (no settings): {example}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {shown} holds a YAML {type(data).__name__}, not a mapping of settings "
+                          f"(trainer:, model:, data:): {example}")
+    return data
+
+
+def check_config_files(argv: Sequence[str]) -> None:
+    """:func:`read_config_file` on every existing ``--config`` file of ``argv`` (a missing one is jsonargparse's
+    to report, with the rest of the command line)."""
+    for name in _config_files(argv):
+        if Path(name).expanduser().is_file():
+            read_config_file(name)
+
+
 def check_config_file_target(path: str, shown: str | None = None) -> None:
     """:func:`check_target_fields` on the target a config file gives (``model.init_args.target``); the message
     names the file as ``shown`` (as the command line gave it)."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return  # jsonargparse reports an unreadable config itself
-    model = data.get("model") if isinstance(data, dict) else None
+    data = read_config_file(path, shown)
+    model = data.get("model")
     init_args = model.get("init_args", model) if isinstance(model, dict) else None
     if isinstance(init_args, dict):
         check_target_fields(init_args.get("target"), f"in config {shown or path}")
@@ -218,6 +253,7 @@ class DFlash2CLI(LightningCLI):
         super().__init__(*args, parser_kwargs=parser_kwargs, **kwargs)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
+        check_config_files(sys.argv[1:] if args is None else list(args) if isinstance(args, (list, tuple)) else [])
         if args is None:  # reading sys.argv: rewrite it in place (a list here would warn "args and sys.argv")
             saved = sys.argv
             sys.argv = [saved[0], *replace_target_overrides(saved[1:])]
@@ -225,10 +261,19 @@ class DFlash2CLI(LightningCLI):
                 super().parse_arguments(parser, None)
             finally:
                 sys.argv = saved
-            return
-        if isinstance(args, (list, tuple)):
-            args = replace_target_overrides(args)
-        super().parse_arguments(parser, args)
+        else:
+            if isinstance(args, (list, tuple)):
+                args = replace_target_overrides(args)
+            super().parse_arguments(parser, args)
+        self.check_ckpt_file()
+
+    def check_ckpt_file(self) -> None:
+        """A ``--ckpt_path`` file that cannot be read (truncated, not a checkpoint) is refused in one line, as
+        ``--ckpt_path last`` naming the same file is, before Lightning reads its hyperparameters."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = (self.config.get(subcommand) or {}).get("ckpt_path") if subcommand else self.config.get("ckpt_path")
+        if ckpt_path and Path(str(ckpt_path)).is_file():
+            peek_checkpoint(ckpt_path)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         # `--plan.check false`, `--plan.device_memory 80GB`: fit's check of the plan, and `dflash2 plan`'s device
@@ -505,23 +550,30 @@ def _config_files(argv: Sequence[str]) -> list[str]:
     return files
 
 
-def lightning_main(argv: list[str], from_sys_argv: bool) -> int | None:
-    """Run LightningCLI on ``argv`` under the project's error style; jsonargparse's errors become one line.
-
-    ``from_sys_argv``: LightningCLI reads ``sys.argv`` itself (the console script), which avoids its
-    "args and sys.argv" warning; tests pass ``argv`` explicitly.
-    """
+def argument_errors(argv: Sequence[str], prog: str) -> Callable[[BaseException], str | None]:
+    """A :func:`~dflash2_lightning.reporting.run_command` formatter of jsonargparse's errors (an unknown or
+    misspelt setting, a missing value, a missing config file) as one line with the closest valid key
+    (:func:`~dflash2_lightning.train.config_messages.explain`); ``prog`` names the command (``dflash2 fit``)."""
     from argparse import ArgumentError
-
-    subcommand = argv[0] if argv and not argv[0].startswith("-") else "fit"
 
     def explain(error: BaseException) -> str | None:
         if not isinstance(error, ArgumentError):
             return None
         from dflash2_lightning.train.config_messages import explain as explain_message
 
-        return explain_message(str(error), _config_files(argv), prog=f"dflash2 {subcommand}")
+        return explain_message(str(error), _config_files(argv), prog=prog)
 
+    return explain
+
+
+def lightning_main(argv: list[str], from_sys_argv: bool) -> int | None:
+    """Run LightningCLI on ``argv`` under the project's error style; jsonargparse's errors become one line.
+
+    ``from_sys_argv``: LightningCLI reads ``sys.argv`` itself (the console script), which avoids its
+    "args and sys.argv" warning; tests pass ``argv`` explicitly.
+    """
+    subcommand = argv[0] if argv and not argv[0].startswith("-") else "fit"
+    explain = argument_errors(argv, f"dflash2 {subcommand}")
     resume = resume_command(argv)
 
     def run(rest: list[str]) -> None:

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from dflash2_lightning.config import ConfigError, DraftConfig
 from dflash2_lightning.errors import UserError, check
+from dflash2_lightning.evaluate.acceptance_record import record_prompts, remove_stale_record
 from dflash2_lightning.export.checkpoint import load_config, save_draft
 from dflash2_lightning.export.engines import TargetInfo, choose_export_dtype
 from dflash2_lightning.export.serving import write_serving
@@ -56,7 +57,7 @@ from dflash2_lightning.target.target import Target
 from dflash2_lightning.train.metrics import DraftMetrics, plot_acceptance
 from dflash2_lightning.train.objective import DraftObjective, ObjectiveOutput, Teacher, sample_anchors
 from dflash2_lightning.train.options import (DraftOptions, ExperimentalOptions, ExportOptions, ObjectiveOptions,
-                                             OptimizerOptions, ValidationOptions, as_options)
+                                             OptimizerOptions, ValidationOptions, as_options, draft_settings_named)
 from dflash2_lightning.train.due_validation import DUE_KEY, run_due_validation, validation_due
 from dflash2_lightning.train.resume_checks import TARGET_KEY, check_resume
 from dflash2_lightning.train.run_files import log_step_metrics_now
@@ -80,6 +81,10 @@ class Options(NamedTuple):
     validation: ValidationOptions
     export: ExportOptions
     experimental: ExperimentalOptions
+
+
+#: the option that sets the end-of-fit acceptance record's tokens per prompt, as messages name it
+ACCEPTANCE_TOKENS_OPTION = "--model.init_args.export.acceptance_tokens"
 
 
 class NonFiniteLossError(UserError, FloatingPointError):
@@ -135,8 +140,14 @@ class DFlash2Module(pl.LightningModule):
               experimental.selector_init, "'random' or 'target_embedding'")
 
         overrides = {k: v for k, v in dataclasses.asdict(draft).items() if v is not None}
-        self.draft_config: DraftConfig = self.target.draft_config(**overrides)
+        with draft_settings_named(draft):
+            self.draft_config: DraftConfig = self.target.draft_config(**overrides)
         self.target.check_layer_ids(self.draft_config.target_layer_ids or [])
+        # The end-of-fit acceptance record's prompts must fit the target's context: refused now, not after the
+        # training (without a chat template no record can be made: the export warns then, as it always did).
+        if export.acceptance_prompts > 0 and getattr(self.target.tokenizer, "chat_template", None):
+            record_prompts(self.target, None, export.acceptance_prompts, export.acceptance_tokens,
+                           budget=ACCEPTANCE_TOKENS_OPTION)
         # The checkpoint's hparams hold plain values (a checkpoint loads without this package's classes): the
         # target as a dict and the *resolved* feature layers.
         self.save_hyperparameters(ignore=["target", "draft", "objective", "optimizer", "validation", "export",
@@ -515,8 +526,12 @@ class DFlash2Module(pl.LightningModule):
         for finding in findings:
             if finding.level != "note":  # notes are in SERVING.md; warnings must be seen now
                 rank_zero_warn(str(finding))
+        removed = remove_stale_record(directory)  # a previous run's record never stays beside new weights
         if self.options.export.acceptance_prompts > 0:
             self._write_acceptance_record(directory)
+        elif removed is not None:
+            rank_zero_info(f"removed {removed}: it described the previous weights (export.acceptance_prompts 0 writes "
+                           "none; `dflash2 acceptance-record` writes one)")
         rank_zero_info(f"how to serve it: {serving}")
 
     def _write_acceptance_record(self, directory: Path) -> None:
@@ -529,7 +544,7 @@ class DFlash2Module(pl.LightningModule):
         export = self.options.export
         try:
             record = make_record(directory, self.target, num_prompts=export.acceptance_prompts,
-                                 max_new_tokens=export.acceptance_tokens)
+                                 max_new_tokens=export.acceptance_tokens, budget=ACCEPTANCE_TOKENS_OPTION)
             path = write_record(record, directory)
         except Exception as error:  # noqa: BLE001 - the checkpoint is written; the record can be made later
             rank_zero_warn(f"warning: [export] no acceptance record beside {directory} "

@@ -18,7 +18,9 @@ config gets an error that says how to write it now.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -173,6 +175,31 @@ MOVED_KEYS: dict[str, str] = {
     "export_dir": "export.dir", "export_dtype": "export.dtype",
     **{f.name: f"experimental.{f.name}" for f in dataclasses.fields(ExperimentalOptions)},
 }
+
+
+#: how a config and the command line spell a draft setting (``--model.init_args.draft.mask_token_id``)
+DRAFT_SETTING = "model.init_args.draft."
+_MASK_HINT = ("the Qwen3 recipes reserve that id in Qwen3's vocabulary: for this target delete mask_token_id from the "
+              "config's draft settings (or pass --model.init_args.draft '{\"mask_token_id\": null}') to use its "
+              "tokenizer's own mask or pad token, or give an id below vocab_size that it never generates")
+
+
+@contextlib.contextmanager
+def draft_settings_named(options: DraftOptions) -> Iterator[None]:
+    """Within the block, a :class:`~dflash2_lightning.config.ConfigError` of the draft's geometry about a setting of
+    ``options`` names it as a config writes it (``--model.init_args.draft.mask_token_id=151669 is invalid ...``)
+    and says what to do (an out-of-vocabulary mask token: the recipe's id belongs to another tokenizer)."""
+    from dflash2_lightning.config import ConfigError
+
+    try:
+        yield
+    except ConfigError as error:
+        text = str(error)
+        key = text.split("=", 1)[0]
+        if key not in {f.name for f in dataclasses.fields(options)} or getattr(options, key) is None:
+            raise
+        hint = _MASK_HINT if key == "mask_token_id" else f"change --{DRAFT_SETTING}{key}"
+        raise ConfigError(f"--{DRAFT_SETTING}{text}; {hint}") from None
 
 
 def as_options(value: Any, cls: type) -> Any:

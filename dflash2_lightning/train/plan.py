@@ -31,6 +31,7 @@ measured peak of CPU fits (within 20%) and the offline cache against the bytes a
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from dflash2_lightning.config import DraftConfig, rope_theta_of
 from dflash2_lightning.errors import ConfigError, format_bytes
 from dflash2_lightning.target.spec import DTYPES, TargetSpec
 from dflash2_lightning.train.objective import LOGITS_CHUNK_ELEMENTS
-from dflash2_lightning.train.options import DraftOptions, ObjectiveOptions, as_options
+from dflash2_lightning.train.options import DraftOptions, ObjectiveOptions, as_options, draft_settings_named
 
 #: A run "clearly" does not fit when its estimate exceeds the device by this factor (fit refuses it): above the
 #: estimate's error measured on CPU fits (tests/test_plan.py).
@@ -66,6 +67,10 @@ class PlanOptions:
 
     check: bool = True
     device_memory: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device_memory is not None:
+            parse_bytes(self.device_memory)  # a size that is not one (0, 1e400, "lots") is refused as it is given
 
 
 @dataclass(frozen=True)
@@ -161,20 +166,26 @@ def target_hf_config(spec: TargetSpec) -> Any:
     """The target's transformers config, read without any weight (``config.json``, GGUF metadata, tiny settings)."""
     from transformers import AutoConfig
 
+    from dflash2_lightning.target.hf_config import check_config_sizes, target_config
+
     if spec.tiny is not None:
         from transformers import Qwen3Config
 
         from dflash2_lightning.target.tiny import TINY_DEFAULTS
 
-        return Qwen3Config(**{**TINY_DEFAULTS, **spec.tiny})
+        settings = {**TINY_DEFAULTS, **spec.tiny}
+        check_config_sizes(settings, "model.init_args.target.tiny", "change that setting")
+        return Qwen3Config(**settings)
     if spec.path is not None:
         from dflash2_lightning.target.load import hf_dir_of
 
-        return AutoConfig.from_pretrained(str(hf_dir_of(spec)), local_files_only=True)
+        return target_config(hf_dir_of(spec))  # checked before the target is built on the meta device
     from dflash2_lightning.target.gguf import resolve_gguf
 
     path = resolve_gguf(spec.gguf or "")
-    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    check_config_sizes(config.to_dict(), str(path))
+    return config
 
 
 @dataclass(frozen=True)
@@ -218,7 +229,8 @@ def draft_config_for(target: TargetSize, options: DraftOptions) -> DraftConfig:
         max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
         mask_token_id=target.vocab_size - 1)
     geometry.update({k: v for k, v in dataclasses.asdict(options).items() if v is not None})
-    return DraftConfig(**geometry)
+    with draft_settings_named(options):
+        return DraftConfig(**geometry)
 
 
 # ----------------------------------------------------------------------------- the run's settings
@@ -459,17 +471,23 @@ def device_memory(run: RunSetup, option: str | None) -> tuple[str, int | None]:
 
 
 def parse_bytes(text: str) -> int:
-    """``80GB``, ``80GiB``, ``141e9`` -> bytes."""
+    """``80GB``, ``80GiB``, ``141e9`` -> bytes; anything else, and a size that is not positive and finite (``0``,
+    ``1e400``), is a :class:`ConfigError` naming ``--plan.device_memory``."""
+    invalid = (f"plan.device_memory={text!r} is invalid: must be a positive, finite size such as 80GB, 80GiB or "
+               "8e10 (--plan.device_memory)")
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKMGTP]?)(i?)[bB]?\s*", str(text))
     if not match:
-        raise ConfigError(f"plan.device_memory={text!r} is invalid: must be a size such as 80GB, 80GiB or 8e10")
+        raise ConfigError(invalid)
     number, unit, binary = match.groups()
     base = 1024 if binary else 1000
     power = " kMGTP".index(unit.replace("K", "k")) if unit else 0
     try:
-        return int(float(number) * base**power)
-    except ValueError:
-        raise ConfigError(f"plan.device_memory={text!r} is invalid: must be a size such as 80GB or 8e10") from None
+        size = float(number) * base**power
+    except (ValueError, OverflowError):
+        raise ConfigError(invalid) from None
+    if not (math.isfinite(size) and size >= 1):
+        raise ConfigError(invalid)
+    return int(size)
 
 
 def cache_size(run: RunSetup) -> tuple[int, str]:

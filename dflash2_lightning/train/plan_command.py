@@ -8,9 +8,12 @@ nothing is instantiated: no target weights, no feature cache, no trainer. The es
 from __future__ import annotations
 
 import sys
+from argparse import ArgumentError
 from typing import TYPE_CHECKING, Any
 
-from dflash2_lightning.train.lightning_cli import DFlash2CLI, plan_options, precheck, quiet_lightning
+from dflash2_lightning.errors import UsageError
+from dflash2_lightning.train.lightning_cli import (DFlash2CLI, argument_errors, plan_options, precheck,
+                                                   quiet_lightning)
 from dflash2_lightning.train.preemption import without_ckpt_path
 
 if TYPE_CHECKING:
@@ -20,7 +23,7 @@ DESCRIPTION = """\
 The plan of `dflash2 fit` with the same arguments: per device, the draft's weights, gradients and AdamW state
 (divided across devices under FSDP, replicated under DDP), the frozen target's weights (online), activation and
 logits memory per step at the configured anchors, block size, sequence length and batch size; the offline
-feature cache's size on disk; and a verdict against the device's memory (free CUDA memory of the first GPU, or
+feature cache's size on disk; and a verdict against the device's memory (free CUDA memory of this rank's GPU, or
 the host's available RAM on a CPU; --plan.device_memory 80GB to check against another) and the cache
 directory's free space, with what to change when it does not fit. Nothing is loaded: the target is read from
 its config.json alone and the draft is built on the meta device.
@@ -28,6 +31,9 @@ its config.json alone and the draft is built on the meta device.
 Exit status: 0 when the run fits, 1 when it does not, 2 for bad input (one `dflash2: error: ...` line).
 `dflash2 fit` checks the same plan before it loads the target and refuses a run that clearly cannot fit
 (--plan.check false trains anyway)."""
+
+
+PROG = "dflash2 plan"
 
 
 class PlanCLI(DFlash2CLI):
@@ -63,7 +69,9 @@ def plan_of(argv: list[str]) -> Plan:
     try:
         cli = PlanCLI(model_class=DFlash2Module, subclass_mode_model=True, datamodule_class=DraftDataModule,
                       subclass_mode_data=True, auto_configure_optimizers=False, run=False,
-                      parser_kwargs={"description": DESCRIPTION, "prog": "dflash2 plan"})
+                      parser_kwargs={"description": DESCRIPTION, "prog": PROG})
+    except ArgumentError as error:  # fit's one-line wording of jsonargparse's errors, with the closest key
+        raise UsageError(argument_errors(argv, PROG)(error) or str(error)) from error
     finally:
         sys.argv = saved
     return cli.plan

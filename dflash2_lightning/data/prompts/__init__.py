@@ -90,12 +90,15 @@ def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def fit_to_context(prompts: list[list[int]], context: int | None, max_new_tokens: int,
-                   overflow: PromptOverflow = "refuse", where: str | os.PathLike = "the prompts file") -> FittedPrompts:
+                   overflow: PromptOverflow = "refuse", where: str | os.PathLike = "the prompts file",
+                   budget: str = "--max-new-tokens") -> FittedPrompts:
     """Check every tokenised prompt plus ``max_new_tokens`` against the target's ``context`` (positions).
 
     ``overflow="refuse"`` raises a :class:`~dflash2_lightning.config.ConfigError` naming the first prompt
     that does not fit and how many do not; ``"truncate"`` keeps each such prompt's last
     ``context - max_new_tokens`` tokens. Checked before any generation (it costs a tokenisation).
+    ``budget``: the option that set ``max_new_tokens``, as the messages name it: ``--max-new-tokens`` (commands
+    that also take ``--prompt-overflow``), or ``--model.init_args.export.acceptance_tokens`` (fit's record).
     """
     from dflash2_lightning.config import ConfigError
     from dflash2_lightning.errors import check
@@ -104,15 +107,17 @@ def fit_to_context(prompts: list[list[int]], context: int | None, max_new_tokens
     if context is None:
         return FittedPrompts(list(prompts), 0, None)
     room = context - max_new_tokens
+    name = budget.lstrip("-").replace("-", "_")
     if room < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be < the target's context of {context} "
-                          "positions (max_position_embeddings), leaving room for the prompt")
+        raise ConfigError(f"{name}={max_new_tokens} is invalid: must be < the target's context of {context} "
+                          f"positions (max_position_embeddings), leaving room for the prompt; lower {budget}")
     long = [i for i, p in enumerate(prompts) if len(p) > room]
     if long and overflow == "refuse":
         first = long[0]
         raise ConfigError(f"{len(long)} of {len(prompts)} prompts do not fit the target's context: prompt {first + 1} "
-                          f"of {where} has {len(prompts[first])} tokens, and with max_new_tokens={max_new_tokens} "
-                          f"the target's {context} positions leave room for {room}; shorten those prompts, lower "
-                          "--max-new-tokens, or pass --prompt-overflow truncate to keep their last tokens")
+                          f"of {where} has {len(prompts[first])} tokens, and with {name}={max_new_tokens} "
+                          f"the target's {context} positions leave room for {room}; shorten those prompts"
+                          + (f", lower {budget}, or pass --prompt-overflow truncate to keep their last tokens"
+                             if budget == "--max-new-tokens" else f" or lower {budget}"))
     cut = set(long)
     return FittedPrompts([p[-room:] if i in cut else p for i, p in enumerate(prompts)], len(long), room)

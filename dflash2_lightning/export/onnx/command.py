@@ -19,8 +19,9 @@ from torch import nn
 from dflash2_lightning.export.checkpoint import load_draft
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES
-from dflash2_lightning.export.onnx.export import (DEFAULT_OPSET, export_drafter, random_embedding_and_head,
-                                           target_embedding_and_head)
+from dflash2_lightning.errors import bounded
+from dflash2_lightning.export.onnx.export import (DEFAULT_OPSET, MIN_OPSET, export_drafter, max_opset,
+                                                  random_embedding_and_head, target_embedding_and_head)
 from dflash2_lightning.export.onnx.verify import verify_export
 
 
@@ -67,7 +68,9 @@ def parser() -> argparse.ArgumentParser:
                         "'tiny' (a random embedding and head of the draft's geometry)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="fp32", choices=sorted(TORCH_DTYPES), help="graph precision (default fp32)")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"default-domain opset (default {DEFAULT_OPSET})")
+    p.add_argument("--opset", type=bounded(int, MIN_OPSET, max_opset()), default=DEFAULT_OPSET,
+                   help=f"default-domain opset, {MIN_OPSET} to {max_opset()} (the installed onnx's newest; default "
+                        f"{DEFAULT_OPSET})")
     p.add_argument("--no-hidden", action="store_true", help="draft_step outputs tokens only")
     p.add_argument("--verify-cases", type=_cases, default=((1, 5), (3, 19)),
                    help="batch x context cases for the onnxruntime check (default 1x5,3x19)")

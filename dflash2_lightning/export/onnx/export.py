@@ -31,6 +31,7 @@ import onnx
 import torch
 from torch import Tensor, nn
 
+from dflash2_lightning.errors import check
 from dflash2_lightning.files import atomic_write, atomic_write_text
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.ops import onnx_functions as ops
@@ -43,6 +44,13 @@ GRAPHS = ("context", "draft_step")
 FORMAT_VERSION = 2
 DEFAULT_OPSET = 20
 MIN_OPSET = 18  # the reference bodies use ReduceSum/Unsqueeze with axes inputs and CastLike
+
+
+def max_opset() -> int:
+    """The newest default-domain opset the graphs can be written in: the installed onnx's (torch.onnx exports at
+    its own opset and converts to the one asked for with onnx's converter, which knows no later one; asked for
+    more, it would keep the graphs at its own opset while drafter.json claimed the other)."""
+    return int(onnx.defs.onnx_opset_version())
 MAX_BATCH = 4096
 # One protobuf may not exceed 2 GiB; bigger graphs keep their weights in a side file.
 EXTERNAL_DATA_BYTES = 1_800_000_000
@@ -171,15 +179,15 @@ def export_drafter(draft: DraftModel, embed: nn.Module, head: nn.Module, out: st
         head: the target's ``lm_head`` as a module (``[..., H]`` -> ``[..., V]``).
         out: output directory (created).
         dtype: ``fp32``, ``fp16`` or ``bf16``: the precision of the whole graph.
-        opset: default-domain opset of the graphs (>= 18).
+        opset: default-domain opset of the graphs (:data:`MIN_OPSET` to :func:`max_opset`).
         with_hidden: also output ``hidden [B, bs-1, H]`` from ``draft_step``.
         graphs: which graphs to write (both by default; :class:`OrtDrafter` needs both).
         example_batch, example_context: trace sizes (any values >= 2; the graphs stay dynamic).
     """
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: must be one of {sorted(TORCH_DTYPES)}")
-    if opset < MIN_OPSET:
-        raise ValueError(f"opset={opset} is invalid: must be >= {MIN_OPSET}")
+    check(isinstance(opset, int) and MIN_OPSET <= opset <= max_opset(), "opset", opset,
+          f"from {MIN_OPSET} to {max_opset()} (the opsets the installed onnx converts the graphs to)")
     if not graphs or set(graphs) - set(GRAPHS):
         raise ValueError(f"graphs={graphs!r} is invalid: must be a non-empty subset of {GRAPHS}")
     if example_batch < 2 or example_context < 2:

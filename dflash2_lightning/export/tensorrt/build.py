@@ -22,8 +22,8 @@ from dflash2_lightning.ops.tensorrt_common import TENSORRT_REQUIREMENT, tensorrt
 TENSORRT_INSTALL = (
     "TensorRT's Python packages are on PyPI, but its libraries (tensorrt-cu13-libs) are placeholders there that "
     f"download the real wheels from NVIDIA's package index when installed. With that index reachable, "
-    f"pip install -e '.[tensorrt]' installs {TENSORRT_REQUIREMENT} (torch 2.13's CUDA 13), or:\n"
-    f"    pip install --extra-index-url https://pypi.nvidia.com '{TENSORRT_REQUIREMENT}'\n"
+    f"pip install -e '.[tensorrt]' installs {TENSORRT_REQUIREMENT} (torch 2.13's CUDA 13), or "
+    f"`pip install --extra-index-url https://pypi.nvidia.com '{TENSORRT_REQUIREMENT}'`, "
     "or follow https://docs.nvidia.com/deeplearning/tensorrt/latest/installing-tensorrt/installing.html "
     "(TensorRT 11 needs an NVIDIA driver >= r580).")
 EXIT_OK, EXIT_MISSING, EXIT_BUILD, EXIT_MISMATCH = 0, 2, 3, 4
@@ -33,7 +33,7 @@ CONTEXT_WORDS = ("context", "ctx", "past", "cache", "capacity", "seq", "len", "t
 
 # ----------------------------------------------------------------------------- requirements
 def missing_requirements() -> list[str]:
-    """One message per missing requirement (TensorRT, a CUDA GPU); empty when the build can run."""
+    """One message per missing requirement (TensorRT, a CUDA GPU), each one line; empty when the build can run."""
     missing = []
     if importlib.util.find_spec("tensorrt") is None:
         missing.append(f"TensorRT is not installed (no 'tensorrt' module). {TENSORRT_INSTALL}")

@@ -72,7 +72,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     missing = missing_requirements()
     if missing:
-        print_error("cannot build a TensorRT engine here:\n- " + "\n- ".join(missing))
+        print_error("cannot build a TensorRT engine here: "
+                    + "; ".join(f"({i}) {item.rstrip('.')}" for i, item in enumerate(missing, 1)))
         return EXIT_MISSING
     try:
         batch, context = parse_range(args.batch, "--batch"), parse_range(args.context, "--context")

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from dflash2_lightning.errors import ConfigError, check
 
-__all__ = ["DraftConfig", "ConfigError", "default_target_layer_ids", "check_target_layer_ids", "rope_theta_of"]
+__all__ = ["DraftConfig", "default_target_layer_ids", "check_target_layer_ids", "rope_theta_of"]
 
 ProjectorType = Literal["dflash2", "dflash"]
 

@@ -15,7 +15,7 @@ from speculative_helpers import TARGET_SPEC, tiny_target, trained_draft
 from dflash2_lightning import cli
 from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.decode.speculative import speculative_generate
-from dflash2_lightning.config import ConfigError
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.evaluate.acceptance_record import (RECORD_FORMAT, RECORD_NAME, RecordError,
                                                           check_record_weights, expected, gguf_record_path,
                                                           make_record, read_record, remove_stale_record,

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import Qwen3Config
 
-from dflash2_lightning.config import ConfigError, DraftConfig, default_target_layer_ids, rope_theta_of
+from dflash2_lightning.config import DraftConfig, default_target_layer_ids, rope_theta_of
+from dflash2_lightning.errors import ConfigError
 
 # The tiny fixture geometry: hidden 32, vocab 96, 6 target layers, 4 heads / 2 KV heads, block 4.
 # (overrides, field, value as written in the message, the bound the message must state)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash2_lightning.config import ConfigError
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.data.datamodule import MANIFEST, DraftDataModule
 from dflash2_lightning.data.records import DataError, held_out_by_prompt, prompt_key
 from dflash2_lightning.data.encode import encode_chat, encode_records

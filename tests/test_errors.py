@@ -292,7 +292,7 @@ def test_the_cache_build_lock_refuses_a_second_builder_until_released(tmp_path):
 def test_resume_checks_name_both_sides():
     from dflash2_lightning.export.checkpoint import CheckpointError
     from dflash2_lightning.train.resume_checks import TARGET_KEY, check_resume, resolve_ckpt_path
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
 
     ours = {"spec": {"tiny": {}, "seed": 0}, "geometry": {"hidden_size": 64, "num_layers": 4}, "fingerprint": "aa"}
     draft = {"hidden_size": 64, "dflash_config": {"selector_rank": 16}, "torch_dtype": "float32"}
@@ -309,7 +309,7 @@ def test_resume_checks_name_both_sides():
 
 
 def test_prompts_past_the_context_are_refused_or_cut():
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
     from dflash2_lightning.data.prompts import fit_to_context
 
     prompts = [[1] * 10, [2] * 100, [3] * 5]
@@ -347,7 +347,7 @@ def test_yaml_typos_of_trainer_and_top_level_keys_name_the_file():
 
 
 def test_a_target_with_an_unknown_field_is_refused_on_the_command_line():
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"model.init_args.target.tny is not a field of the target \(on the command "
                                           r"line\); did you mean tiny\?"):

@@ -135,7 +135,7 @@ def test_replay_summary_counts_cycles_and_offsets() -> None:
 
 
 def test_replay_options_are_checked_before_any_work(tmp_path) -> None:
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
     from dflash2_lightning.evaluate.command import run_eval
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, read_prompts
 

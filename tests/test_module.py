@@ -10,7 +10,7 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from dflash2_lightning.export.checkpoint import load_draft
-from dflash2_lightning.config import ConfigError
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine, unwrapped_name
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.load import load_target

@@ -10,7 +10,8 @@ import pytest
 from dflash2_lightning import cli
 from dflash2_lightning.export.llama_cpp import free_port
 from dflash2_lightning.data.regen import regen, regen_main
-from dflash2_lightning.data.regen_server import ServerError, regen_server
+from dflash2_lightning.data.openai_client import ServerError
+from dflash2_lightning.data.regen_server import regen_server
 from llamacpp_helpers import llama_cpp_or_skip
 from serving_fakes import MODELS, Broken
 

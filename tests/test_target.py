@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from dflash2_lightning.config import ConfigError, DraftConfig
+from dflash2_lightning.config import DraftConfig
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.target import Target, tokenizer_fingerprint
 from dflash2_lightning.target.spec import TargetError, TargetSpec
 from dflash2_lightning.target.load import build_target, load_target

@@ -7,7 +7,7 @@ import pytest
 import torch
 from speculative_helpers import tiny_target
 
-from dflash2_lightning.config import ConfigError
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.train.warm_start import init_from_target, init_selector_from_embedding
 

@@ -2,6 +2,5 @@
 the built-in corpus and prompts, and regeneration of the target's own responses (in-process or via a server)."""
 
 from dflash2_lightning.data.datamodule import DraftDataModule
-from dflash2_lightning.data.records import DataError
 
-__all__ = ["DraftDataModule", "DataError"]
+__all__ = ["DraftDataModule"]

@@ -121,7 +121,7 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, fit_to_context, read_prompts
     from dflash2_lightning.target.load import load_target
 
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
 
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")

@@ -66,7 +66,7 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        from dflash2_lightning.config import ConfigError  # a ValueError: the user's setting, a one-line error
+        from dflash2_lightning.errors import ConfigError  # a ValueError: the user's setting, a one-line error
 
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):

@@ -80,8 +80,7 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     from dflash2_lightning.target.load import load_target
     from dflash2_lightning.threads import load_average, timing_warning
 
-    from dflash2_lightning.config import ConfigError
-    from dflash2_lightning.errors import check
+    from dflash2_lightning.errors import ConfigError, check
     from dflash2_lightning.files import check_writable
 
     # Every setting that can be checked alone is checked before the draft, the target or a prompt is loaded.

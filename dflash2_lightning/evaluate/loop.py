@@ -61,7 +61,7 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     the target's (e.g. a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`; the target still verifies
     with its own); the teacher-forced estimates keep the target's head.
     """
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
 
     check_inputs(prompts, max_new_tokens, oracle_top_k, "evaluate", resamples)
     if samples < 1:
@@ -123,7 +123,7 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
 def check_inputs(prompts: Sequence[Sequence[int]], max_new_tokens: int, oracle_top_k: int | None,
                   verb: str, resamples: int = 1) -> None:
     """The checks every evaluation (the loop's, the replay's) makes before any work."""
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
 
     if resamples < 1:  # the intervals come last: a bad value must not cost the whole decoding loop first
         raise ConfigError(f"resamples={resamples} is invalid: must be >= 1 (bootstrap draws of the intervals)")

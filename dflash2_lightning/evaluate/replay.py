@@ -91,7 +91,7 @@ def run_replay(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]],
     along the outputs (see :func:`replay_eval`); returns the raw :class:`ReplayRun`."""
     import time
 
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
 
     check_inputs(prompts, max_new_tokens, oracle_top_k, "replay")
     if batch_size < 1:

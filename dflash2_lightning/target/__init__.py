@@ -1,7 +1,7 @@
 """The frozen target: its spec, loading (HF directory, GGUF, tiny random), features and head, CPU linears."""
 
 from dflash2_lightning.target.load import clear_target_cache, load_target
-from dflash2_lightning.target.spec import TargetError, TargetSpec
+from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.target import Target, TargetOutput
 
-__all__ = ["Target", "TargetOutput", "TargetSpec", "TargetError", "load_target", "clear_target_cache"]
+__all__ = ["Target", "TargetOutput", "TargetSpec", "load_target", "clear_target_cache"]

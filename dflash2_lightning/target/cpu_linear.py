@@ -157,7 +157,7 @@ class CpuLinears:
 
     def __init__(self, setting: CpuLinear = "auto", cache_bytes: int | None = None) -> None:
         if setting not in CPU_LINEAR_CHOICES:
-            from dflash2_lightning.config import ConfigError
+            from dflash2_lightning.errors import ConfigError
 
             raise ConfigError(f"cpu_linear={setting!r} is invalid: must be one of {', '.join(CPU_LINEAR_CHOICES)}")
         self.setting: CpuLinear = setting

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dflash2_lightning.config import ConfigError, DraftConfig, default_target_layer_ids, rope_theta_of
+from dflash2_lightning.config import DraftConfig, default_target_layer_ids, rope_theta_of
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.cpu_linear import CpuLinears, declare_rows, install_cpu_linears
 from dflash2_lightning.target.spec import TargetError, TargetSpec
 

@@ -62,7 +62,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from dflash2_lightning import files
 from dflash2_lightning.train.run_files import AtomicCheckpointIO
-from dflash2_lightning.config import ConfigError
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.data.records import DataError
 from dflash2_lightning.data.datamodule import DraftDataModule
 from dflash2_lightning.reporting import run_command

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from dflash2_lightning.config import ConfigError, DraftConfig
-from dflash2_lightning.errors import UserError, check
+from dflash2_lightning.config import DraftConfig
+from dflash2_lightning.errors import ConfigError, UserError, check
 from dflash2_lightning.evaluate.acceptance_record import record_prompts, remove_stale_record
 from dflash2_lightning.export.checkpoint import load_config, save_draft
 from dflash2_lightning.export.engines import TargetInfo, choose_export_dtype

@@ -189,7 +189,7 @@ def draft_settings_named(options: DraftOptions) -> Iterator[None]:
     """Within the block, a :class:`~dflash2_lightning.config.ConfigError` of the draft's geometry about a setting of
     ``options`` names it as a config writes it (``--model.init_args.draft.mask_token_id=151669 is invalid ...``)
     and says what to do (an out-of-vocabulary mask token: the recipe's id belongs to another tokenizer)."""
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
 
     try:
         yield
@@ -215,7 +215,7 @@ def as_options(value: Any, cls: type) -> Any:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            from dflash2_lightning.config import ConfigError
+            from dflash2_lightning.errors import ConfigError
 
             raise ConfigError(f"{unknown} {'is' if len(unknown) == 1 else 'are'} not a setting of {cls.__name__} "
                               f"(its settings: {', '.join(sorted(known))})")

@@ -101,7 +101,7 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dirs: list[str | os.Path
     ``registry`` give None. ``best`` and a path that is not a file are refused here, in one line, before
     anything is set up.
     """
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
 
     if ckpt_path is None or ckpt_path in ("hpc", "registry") or str(ckpt_path).startswith("registry:"):
         return None

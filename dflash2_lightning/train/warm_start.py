@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash2_lightning.config import ConfigError
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.model.selector import CandidateSelector
 

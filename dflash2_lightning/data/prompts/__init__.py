@@ -54,7 +54,7 @@ def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[list
     Trailing assistant turns are dropped: what remains is what the target answers. A plain ``text``
     record becomes a single user turn. ``limit`` keeps the first ``limit`` prompts.
     """
-    from dflash2_lightning.config import ConfigError
+    from dflash2_lightning.errors import ConfigError
     from dflash2_lightning.data.records import DataError, parse_record, read_jsonl
 
     if limit is not None and limit < 1:
@@ -100,8 +100,7 @@ def fit_to_context(prompts: list[list[int]], context: int | None, max_new_tokens
     ``budget``: the option that set ``max_new_tokens``, as the messages name it: ``--max-new-tokens`` (commands
     that also take ``--prompt-overflow``), or ``--model.init_args.export.acceptance_tokens`` (fit's record).
     """
-    from dflash2_lightning.config import ConfigError
-    from dflash2_lightning.errors import check
+    from dflash2_lightning.errors import ConfigError, check
 
     check(overflow in PROMPT_OVERFLOW_CHOICES, "prompt_overflow", overflow, "'refuse' or 'truncate'")
     if context is None:

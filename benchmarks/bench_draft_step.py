@@ -43,7 +43,7 @@ from torch import nn
 import transformers
 from transformers import DynamicCache
 
-from dflash2_lightning.export.checkpoint import save_draft
+from dflash2_lightning.model.checkpoint import save_draft
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
 from record import load_average, loaded_label, machine, write_json

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.export.checkpoint import load_config
+from dflash2_lightning.model.checkpoint import load_config
 from dflash2_lightning.evaluate.llama_cpp import evaluate_llama_cpp
 from record import load_average, loaded_label, machine, write_json
 

@@ -65,7 +65,7 @@ from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_pro
 from dflash2_lightning.decode.draft_vocab import draft_vocab_head, find_draft_vocab
 from dflash2_lightning.decode.drafter import TorchDrafter, low_precision_head
 from dflash2_lightning.decode.speculative import AcceptanceStats, speculative_generate, target_greedy
-from dflash2_lightning.export.checkpoint import load_draft
+from dflash2_lightning.model.checkpoint import load_draft
 from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
 from dflash2_lightning.target.cpu_linear import CPU_LINEAR_CHOICES
 from dflash2_lightning.target.load import load_target

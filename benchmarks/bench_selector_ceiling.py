@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON results file, merged by draft (default benchmarks/results/selector_ceiling.json)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dflash2_lightning.export.checkpoint import load_draft
+    from dflash2_lightning.model.checkpoint import load_draft
     from dflash2_lightning.evaluate.replay import greedy_outputs, replay_lengths, replay_summary
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target.arguments import target_spec_from_arg

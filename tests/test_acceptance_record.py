@@ -21,7 +21,7 @@ from dflash2_lightning.evaluate.acceptance_record import (RECORD_FORMAT, RECORD_
                                                           make_record, read_record, remove_stale_record,
                                                           stale_weights, weights_digest, write_record)
 from dflash2_lightning.evaluate.replay import replay_summary
-from dflash2_lightning.export.checkpoint import save_draft
+from dflash2_lightning.model.checkpoint import save_draft
 
 TOKENS = 12
 
@@ -203,7 +203,7 @@ def test_the_gguf_export_puts_the_record_beside_the_gguf(draft_dir, record, tmp_
 
 
 def test_serving_md_describes_the_record_and_the_check(draft_dir, tmp_path):
-    from dflash2_lightning.export.checkpoint import load_config
+    from dflash2_lightning.model.checkpoint import load_config
     from dflash2_lightning.export.serving import write_serving
 
     path, _ = write_serving(draft_dir, load_config(draft_dir), out=tmp_path / "SERVING.md")

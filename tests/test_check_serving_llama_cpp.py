@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 def pair(trained_smollm2_draft, tmp_path_factory) -> dict:
     """The draft with its record, the target's f32 GGUF, the draft's GGUF and the GGUFs of the broken cases."""
     from dflash2_lightning.evaluate.acceptance_record import make_record, write_record
-    from dflash2_lightning.export.checkpoint import save_draft
+    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.export.gguf import export_gguf
     from dflash2_lightning.export.llama_cpp import target_gguf
     from dflash2_lightning.model import DraftModel

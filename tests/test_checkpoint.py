@@ -11,8 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash2_lightning import files
-from dflash2_lightning.export import checkpoint
-from dflash2_lightning.export.checkpoint import CheckpointError, load_config, load_draft, save_draft
+from dflash2_lightning.model import checkpoint
+from dflash2_lightning.model.checkpoint import CheckpointError, load_config, load_draft, save_draft
 from dflash2_lightning.model import DraftModel
 
 

@@ -290,7 +290,7 @@ def test_the_cache_build_lock_refuses_a_second_builder_until_released(tmp_path):
 
 
 def test_resume_checks_name_both_sides():
-    from dflash2_lightning.export.checkpoint import CheckpointError
+    from dflash2_lightning.model.checkpoint import CheckpointError
     from dflash2_lightning.train.resume_checks import TARGET_KEY, check_resume, resolve_ckpt_path
     from dflash2_lightning.errors import ConfigError
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from speculative_helpers import BLOCK_SIZE, NEW_TOKENS, TARGET_SPEC, continuations, prompts, tiny_target, trained_draft
 
-from dflash2_lightning.export.checkpoint import save_draft
+from dflash2_lightning.model.checkpoint import save_draft
 from dflash2_lightning.evaluate.teacher_forced import EstimateStats, teacher_forced
 from dflash2_lightning.evaluate.loop import evaluate_draft
 from dflash2_lightning.evaluate.command import eval_main

@@ -17,8 +17,8 @@ import pytest
 from test_cli import small_config
 
 from dflash2_lightning import cli, files
-from dflash2_lightning.export import checkpoint
-from dflash2_lightning.export.checkpoint import load_draft, save_draft
+from dflash2_lightning.model import checkpoint
+from dflash2_lightning.model.checkpoint import load_draft, save_draft
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.export.onnx.export import export_drafter, random_embedding_and_head
 

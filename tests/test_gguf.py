@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash2_lightning.export.checkpoint import expected_tensors, save_draft
+from dflash2_lightning.model.checkpoint import expected_tensors, save_draft
 from dflash2_lightning import cli
 from dflash2_lightning.export.gguf import (GGUFExportError, export_gguf, export_gguf_main, gguf_tensor_name)
 from dflash2_lightning.model import DraftModel

@@ -454,7 +454,7 @@ def run_fit(config: Path, *extra: str, crash_at: int | None = None) -> subproces
 
 def export_check(directory: Path, state: dict[str, Any]) -> dict[str, Any]:
     """The run's HF export (``<run>/hf``), read back by the strict loader: the last checkpoint's weights."""
-    from dflash2_lightning.export.checkpoint import load_draft
+    from dflash2_lightning.model.checkpoint import load_draft
 
     found = list(directory.glob("runs/*/*/hf"))
     if len(found) != 1:

@@ -35,7 +35,7 @@ import torch
 import yaml
 
 from dflash2_lightning.data.workers import fork_deadlock_risk
-from dflash2_lightning.export.checkpoint import load_draft
+from dflash2_lightning.model.checkpoint import load_draft
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "configs").glob("qwen3_8b_*.yaml"))

@@ -67,7 +67,7 @@ def test_an_sdist_with_the_wrong_checksum_is_refused_and_removed(tmp_path):
 @pytest.mark.slow
 def test_speculative_simple_loads_the_exported_draft_and_drafts(tmp_path):
     """llama.cpp's own speculative example loads our GGUF next to the f32 target and drafts with it."""
-    from dflash2_lightning.export.checkpoint import save_draft
+    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.export.gguf import export_gguf
     from dflash2_lightning.model import DraftModel
     from llamacpp_helpers import smollm2_draft_config

@@ -64,7 +64,7 @@ def test_shipped_quantised_target_runs(trained_smollm2_draft, tmp_path):
 @pytest.mark.parametrize("n_max", [0, 4])
 def test_draft_n_max_outside_the_block_is_a_clear_error(tiny_draft_config, randomized_draft, tmp_path, n_max):
     """Before anything is built or served: the bad value, the field and the bound from the draft's block."""
-    from dflash2_lightning.export.checkpoint import save_draft
+    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.evaluate.llama_cpp import evaluate_llama_cpp
 
     draft = save_draft(randomized_draft(tiny_draft_config()), tmp_path / "hf")  # block_size 4
@@ -74,7 +74,7 @@ def test_draft_n_max_outside_the_block_is_a_clear_error(tiny_draft_config, rando
 
 @pytest.mark.parametrize("p_min", [-0.1, 1.0])
 def test_draft_p_min_outside_0_1_is_a_clear_error(tiny_draft_config, randomized_draft, tmp_path, p_min):
-    from dflash2_lightning.export.checkpoint import save_draft
+    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.evaluate.llama_cpp import evaluate_llama_cpp
 
     draft = save_draft(randomized_draft(tiny_draft_config()), tmp_path / "hf")

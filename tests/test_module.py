@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
-from dflash2_lightning.export.checkpoint import load_draft
+from dflash2_lightning.model.checkpoint import load_draft
 from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine, unwrapped_name
 from dflash2_lightning.target.spec import TargetSpec

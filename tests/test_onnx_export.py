@@ -16,7 +16,7 @@ import torch
 from conftest import TINY_DRAFT, randomize_draft_
 from onnx import TensorProto, helper
 
-from dflash2_lightning.export.checkpoint import save_draft
+from dflash2_lightning.model.checkpoint import save_draft
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.export.onnx import command as cli

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash2_lightning.export.checkpoint import save_draft
+from dflash2_lightning.model.checkpoint import save_draft
 
 zlab = pytest.importorskip("dflash.model", reason="z-lab reference not installed (pip install --no-deps dflash==0.1.0)")
 

@@ -23,7 +23,7 @@ from dflash2_lightning.data import regen as regen_module
 from dflash2_lightning import cli as cli_module
 from dflash2_lightning.train import lightning_cli
 from dflash2_lightning import threads
-from dflash2_lightning.export.checkpoint import load_draft
+from dflash2_lightning.model.checkpoint import load_draft
 from dflash2_lightning.quickstart.run import quickstart_main
 from dflash2_lightning.quickstart.config import QuickstartError, find_config, fit_config, parse_override, uses_bf16
 

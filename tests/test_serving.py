@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2_lightning import cli
-from dflash2_lightning.export.checkpoint import CheckpointError, load_draft, save_draft, verify_checkpoint
+from dflash2_lightning.model.checkpoint import CheckpointError, load_draft, save_draft, verify_checkpoint
 from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.export.serving import SERVING_NAME

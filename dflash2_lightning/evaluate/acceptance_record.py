@@ -54,7 +54,7 @@ def served_path(is_dflash2: bool) -> str:
 
 def weights_digest(draft_dir: str | os.PathLike) -> str:
     """sha256 of the draft's ``model.safetensors`` (which weights the record describes)."""
-    from dflash2_lightning.export.checkpoint import WEIGHTS_NAME
+    from dflash2_lightning.model.checkpoint import WEIGHTS_NAME
 
     h = hashlib.sha256()
     with open(Path(draft_dir) / WEIGHTS_NAME, "rb") as f:
@@ -90,7 +90,7 @@ def record_from_replay(run: Any, draft_dir: str | os.PathLike, target: Any, sour
     ``seed`` are the bootstrap's (default :data:`~dflash2_lightning.evaluate.intervals.RESAMPLES`, 0).
     """
     from dflash2_lightning.evaluate.intervals import LEVEL, RESAMPLES
-    from dflash2_lightning.export.checkpoint import load_config
+    from dflash2_lightning.model.checkpoint import load_config
 
     cfg = load_config(draft_dir)
     path = served_path(cfg.is_dflash2)
@@ -168,7 +168,7 @@ def make_record(draft_dir: str | os.PathLike, target: Any, prompts_file: str | o
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, read_prompts
     from dflash2_lightning.errors import check
     from dflash2_lightning.evaluate.replay import run_replay
-    from dflash2_lightning.export.checkpoint import load_draft
+    from dflash2_lightning.model.checkpoint import load_draft
     from dflash2_lightning.target.load import load_target
 
     check(num_prompts >= 1, "num_prompts", num_prompts, ">= 1")
@@ -237,7 +237,7 @@ def read_record(where: str | os.PathLike) -> dict[str, Any]:
 def stale_weights(record: dict[str, Any], draft_dir: str | os.PathLike) -> str | None:
     """Why ``record`` does not describe the weights in ``draft_dir`` (its ``weights_sha256`` is another
     ``model.safetensors``'s), or None when it does, or when the directory holds no weights to compare with."""
-    from dflash2_lightning.export.checkpoint import WEIGHTS_NAME
+    from dflash2_lightning.model.checkpoint import WEIGHTS_NAME
 
     weights = Path(draft_dir) / WEIGHTS_NAME
     if not weights.is_file():

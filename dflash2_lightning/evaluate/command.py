@@ -73,7 +73,7 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     these threads exceed the cores, a note says the timings cannot be trusted
     (:func:`~dflash2_lightning.threads.timing_warning`).
     """
-    from dflash2_lightning.export.checkpoint import load_draft
+    from dflash2_lightning.model.checkpoint import load_draft
     from dflash2_lightning.files import atomic_write_text
     from dflash2_lightning.decode.draft_vocab import draft_vocab_head, find_draft_vocab
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, fit_to_context, read_prompts

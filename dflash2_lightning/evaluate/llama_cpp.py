@@ -109,7 +109,7 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
     (DFlash) probability is below it, ``0 <= draft_p_min < 1`` (0: always the whole ``draft_n_max``).
     The machine's load average is recorded beside the timings.
     """
-    from dflash2_lightning.export.checkpoint import load_config
+    from dflash2_lightning.model.checkpoint import load_config
     from dflash2_lightning.export.gguf import export_gguf
     from dflash2_lightning.export.llama_cpp import VERSION, require_llama_cpp
     from dflash2_lightning.export.llama_cpp import target_gguf as convert_target

@@ -169,7 +169,7 @@ def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, ou
     import gguf
     from safetensors.torch import load_file
 
-    from dflash2_lightning.export.checkpoint import WEIGHTS_NAME, check_tensors, load_config
+    from dflash2_lightning.model.checkpoint import WEIGHTS_NAME, check_tensors, load_config
     from dflash2_lightning.files import atomic_write
 
     if outtype not in OUTTYPES:

@@ -20,7 +20,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash2_lightning.export.checkpoint import CONFIG_NAME, CheckpointError, read_config_json, verify_checkpoint
+from dflash2_lightning.model.checkpoint import CONFIG_NAME, CheckpointError, read_config_json, verify_checkpoint
 from dflash2_lightning.files import atomic_write_text
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.export.engines import (LLAMA_CPP, SERVED_DTYPES, SGLANG, VLLM, Finding, TargetInfo,

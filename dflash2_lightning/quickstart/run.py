@@ -490,7 +490,7 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     """Run the five steps (skipping finished ones); returns the summary dict (also in ``OUT/summary.json``)."""
     import yaml
 
-    from dflash2_lightning.export.checkpoint import load_draft
+    from dflash2_lightning.model.checkpoint import load_draft
     from dflash2_lightning.files import atomic_write_text
     from dflash2_lightning.decode.draft_vocab import make_draft_vocab
     from dflash2_lightning.target.arguments import target_spec_from_arg

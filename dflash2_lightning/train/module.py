@@ -47,7 +47,7 @@ from torch import Tensor
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.errors import ConfigError, UserError, check
 from dflash2_lightning.evaluate.acceptance_record import record_prompts, remove_stale_record
-from dflash2_lightning.export.checkpoint import load_config, save_draft
+from dflash2_lightning.model.checkpoint import load_config, save_draft
 from dflash2_lightning.export.engines import TargetInfo, choose_export_dtype
 from dflash2_lightning.export.serving import write_serving
 from dflash2_lightning.model import DraftModel

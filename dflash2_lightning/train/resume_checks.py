@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.export.checkpoint import CheckpointError
+from dflash2_lightning.model.checkpoint import CheckpointError
 
 #: the checkpoint key of the target record
 TARGET_KEY = "dflash2_target"

@@ -42,7 +42,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from dflash2_lightning.export.checkpoint import CheckpointError
+from dflash2_lightning.model.checkpoint import CheckpointError
 from dflash2_lightning.files import append_durably, atomic_write, atomic_write_text
 
 

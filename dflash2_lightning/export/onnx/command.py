@@ -16,7 +16,7 @@ import time
 
 from torch import nn
 
-from dflash2_lightning.export.checkpoint import load_draft
+from dflash2_lightning.model.checkpoint import load_draft
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES
 from dflash2_lightning.errors import bounded

@@ -1,4 +1,5 @@
-"""HF checkpoint export/import: ``config.json`` + ``model.safetensors``, served as-is by vLLM and SGLang.
+"""The draft's own on-disk format: the HF checkpoint, ``config.json`` + ``model.safetensors``, served as-is by
+vLLM and SGLang.
 
 The tensor names are the 21-pattern contract (6 global + 15 per layer for DFlash2; the baseline
 drops the conv and selector tensors). Loading validates names and shapes and says exactly what is

@@ -81,7 +81,7 @@ def run_mix(schedule: str, dtype: str, target: str, prompts: int, new: int, samp
     from dflash2_lightning.target.generate import generate, generate_stream
     from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target.arguments import target_spec_from_arg
-    from dflash2_lightning.decode.sampling import Sampling
+    from dflash2_lightning.model.sampling import Sampling
     from dflash2_lightning.target.load import load_target
 
     tgt = load_target(target_spec_from_arg(target, dtype))

@@ -11,7 +11,7 @@ import torch
 from speculative_helpers import tiny_target
 
 from dflash2_lightning.target.generate import generate
-from dflash2_lightning.decode.sampling import Sampling, probabilities
+from dflash2_lightning.model.sampling import Sampling, probabilities
 from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.data.regen import regen
 from dflash2_lightning.decode.speculative import target_greedy

@@ -143,7 +143,7 @@ def _sampled_output(target_logits, draft_logits, cand=None, scores=None):
 
 def test_draft_metrics_log_the_expected_acceptance_at_a_temperature():
     from dflash2_lightning.train.metrics import sampled_alpha
-    from dflash2_lightning.decode.sampling import Sampling, probabilities
+    from dflash2_lightning.model.sampling import Sampling, probabilities
 
     gen = torch.Generator().manual_seed(0)
     target = torch.randn(1, 1, 3, 7, generator=gen, dtype=torch.float64)

@@ -39,11 +39,11 @@ import pytest
 import torch
 from conftest import randomize_draft_
 
-import dflash2_lightning.decode.sampling as sampling_mod
+import dflash2_lightning.model.sampling as sampling_mod
 import dflash2_lightning.decode.speculative as spec
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.decode.sampling import (Sampling, draw_rows, probabilities, sample_backbone, sample_selector_walk,
+from dflash2_lightning.model.sampling import (Sampling, draw_rows, probabilities, sample_backbone, sample_selector_walk,
                                         verify)
 from dflash2_lightning.decode.drafter import TorchDrafter
 from dflash2_lightning.decode.speculative import speculative_generate, target_sample
@@ -391,7 +391,7 @@ def test_a_greedy_only_drafter_refuses_to_sample() -> None:
 class Enumerator:
     """Runs a function once per outcome of its random choices, with each outcome's exact probability.
 
-    Installed in place of :func:`~dflash2_lightning.decode.sampling.draw` (every random choice of the loop goes
+    Installed in place of :func:`~dflash2_lightning.model.sampling.draw` (every random choice of the loop goes
     through it): each row of ``probs`` is one choice point. A depth-first search replays a script of
     choices and branches at every new point over the options of nonzero probability. Options below
     ``floor`` are not followed; :meth:`law` reports the mass they carry (``missing``).

@@ -1,5 +1,5 @@
 """Training data: records and chat templates, the DataModule, the offline feature cache, the training order,
-the built-in corpus and prompts, and regeneration of the target's own responses (in-process or via a server)."""
+the prompts, and regeneration of the target's own responses (in-process or via a server)."""
 
 from dflash2_lightning.data.datamodule import DraftDataModule
 

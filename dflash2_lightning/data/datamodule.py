@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from dflash2_lightning.data.corpus import builtin_corpus, builtin_fingerprint
+from dflash2_lightning.target.corpus import builtin_corpus, builtin_fingerprint
 from dflash2_lightning.data.cache_build import FeatureSpec, build_feature_cache
 from dflash2_lightning.data.feature_cache import CACHE_FORMAT, MANIFEST, cache_bytes, read_manifest, verify_cache
 from dflash2_lightning.data.order import ResumableLoader, ResumableOrder
@@ -89,7 +89,7 @@ class DraftDataModule(pl.LightningDataModule):
 
     Args:
         target: the frozen target (its tokenizer renders and tokenises; offline, it computes features).
-        train_files: jsonl files; ``None`` uses the built-in corpus (:mod:`dflash2_lightning.data.corpus`).
+        train_files: jsonl files; ``None`` uses the built-in corpus (:mod:`dflash2_lightning.target.corpus`).
         val_files: jsonl files; ``None`` holds out ``val_fraction`` of the training records, whole prompts
             at a time (every response to a held-out prompt; a fixed permutation, so the split is the same
             every run): validation then measures prompts the draft has not trained on.

@@ -51,12 +51,12 @@ def generate_responses(target: Any, prompts: list[list[int]], max_new_tokens: in
                        seeds: list[int | None] | None = None, slots: int = 64) -> Iterator[tuple[int, list[int]]]:
     """``(index into prompts, response token ids)`` as each response ends, ``slots`` generated together.
 
-    Greedy unless ``sampling`` (a :class:`~dflash2_lightning.decode.sampling.Sampling`) samples; then ``seeds``
+    Greedy unless ``sampling`` (a :class:`~dflash2_lightning.model.sampling.Sampling`) samples; then ``seeds``
     gives each prompt its own generator, and a ``None`` seed keeps that prompt greedy. See
     :func:`dflash2_lightning.target.generate.generate_stream` (continuous batching).
     """
     from dflash2_lightning.target.generate import generate_stream
-    from dflash2_lightning.decode.sampling import Sampling
+    from dflash2_lightning.model.sampling import Sampling
 
     eos = list(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
@@ -117,7 +117,7 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     from tqdm.auto import tqdm
 
     from dflash2_lightning.files import atomic_write_text
-    from dflash2_lightning.decode.sampling import Sampling
+    from dflash2_lightning.model.sampling import Sampling
     from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, fit_to_context, read_prompts
     from dflash2_lightning.target.load import load_target
 
@@ -234,7 +234,7 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
     check_writable(args.out)  # before the target is loaded: an output that cannot be written fails at once
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dflash2_lightning.decode.sampling import Sampling
+    from dflash2_lightning.model.sampling import Sampling
 
     if args.server:
         from dflash2_lightning.data.regen_server import regen_server

@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from dflash2_lightning.decode.sampling import Proposal, Sampling, sample_backbone, sample_selector_walk
+from dflash2_lightning.model.sampling import Proposal, Sampling, sample_backbone, sample_selector_walk
 from dflash2_lightning.model.backbone import ContextKV
 from dflash2_lightning.model.cache import DraftCache
 from dflash2_lightning.model.draft import DraftModel
@@ -107,7 +107,7 @@ class TorchDrafter:
     @torch.inference_mode()
     def sample_block(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head, start: int,
                      sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
-        """A sampled block and the distributions it was drawn from (see :mod:`dflash2_lightning.decode.sampling`)."""
+        """A sampled block and the distributions it was drawn from (see :mod:`dflash2_lightning.model.sampling`)."""
         hidden, target_head = self._block_hidden(anchor, context, embed, head, start)
         logits = target_head(hidden.contiguous())
         if self.path == "selector":

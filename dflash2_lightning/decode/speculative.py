@@ -22,7 +22,7 @@ distributions it drew from (``drafter.sample_block(...) -> Proposal``), the targ
 distributions at the block's positions accept or reject each draft by the speculative-sampling rule,
 and the emitted token after the accepted run comes from the residual (or, after a full block, from the
 target). The output is then distributed exactly as the target's own samples; the math lives in
-:mod:`dflash2_lightning.decode.sampling`. ``temperature == 0`` takes the greedy path below, unchanged.
+:mod:`dflash2_lightning.model.sampling`. ``temperature == 0`` takes the greedy path below, unchanged.
 
 A drafter may also offer ``new_cache(batch, capacity)``: an empty preallocated cache (a
 :class:`~dflash2_lightning.model.DraftCache` for the torch draft) that the loop sizes once for the whole
@@ -58,7 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash2_lightning.decode.drafter import DraftPath, Drafter, Head, as_drafter
-from dflash2_lightning.decode.sampling import Sampling, draw, probabilities, verify
+from dflash2_lightning.model.sampling import Sampling, draw, probabilities, verify
 from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.target.cpu_linear import declare_rows
 from dflash2_lightning.target.hf_cache import with_cache
@@ -316,7 +316,7 @@ def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Te
 
     ``temperature == 0`` (default) is greedy: the tokens equal :func:`target_greedy`'s. ``temperature > 0``
     samples (with ``top_p``/``top_k``): the draft samples its proposal and the target accepts it by
-    rejection sampling (:mod:`dflash2_lightning.decode.sampling`), so the output is distributed exactly as
+    rejection sampling (:mod:`dflash2_lightning.model.sampling`), so the output is distributed exactly as
     :func:`target_sample`'s. Randomness comes from ``generator``, else a fresh one seeded with ``seed``,
     else torch's global generator. Sampling needs a drafter with ``sample_block`` (the torch draft).
     """

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from dflash2_lightning.decode.drafter import DraftPath
-from dflash2_lightning.decode.sampling import Sampling
+from dflash2_lightning.model.sampling import Sampling
 from dflash2_lightning.decode.speculative import target_features, target_handles
 from dflash2_lightning.model.draft import DraftModel
 

@@ -143,7 +143,7 @@ class QuickstartOptions:
             raise QuickstartError(f"sample_temperature={self.sample_temperature} is invalid: must be > 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise QuickstartError(f"max_steps={self.max_steps} is invalid: must be >= 1")
-        from dflash2_lightning.decode.sampling import Sampling
+        from dflash2_lightning.model.sampling import Sampling
 
         if not self.eval_temperatures or len(set(self.eval_temperatures)) != len(self.eval_temperatures):
             raise QuickstartError(f"eval_temperatures={self.eval_temperatures} is invalid: need at least one, "
@@ -224,7 +224,7 @@ def step_responses(rep: Reporter, opts: QuickstartOptions, out: Path, target: An
     from dflash2_lightning.data.prompts import SEED_PROMPTS
     from dflash2_lightning.data.regen import regen
 
-    from dflash2_lightning.decode.sampling import Sampling
+    from dflash2_lightning.model.sampling import Sampling
     from dflash2_lightning.target.load import load_target
 
     path = out / "data" / "responses.jsonl"

@@ -6,8 +6,8 @@ Continuous batching over a static K/V cache of ``slots`` rows, each row one resp
               cache rows' slots 0..P (cache [slots, kv, longest prompt + new, d]), each row's own pointer
               and rotary position set from its mask
     decode    per step: logits [slots, V] -> greedy argmax, or temperature / top-k / top-p
-              (the speculative loop's processing, :func:`~dflash2_lightning.decode.sampling.probabilities`),
-              one draw per row from that row's own generator (:func:`~dflash2_lightning.decode.sampling.draw_rows`;
+              (the speculative loop's processing, :func:`~dflash2_lightning.model.sampling.probabilities`),
+              one draw per row from that row's own generator (:func:`~dflash2_lightning.model.sampling.draw_rows`;
               a row without one is greedy) -> next tokens [slots]
               -> one forward of [slots, 1]: each row's K/V written at its own pointer, attention over its
                  filled slots; a row that emitted an eos (or hit max_new_tokens) yields its response
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash2_lightning.decode.sampling import Sampling, draw_rows
+from dflash2_lightning.model.sampling import Sampling, draw_rows
 from dflash2_lightning.target.hf_cache import with_cache
 
 

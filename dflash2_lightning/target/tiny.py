@@ -42,7 +42,7 @@ def tiny_tokenizer(vocab_size: int = 512) -> Any:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast
 
-        from dflash2_lightning.data.corpus import builtin_texts
+        from dflash2_lightning.target.corpus import builtin_texts
 
         floor = len(TINY_SPECIAL_TOKENS) + 256
         if vocab_size < floor:

@@ -30,7 +30,7 @@ Under sampling (:class:`SampledAcceptance`, logged as ``val/t<T>/...`` when the 
 ``val_temperature``), a slot is not right or wrong: the speculative-sampling rule accepts the draft
 at offset ``k`` with probability ``alpha_k = sum_v min(p_k(v), q_k(v))``, where ``p_k`` is the target's
 and ``q_k`` the draft's distribution at that slot, both processed by the same sampling settings
-(:func:`dflash2_lightning.decode.sampling.probabilities`). ``q_k`` is the backbone's processed softmax, or
+(:func:`dflash2_lightning.model.sampling.probabilities`). ``q_k`` is the backbone's processed softmax, or
 for the selector the processed softmax of its scores over the top-k after the teacher-forced
 predecessor. The estimate is ``accept_k = E[prod_{j <= k} alpha_j]`` over blocks and
 ``tau = 1 + sum_k accept_k``. It can differ from the τ measured by sampled speculative decoding at
@@ -126,7 +126,7 @@ def sampled_alpha(out: ObjectiveOutput, sampling: Any) -> dict[str, Tensor] | No
     """Per-slot acceptance probabilities ``{path: [B, N, L]}`` under ``sampling``, or None when the
     target's distribution is not at hand (neither its logits nor a cached top-k)."""
     from dflash2_lightning.train.objective import gather_positions
-    from dflash2_lightning.decode.sampling import probabilities
+    from dflash2_lightning.model.sampling import probabilities
 
     teacher, sources = out.teacher, out.blocks.sources
     if out.logits is None:
@@ -187,7 +187,7 @@ class DraftMetrics(nn.Module):
         self.backbone = BlockAcceptance(block_size)
         self.selector = BlockAcceptance(block_size) if selector else None
         self.agreement = SelectorAgreement() if selector else None
-        # The expected acceptance under sampling (a dflash2_lightning.decode.sampling.Sampling), per path.
+        # The expected acceptance under sampling (a dflash2_lightning.model.sampling.Sampling), per path.
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
         self.sampled = nn.ModuleDict({x: SampledAcceptance(block_size) for x in
                                       (["backbone", "selector"] if selector else ["backbone"])}) \

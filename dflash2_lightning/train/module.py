@@ -187,7 +187,7 @@ class DFlash2Module(pl.LightningModule):
                                         selector_loss_alpha=objective.selector_loss_alpha,
                                         gold_outside_topk=objective.gold_outside_topk,
                                         num_anchors=objective.num_anchors, labels=objective.labels)
-        from dflash2_lightning.decode.sampling import Sampling
+        from dflash2_lightning.model.sampling import Sampling
 
         try:
             val_sampling = Sampling(validation.temperature or 0.0, validation.top_p, validation.top_k)

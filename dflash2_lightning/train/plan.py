@@ -318,7 +318,7 @@ def count_samples(data: Any) -> int | None:
 
     train = _get(data, "train_files")
     if train is None:
-        from dflash2_lightning.data.corpus import builtin_corpus
+        from dflash2_lightning.target.corpus import builtin_corpus
 
         n: int | None = len(builtin_corpus())
         n = min(n, cap) if cap else n

@@ -1,6 +1,7 @@
 """A small built-in corpus: deterministic, built locally, no network.
 
-It trains the tiny target's tokenizer and is the default training data for the tiny config and CI.
+It trains the tiny target's tokenizer (so it lives with the target: the tiny target is built from it) and is the
+default training data for the tiny config and CI.
 Three kinds of samples, in the same record shapes as the jsonl files :mod:`dflash2_lightning.data.datamodule` reads:
 
 - ``{"text": ...}`` paragraphs of documentation of a fixed list of standard-library objects

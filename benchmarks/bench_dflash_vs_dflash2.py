@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.evaluate.intervals import paired_ratio_interval
+from dflash2_lightning.intervals import paired_ratio_interval
 from record import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dflash2_lightning.evaluate.intervals import paired_ratio_interval, paired_tau_ratio_interval
+from dflash2_lightning.intervals import paired_ratio_interval, paired_tau_ratio_interval
 from record import load_average, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selector_ceiling.json"
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from dflash2_lightning.model.checkpoint import load_draft
-    from dflash2_lightning.evaluate.replay import greedy_outputs, replay_lengths, replay_summary
+    from dflash2_lightning.evaluate.replay import greedy_outputs, replay_lengths
+    from dflash2_lightning.intervals import replay_summary
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target.arguments import target_spec_from_arg
     from dflash2_lightning.decode.speculative import target_greedy

@@ -20,7 +20,7 @@ from dflash2_lightning.evaluate.acceptance_record import (RECORD_FORMAT, RECORD_
                                                           check_record_weights, expected, gguf_record_path,
                                                           make_record, read_record, remove_stale_record,
                                                           stale_weights, weights_digest, write_record)
-from dflash2_lightning.evaluate.replay import replay_summary
+from dflash2_lightning.intervals import replay_summary
 from dflash2_lightning.model.checkpoint import save_draft
 
 TOKENS = 12

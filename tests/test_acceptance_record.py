@@ -16,10 +16,11 @@ from dflash2_lightning import cli
 from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.decode.speculative import speculative_generate
 from dflash2_lightning.errors import ConfigError
-from dflash2_lightning.evaluate.acceptance_record import (RECORD_FORMAT, RECORD_NAME, RecordError,
-                                                          check_record_weights, expected, gguf_record_path,
-                                                          make_record, read_record, remove_stale_record,
-                                                          stale_weights, weights_digest, write_record)
+from dflash2_lightning.engines.acceptance_record import (RECORD_FORMAT, RECORD_NAME, RecordError,
+                                                         check_record_weights, expected, gguf_record_path,
+                                                         read_record, remove_stale_record, stale_weights,
+                                                         weights_digest, write_record)
+from dflash2_lightning.evaluate.record import make_record
 from dflash2_lightning.intervals import replay_summary
 from dflash2_lightning.model.checkpoint import save_draft
 
@@ -184,7 +185,7 @@ def test_eval_with_a_replay_writes_it_into_the_draft(draft_dir, tmp_path):
 
 def test_the_gguf_export_puts_the_record_beside_the_gguf(draft_dir, record, tmp_path):
     pytest.importorskip("gguf")
-    from dflash2_lightning.export.gguf import export_gguf
+    from dflash2_lightning.engines.draft_gguf import export_gguf
 
     draft = tmp_path / "draft"
     draft.mkdir()

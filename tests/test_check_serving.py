@@ -15,9 +15,9 @@ import re
 import pytest
 
 from dflash2_lightning import cli
-from dflash2_lightning.evaluate.acceptance_record import RECORD_FORMAT, expected, write_record
-from dflash2_lightning.evaluate.check_serving import check_serving, compare_output, likely_causes
-from dflash2_lightning.evaluate.engine_counters import (LLAMA_CPP, SGLANG, VLLM, Counts, EngineError,
+from dflash2_lightning.engines.acceptance_record import RECORD_FORMAT, expected, write_record
+from dflash2_lightning.engines.check_serving import check_serving, compare_output, likely_causes
+from dflash2_lightning.engines.counters import (LLAMA_CPP, SGLANG, VLLM, Counts, EngineError,
                                                         Served as ServedOutput,
                                                         metrics_counts, parse_prometheus, read_completion, total)
 from serving_fakes import (MODELS, Broken, FakeEngine, Served, behaviour_of, llama_cpp_completion, llama_cpp_metrics,

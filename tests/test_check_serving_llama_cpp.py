@@ -31,10 +31,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def pair(trained_smollm2_draft, tmp_path_factory) -> dict:
     """The draft with its record, the target's f32 GGUF, the draft's GGUF and the GGUFs of the broken cases."""
-    from dflash2_lightning.evaluate.acceptance_record import make_record, write_record
+    from dflash2_lightning.evaluate.record import make_record
+    from dflash2_lightning.engines.acceptance_record import write_record
     from dflash2_lightning.model.checkpoint import save_draft
-    from dflash2_lightning.export.gguf import export_gguf
-    from dflash2_lightning.export.llama_cpp import target_gguf
+    from dflash2_lightning.engines.draft_gguf import export_gguf
+    from dflash2_lightning.engines.target_gguf import target_gguf
     from dflash2_lightning.model import DraftModel
 
     llama_cpp_or_skip()
@@ -68,7 +69,7 @@ def other_revision(target: Path, out: Path) -> Path:
 
 
 def check(pair: dict, capsys, model: Path, draft: Path | None, *server_args: str) -> tuple[int, str]:
-    from dflash2_lightning.export.llama_cpp import serve
+    from dflash2_lightning.engines.llama_server import serve
 
     with serve(model, draft, threads=2, ctx_size=512, extra=list(server_args), log_dir=pair["work"]) as server:
         code = cli.main(["check-serving", "--server", server.url, "--draft", str(pair["draft"])])
@@ -121,7 +122,7 @@ def test_a_server_without_the_draft_is_caught(pair, capsys):
 def test_the_quickstart_checks_its_own_draft_and_reuses_the_verdict(pair, tmp_path, capsys):
     """The quickstart's serving check (what `dflash2 quickstart` runs after its evaluation when llama.cpp is
     built): llama-server beside the target's f32 GGUF, SERVING.md's flags, the record's first prompts."""
-    from dflash2_lightning.evaluate.acceptance_record import RECORD_NAME
+    from dflash2_lightning.engines.acceptance_record import RECORD_NAME
     from dflash2_lightning.quickstart.report import Reporter
     from dflash2_lightning.quickstart.run import QuickstartOptions, Stamps, serving_check
     from dflash2_lightning.target.load import load_target

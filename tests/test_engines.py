@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from dflash2_lightning import cli
 from dflash2_lightning.errors import ConfigError
-from dflash2_lightning.export.engines import TargetInfo, choose_export_dtype, engine_findings
+from dflash2_lightning.engines.rules import TargetInfo, choose_export_dtype, engine_findings
 from dflash2_lightning.train.module import DFlash2Module
 from dflash2_lightning.target.spec import TargetSpec
 from module_helpers import grouped

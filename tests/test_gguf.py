@@ -10,7 +10,7 @@ import torch
 
 from dflash2_lightning.model.checkpoint import expected_tensors, save_draft
 from dflash2_lightning import cli
-from dflash2_lightning.export.gguf import (GGUFExportError, export_gguf, export_gguf_main, gguf_tensor_name)
+from dflash2_lightning.engines.draft_gguf import (GGUFExportError, export_gguf, export_gguf_main, gguf_tensor_name)
 from dflash2_lightning.model import DraftModel
 from llamacpp_helpers import (PROVENANCE_KEYS, gguf_contents, llama_source_or_skip, smollm2_draft_config,
                               vocab_gguf)
@@ -127,7 +127,8 @@ def test_cli_needs_the_target_gguf_for_an_hf_target(tmp_path, tiny_draft_config,
 ])
 def test_equal_to_llama_cpp_converter(tmp_path, projector, outtype, dtype):
     """Field by field and tensor by tensor (bytes) equal to what llama.cpp's convert_hf_to_gguf.py writes."""
-    from dflash2_lightning.export.llama_cpp import LlamaCpp, convert_hf_to_gguf
+    from dflash2_lightning.engines.llama_cpp import LlamaCpp
+    from dflash2_lightning.engines.target_gguf import convert_hf_to_gguf
     from dflash2_lightning.target.spec import TargetSpec
     from dflash2_lightning.target.load import hf_dir_of
     from dflash2_lightning.target.gguf import resolve_gguf

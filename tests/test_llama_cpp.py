@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash2_lightning.export import llama_cpp as llamacpp
-from dflash2_lightning.export.llama_cpp import LlamaCppError, ensure_llama_cpp, find_llama_cpp, require_llama_cpp
+from dflash2_lightning.engines import llama_cpp as llamacpp
+from dflash2_lightning.engines import llama_server, target_gguf
+from dflash2_lightning.engines.llama_cpp import LlamaCppError, ensure_llama_cpp, find_llama_cpp, require_llama_cpp
 from llamacpp_helpers import llama_cpp_or_skip
 
 
@@ -68,13 +69,13 @@ def test_an_sdist_with_the_wrong_checksum_is_refused_and_removed(tmp_path):
 def test_speculative_simple_loads_the_exported_draft_and_drafts(tmp_path):
     """llama.cpp's own speculative example loads our GGUF next to the f32 target and drafts with it."""
     from dflash2_lightning.model.checkpoint import save_draft
-    from dflash2_lightning.export.gguf import export_gguf
+    from dflash2_lightning.engines.draft_gguf import export_gguf
     from dflash2_lightning.model import DraftModel
     from llamacpp_helpers import smollm2_draft_config
     from conftest import randomize_draft_
 
     llama = llama_cpp_or_skip()
-    target = llamacpp.target_gguf({"gguf": "smollm2"}, "f32")
+    target = target_gguf.target_gguf({"gguf": "smollm2"}, "f32")
     draft = save_draft(randomize_draft_(DraftModel(smollm2_draft_config()), seed=3), tmp_path / "draft")
     gguf_path = export_gguf(draft, target, tmp_path / "draft.gguf")
     done = subprocess.run([str(llama.tool("llama-speculative-simple")), "-m", str(target), "-md", str(gguf_path),
@@ -123,7 +124,7 @@ def test_a_server_that_crashes_while_loading_starts_again_without_repacking(tmp_
     import urllib.request
 
     llama = _fake_llama(tmp_path, '"--no-repack" not in args')
-    with llamacpp.serve("model.gguf", llama=llama, log_dir=tmp_path, startup_timeout=60) as server:
+    with llama_server.serve("model.gguf", llama=llama, log_dir=tmp_path, startup_timeout=60) as server:
         assert not server.repack
         with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
             assert r.status == 200
@@ -139,6 +140,6 @@ def test_a_server_that_crashes_while_loading_starts_again_without_repacking(tmp_
 def test_a_server_that_keeps_failing_is_an_error(tmp_path, crash_when, extra, message):
     llama = _fake_llama(tmp_path, crash_when)
     with pytest.raises(llamacpp.LlamaCppError, match=message):
-        with llamacpp.serve("model.gguf", llama=llama, log_dir=tmp_path, startup_timeout=60, extra=extra):
+        with llama_server.serve("model.gguf", llama=llama, log_dir=tmp_path, startup_timeout=60, extra=extra):
             pass
     assert len(list(tmp_path.glob("llama-server-*.log"))) == (2 if crash_when == "True" else 1)

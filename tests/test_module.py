@@ -193,7 +193,7 @@ def test_training_steps_then_export(tmp_path):
     assert all(torch.equal(exported.state_dict()[k], state[k]) for k in state)
     assert any(not torch.equal(before[k], state[k]) for k in state)
     # The acceptance record beside the export: the exported draft's T=0 replay on 8 held-out prompts.
-    from dflash2_lightning.evaluate.acceptance_record import read_record, weights_digest
+    from dflash2_lightning.engines.acceptance_record import read_record, weights_digest
 
     record = read_record(tmp_path / "hf")
     assert record["expected"]["prompts"] == 8 and len(record["prompts"]) == 8
@@ -203,7 +203,7 @@ def test_training_steps_then_export(tmp_path):
 def test_a_fit_that_writes_no_record_removes_the_previous_runs(tmp_path):
     """export.acceptance_prompts 0 after an earlier export into the same directory (a resume): the earlier
     acceptance.json describes other weights, so it goes, rather than stand beside the new ones."""
-    from dflash2_lightning.evaluate.acceptance_record import RECORD_NAME
+    from dflash2_lightning.engines.acceptance_record import RECORD_NAME
 
     hf = tmp_path / "hf"
     loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dflash2_lightning import cli
-from dflash2_lightning.export.llama_cpp import free_port
+from dflash2_lightning.engines.llama_server import free_port
 from dflash2_lightning.data.regen import regen, regen_main
-from dflash2_lightning.data.openai_client import ServerError
+from dflash2_lightning.engines.openai_client import ServerError
 from dflash2_lightning.data.regen_server import regen_server
 from llamacpp_helpers import llama_cpp_or_skip
 from serving_fakes import MODELS, Broken
@@ -88,7 +88,7 @@ def test_a_timeout_that_is_no_duration_is_refused_when_parsed(prompts_file, tmp_
 @pytest.fixture(scope="module")
 def served_target():
     """The f32 SmolLM2 GGUF (the same weights the project runs) and the built llama.cpp."""
-    from dflash2_lightning.export.llama_cpp import target_gguf
+    from dflash2_lightning.engines.target_gguf import target_gguf
 
     llama = llama_cpp_or_skip()
     return llama, target_gguf(SMOLLM2, "f32")
@@ -96,7 +96,7 @@ def served_target():
 
 @pytest.mark.slow
 def test_greedy_records_match_in_process_regen(served_target, prompts_file, tmp_path, capsys):
-    from dflash2_lightning.export.llama_cpp import serve
+    from dflash2_lightning.engines.llama_server import serve
 
     llama, model = served_target
     budget = 24
@@ -121,7 +121,7 @@ def test_greedy_records_match_in_process_regen(served_target, prompts_file, tmp_
 @pytest.mark.slow
 def test_dead_server_keeps_what_was_written_and_a_rerun_resumes(served_target, prompts_file, tmp_path, monkeypatch):
     import dflash2_lightning.data.regen_server as server_regen_mod
-    from dflash2_lightning.export.llama_cpp import serve, stop
+    from dflash2_lightning.engines.llama_server import serve, stop
 
     llama, model = served_target
     out = tmp_path / "out.jsonl"

@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.data.openai_client import ServerError, complete, served_model
+from dflash2_lightning.engines.openai_client import ServerError, complete, served_model
 from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
 from dflash2_lightning.errors import check
 

@@ -3,7 +3,7 @@
 Measures with real speculative decoding (:mod:`dflash2_lightning.evaluate.loop`), optionally the T=0
 replay on more prompts (:mod:`dflash2_lightning.evaluate.replay`) and llama.cpp
 (:mod:`dflash2_lightning.evaluate.llama_cpp`); reports with :mod:`dflash2_lightning.evaluate.report`. The
-replay is also written as the draft's acceptance record (:mod:`dflash2_lightning.evaluate.acceptance_record`).
+replay is also written as the draft's acceptance record (:mod:`dflash2_lightning.evaluate.record`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
             (:func:`~dflash2_lightning.evaluate.replay.replay_eval`: τ with a narrow interval at a fraction of the loop's cost), up to
             ``replay_max_new_tokens`` tokens each (default ``max_new_tokens``); the report gains ``replay``.
         acceptance_record: with a replay, also write the draft's acceptance record from it into
-            ``draft_dir/acceptance.json`` (:mod:`~dflash2_lightning.evaluate.acceptance_record`; what
+            ``draft_dir/acceptance.json`` (:mod:`~dflash2_lightning.engines.acceptance_record`; what
             ``dflash2 check-serving`` compares an engine with); the report's ``acceptance_record`` names it.
         draft_vocab: the loop drafts through a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`:
             ``"auto"`` (default) with ``draft_dir/draft_vocab.json`` when it exists, a path for that file,
@@ -152,7 +152,8 @@ def _write_record(run: Any, draft_dir: str | os.PathLike, target: Any, prompts_f
     """Write the acceptance record of the replay ``run`` into the draft directory; its path, or None (with a
     note in the report) when the directory is not writable."""
     from dflash2_lightning.data.prompts import EVAL_PROMPTS
-    from dflash2_lightning.evaluate.acceptance_record import RECORD_NAME, record_from_replay, write_record
+    from dflash2_lightning.engines.acceptance_record import RECORD_NAME, write_record
+    from dflash2_lightning.evaluate.record import record_from_replay
 
     source = ("the shipped evaluation prompts" if Path(prompts_file) == EVAL_PROMPTS else str(prompts_file)) + \
         f", first {len(run.prompts)}"

@@ -1,7 +1,7 @@
 """τ and speed measured in llama.cpp: the held-out prompts through ``llama-server`` with and without the draft.
 
 ``dflash2 eval --engine llama.cpp`` adds this to the project's own report. The draft checkpoint is
-exported with :func:`~dflash2_lightning.export.gguf.export_gguf` (vocabulary from the target GGUF the
+exported with :func:`~dflash2_lightning.engines.draft_gguf.export_gguf` (vocabulary from the target GGUF the
 server runs), then for every prompt, greedy, one request at a time (``-np 1``):
 
 1. ``llama-server -m target.gguf``: the target alone (tokens and tokens/s, from the server's own
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.data.openai_client import request_json
+from dflash2_lightning.engines.openai_client import request_json
 
 _PER_POS = re.compile(r'^llamacpp:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}\s+(\S+)$')
 
@@ -69,7 +69,7 @@ def run_prompts(model: Path, draft: Path | None, prompts: Sequence[Sequence[int]
     ``draft_n_max``: drafted tokens per step (``block_size - 1`` uses the whole block). ``draft_p_min``:
     llama.cpp stops a step's drafts at the first whose greedy probability is below it (0: never).
     """
-    from dflash2_lightning.export.llama_cpp import serve
+    from dflash2_lightning.engines.llama_server import serve
 
     ctx = max(len(p) for p in prompts) + max_new_tokens + 64
     extra = (["--metrics", "--spec-draft-n-max", str(draft_n_max), "--spec-draft-p-min", str(draft_p_min)]
@@ -110,9 +110,9 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
     The machine's load average is recorded beside the timings.
     """
     from dflash2_lightning.model.checkpoint import load_config
-    from dflash2_lightning.export.gguf import export_gguf
-    from dflash2_lightning.export.llama_cpp import VERSION, require_llama_cpp
-    from dflash2_lightning.export.llama_cpp import target_gguf as convert_target
+    from dflash2_lightning.engines.draft_gguf import export_gguf
+    from dflash2_lightning.engines.llama_cpp import VERSION, require_llama_cpp
+    from dflash2_lightning.engines.target_gguf import target_gguf as convert_target
 
     cfg = load_config(draft_dir)
     width = cfg.block_size - 1

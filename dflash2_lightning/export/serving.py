@@ -3,11 +3,11 @@
 ``SERVING.md`` holds the exact command lines for vLLM, SGLang and llama.cpp filled in with this
 checkpoint's numbers (``num_speculative_tokens = block_size - 1`` for vLLM, the draft-token count
 ``block_size`` for SGLang, ``--spec-draft-n-max block_size - 1`` for llama.cpp), its paths and dtype,
-and every engine finding (:mod:`dflash2_lightning.export.engines`), and says how to check a running deployment
-against the draft's acceptance record (``acceptance.json``, ``dflash2 check-serving``;
-:func:`serving_commands` are also the commands that check recommends). ``fit`` writes it at the end;
-``serve-help`` writes it for any checkpoint; ``check`` runs the loader's checks plus the engine checks and
-writes nothing.
+and every engine finding (:mod:`dflash2_lightning.engines.rules`), and says how to check a running deployment
+against the draft's acceptance record (``acceptance.json``, ``dflash2 check-serving``; the command lines are
+:func:`~dflash2_lightning.engines.rules.serving_commands`, also the ones that check recommends). ``fit`` writes
+it at the end; ``serve-help`` writes it for any checkpoint; ``check`` runs the loader's checks plus the engine
+checks and writes nothing.
 
 Exit status of both commands: 0 fine, 1 the checkpoint has an error an engine would hit, 2 bad input
 (the checkpoint cannot be read or is refused by the loader; one ``dflash2: error:`` line on stderr).
@@ -23,11 +23,11 @@ from pathlib import Path
 from dflash2_lightning.model.checkpoint import CONFIG_NAME, CheckpointError, read_config_json, verify_checkpoint
 from dflash2_lightning.files import atomic_write_text
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.export.engines import (LLAMA_CPP, SERVED_DTYPES, SGLANG, VLLM, Finding, TargetInfo,
-                                             engine_findings)
+from dflash2_lightning.engines.rules import (LLAMA_CPP, SGLANG, VLLM, Finding, TargetInfo, engine_findings,
+                                            serving_commands)
 
 SERVING_NAME = "SERVING.md"
-RECORD_NAME = "acceptance.json"  # the acceptance record (dflash2_lightning.evaluate.acceptance_record)
+RECORD_NAME = "acceptance.json"  # the acceptance record (dflash2_lightning.engines.acceptance_record)
 
 
 def _q(path: str) -> str:
@@ -109,31 +109,6 @@ def serving_markdown(cfg: DraftConfig, draft_dir: str | Path, target: TargetInfo
                                                     " (not checked against a target: pass --target)"))
     lines += ["", "Re-run with `dflash2 check --draft <this directory> --target <target dir>`.", ""]
     return "\n".join(lines)
-
-
-def serving_commands(block_size: int, dtype: str, draft_dir: str | Path,
-                     target: TargetInfo | None = None) -> dict[str, list[str]]:
-    """The exact serving command lines SERVING.md recommends for a draft of ``block_size`` stored in ``dtype``,
-    per engine (``VLLM``, ``SGLANG``, ``LLAMA_CPP``): ``num_speculative_tokens = block_size - 1`` for vLLM,
-    the draft-token count ``block_size`` for SGLang, ``--spec-draft-n-max block_size - 1`` for llama.cpp."""
-    draft = str(Path(draft_dir).resolve())
-    n, bs = block_size - 1, block_size
-    target = target or TargetInfo()
-    # Both GPU engines should run draft and target in the target's dtype (vLLM does it anyway).
-    served = next((d for d in (target.serving_dtype, dtype) if d in SERVED_DTYPES), "auto")
-    hf_target = target.path or "TARGET"
-    return {
-        VLLM: [f"vllm serve {_q(hf_target)} --dtype {served} \\",
-               "  --speculative-config " + _q('{"method": "dflash", "model": "%s", "num_speculative_tokens": %d}'
-                                                % (draft, n))],
-        SGLANG: [f"python -m sglang.launch_server --model-path {_q(hf_target)} --dtype {served} \\",
-                 f"  --speculative-algorithm DFLASH --speculative-draft-model-path {_q(draft)} \\",
-                 f"  --speculative-num-draft-tokens {bs}"],
-        LLAMA_CPP: [f"dflash2 export-gguf --draft {_q(draft)} --target {_q(target.path or target.gguf or 'TARGET')} "
-                    "--out draft.gguf",
-                    f"llama-server -m {_q(target.gguf or 'target.gguf')} -md draft.gguf --spec-type draft-dflash "
-                    f"--spec-draft-n-max {n} --metrics"],
-    }
 
 
 def write_serving(directory: str | Path, cfg: DraftConfig, target: TargetInfo | None = None,

@@ -384,7 +384,7 @@ def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf
 
 def _llama_cpp_options(target: Any) -> dict[str, Any] | None:
     """Measure in llama.cpp too when it is built and the target ships as a GGUF (what llama.cpp users run)."""
-    from dflash2_lightning.export.llama_cpp import find_llama_cpp
+    from dflash2_lightning.engines.llama_cpp import find_llama_cpp
 
     spec = getattr(target, "spec", None)
     if spec is None or spec.gguf is None or find_llama_cpp() is None:
@@ -395,8 +395,9 @@ def _llama_cpp_options(target: Any) -> dict[str, Any] | None:
 def ensure_record(rep: Reporter, target: Any, hf_dir: Path) -> Path:
     """The draft's acceptance record: the one the evaluation's replay wrote, or (no replay, or a record of
     other weights) a new one on the default 8 held-out prompts x 64 tokens."""
-    from dflash2_lightning.evaluate.acceptance_record import (RECORD_NAME, RecordError, make_record, read_record,
-                                                              summary_line, weights_digest, write_record)
+    from dflash2_lightning.engines.acceptance_record import (RECORD_NAME, RecordError, read_record, summary_line,
+                                                             weights_digest, write_record)
+    from dflash2_lightning.evaluate.record import make_record
 
     path = hf_dir / RECORD_NAME
     try:
@@ -421,11 +422,13 @@ def serving_check(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any
     target); reused when the draft, the record and the prompt count are unchanged. Returns the verdict (also in
     ``OUT/eval/serving-check.json``), or None when it does not run; a check that cannot run is reported, not raised.
     """
-    from dflash2_lightning.evaluate.acceptance_record import read_record
-    from dflash2_lightning.evaluate.check_serving import check_serving, verdict_lines
-    from dflash2_lightning.evaluate.engine_counters import EngineError
-    from dflash2_lightning.export.gguf import export_gguf
-    from dflash2_lightning.export.llama_cpp import LlamaCppError, serve, target_gguf
+    from dflash2_lightning.engines.acceptance_record import read_record
+    from dflash2_lightning.engines.check_serving import check_serving, verdict_lines
+    from dflash2_lightning.engines.counters import EngineError
+    from dflash2_lightning.engines.draft_gguf import export_gguf
+    from dflash2_lightning.engines.llama_cpp import LlamaCppError
+    from dflash2_lightning.engines.llama_server import serve
+    from dflash2_lightning.engines.target_gguf import target_gguf
     from dflash2_lightning.files import atomic_write_text
 
     if not opts.check_serving or _llama_cpp_options(target) is None:

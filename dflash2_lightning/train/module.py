@@ -46,9 +46,10 @@ from torch import Tensor
 
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.errors import ConfigError, UserError, check
-from dflash2_lightning.evaluate.acceptance_record import record_prompts, remove_stale_record
+from dflash2_lightning.data.prompts import record_prompts
+from dflash2_lightning.engines.acceptance_record import remove_stale_record
 from dflash2_lightning.model.checkpoint import load_config, save_draft
-from dflash2_lightning.export.engines import TargetInfo, choose_export_dtype
+from dflash2_lightning.engines.rules import TargetInfo, choose_export_dtype
 from dflash2_lightning.export.serving import write_serving
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.target.load import load_target
@@ -538,7 +539,8 @@ class DFlash2Module(pl.LightningModule):
         """``directory/acceptance.json``: the tau the exported draft earns at T=0 on held-out prompts, with the
         target already loaded here (what ``dflash2 check-serving`` compares an engine with). The export is
         complete before it: a record that cannot be made is a warning, never a lost checkpoint."""
-        from dflash2_lightning.evaluate.acceptance_record import make_record, summary_line, write_record
+        from dflash2_lightning.evaluate.record import make_record
+        from dflash2_lightning.engines.acceptance_record import summary_line, write_record
         from dflash2_lightning.reporting import describe
 
         export = self.options.export

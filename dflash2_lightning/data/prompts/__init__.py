@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from dflash2_lightning.engines.acceptance_record import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPTS
+
 PROMPTS_DIR = Path(__file__).resolve().parent
 SEED_PROMPTS = PROMPTS_DIR / "seed.jsonl"
 EVAL_PROMPTS = PROMPTS_DIR / "eval.jsonl"
@@ -120,3 +122,18 @@ def fit_to_context(prompts: list[list[int]], context: int | None, max_new_tokens
                              if budget == "--max-new-tokens" else f" or lower {budget}"))
     cut = set(long)
     return FittedPrompts([p[-room:] if i in cut else p for i, p in enumerate(prompts)], len(long), room)
+
+
+def record_prompts(target: Any, prompts_file: str | os.PathLike | None = None, num_prompts: int = DEFAULT_PROMPTS,
+                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, prompt_overflow: str = "refuse",
+                   budget: str = "--max-new-tokens") -> Any:
+    """The acceptance record's prompts as token ids (:class:`FittedPrompts`): the first
+    ``num_prompts`` of ``prompts_file`` (default: the shipped evaluation prompts), rendered with the loaded
+    ``target``'s chat template and checked, with ``max_new_tokens``, against its context as ``dflash2 eval``
+    checks them (:func:`fit_to_context`; ``budget`` names the setting).
+
+    Cheap (a tokenisation): ``fit`` calls it before it trains, so a record that cannot be made is refused then."""
+    where = Path(prompts_file) if prompts_file is not None else EVAL_PROMPTS
+    prompts = [encode_prompt(target.tokenizer, m) for m in read_prompts(where, num_prompts)]
+    return fit_to_context(prompts, getattr(target, "context_length", None), max_new_tokens, prompt_overflow, where,
+                          budget=budget)

@@ -1,6 +1,6 @@
 """A serving engine's own speculative-decoding counters: llama-server, vLLM and SGLang, read as they serve them.
 
-``dflash2 check-serving`` (:mod:`dflash2_lightning.evaluate.check_serving`) sends greedy completions with
+``dflash2 check-serving`` (:mod:`dflash2_lightning.engines.check_serving`) sends greedy completions with
 token-id prompts to an engine's OpenAI-compatible ``/v1/completions`` and reads, per engine, what it
 counts (field and metric names from the engines' code at the pinned versions):
 
@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash2_lightning.data.openai_client import (ServerError, Unreachable, expect, fetch, first_choice, request_json,
+from dflash2_lightning.engines.openai_client import (ServerError, Unreachable, expect, fetch, first_choice, request_json,
                                                   served_model)
 from dflash2_lightning.errors import UserError
 
@@ -276,7 +276,7 @@ def root_url(url: str) -> str:
 
 def _get(url: str, timeout: float) -> tuple[int, str] | None:
     """``(status, body)`` of a GET, or None when nothing answers (connection refused); a server that answers too
-    late or not in HTTP is an :class:`EngineError` saying so (:func:`~dflash2_lightning.data.openai_client.fetch`)."""
+    late or not in HTTP is an :class:`EngineError` saying so (:func:`~dflash2_lightning.engines.openai_client.fetch`)."""
     try:
         status, body = fetch(url, None, timeout)
     except Unreachable:

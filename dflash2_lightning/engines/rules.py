@@ -18,6 +18,9 @@ A :class:`Finding` is an ``error`` (the engine refuses it or serves it wrong), a
 or silently degrades in one engine) or a ``note`` (a fact the serving command must honour). Export
 never fails on them: a finished training run is always written; the findings are printed and put
 into ``SERVING.md``. ``dflash2 check`` exits 1 on an error.
+
+:func:`serving_commands` are the command lines that serve a draft in each engine, with the same numbers
+(``SERVING.md``'s, and the ones ``dflash2 check-serving`` recommends).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import quote
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -267,3 +271,28 @@ def _vocab_id(tokenizer_json: Path, token: str) -> int | None:
             return int(added["id"])
     vocab = (data.get("model") or {}).get("vocab")
     return int(vocab[token]) if isinstance(vocab, dict) and token in vocab else None
+
+
+def serving_commands(block_size: int, dtype: str, draft_dir: str | Path,
+                     target: TargetInfo | None = None) -> dict[str, list[str]]:
+    """The exact serving command lines SERVING.md recommends for a draft of ``block_size`` stored in ``dtype``,
+    per engine (``VLLM``, ``SGLANG``, ``LLAMA_CPP``): ``num_speculative_tokens = block_size - 1`` for vLLM,
+    the draft-token count ``block_size`` for SGLang, ``--spec-draft-n-max block_size - 1`` for llama.cpp."""
+    draft = str(Path(draft_dir).resolve())
+    n, bs = block_size - 1, block_size
+    target = target or TargetInfo()
+    # Both GPU engines should run draft and target in the target's dtype (vLLM does it anyway).
+    served = next((d for d in (target.serving_dtype, dtype) if d in SERVED_DTYPES), "auto")
+    hf_target = target.path or "TARGET"
+    return {
+        VLLM: [f"vllm serve {quote(hf_target)} --dtype {served} \\",
+               "  --speculative-config " + quote('{"method": "dflash", "model": "%s", "num_speculative_tokens": %d}'
+                                                % (draft, n))],
+        SGLANG: [f"python -m sglang.launch_server --model-path {quote(hf_target)} --dtype {served} \\",
+                 f"  --speculative-algorithm DFLASH --speculative-draft-model-path {quote(draft)} \\",
+                 f"  --speculative-num-draft-tokens {bs}"],
+        LLAMA_CPP: [f"dflash2 export-gguf --draft {quote(draft)} --target {quote(target.path or target.gguf or 'TARGET')} "
+                    "--out draft.gguf",
+                    f"llama-server -m {quote(target.gguf or 'target.gguf')} -md draft.gguf --spec-type draft-dflash "
+                    f"--spec-draft-n-max {n} --metrics"],
+    }

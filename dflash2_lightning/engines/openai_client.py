@@ -1,7 +1,7 @@
 """Talking HTTP/JSON to an OpenAI-compatible server (vLLM, SGLang, llama-server): one home for every request.
 
 ``dflash2 regen --server`` (:mod:`dflash2_lightning.data.regen_server`), ``dflash2 check-serving``
-(:mod:`dflash2_lightning.evaluate.engine_counters`) and the llama.cpp measurements send their requests
+(:mod:`dflash2_lightning.engines.counters`) and the llama.cpp measurements send their requests
 through :func:`fetch` / :func:`request_json`, so every way a server can fail reads the same and names the
 endpoint:
 

@@ -116,9 +116,11 @@ def main(args: Sequence[str] | None = None) -> int | None:
     if argv[0] not in LIGHTNING_ACTIONS:
         print_error(unknown_action(argv[0]))
         return USER_EXIT
+    from dflash2_lightning.export.callback import FIT_END_CALLBACKS
     from dflash2_lightning.train.lightning_cli import lightning_main
 
     if args is None:
         # LightningCLI reads sys.argv itself (and DDP's launcher starts the other ranks with it)
         sys.argv[1:] = split_debug(with_recipe_paths(sys.argv[1:]))[0]
-    return lightning_main(argv, from_sys_argv=args is None)
+    # a config that does not name the end-of-fit export gets it (older configs export as they always did)
+    return lightning_main(argv, from_sys_argv=args is None, fit_end_callbacks=FIT_END_CALLBACKS)

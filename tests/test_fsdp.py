@@ -26,7 +26,6 @@ from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from dflash2_lightning.errors import ConfigError
-from dflash2_lightning.model import DraftModel
 from dflash2_lightning.model.backbone import DraftLayer
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.train.fsdp import DraftFSDPPrecision, DraftFSDPStrategy
@@ -197,9 +196,8 @@ def test_a_clipped_step_on_the_shards_gathers_to_the_unwrapped_modules_step(repo
     assert all(not torch.equal(state[k], initial[k]) for k in initial if k.startswith("draft."))
     for k in reference:
         torch.testing.assert_close(state[k], reference[k], rtol=1e-5, atol=1e-6, msg=k)
-    # What DFlash2Module.on_fit_end does with it: the served names, loaded strictly.
-    draft = DraftModel(build_module().draft_config)
-    draft.load_state_dict({k[len("draft."):]: v for k, v in state.items() if k.startswith("draft.")})
+    # What the end-of-fit export does with it (DFlash2Module.draft_from_state): the served names, loaded strictly.
+    build_module().draft_from_state(state)
 
 
 # ---------------------------------------------------------------- the strategy's settings (one process)

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from dflash2_lightning.model.checkpoint import load_draft
 from dflash2_lightning.errors import ConfigError
+from dflash2_lightning.export.callback import ExportOnFitEnd, write_acceptance_record
 from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine, unwrapped_name
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.load import load_target
@@ -160,8 +161,9 @@ class _Batches(torch.utils.data.Dataset):
 
 
 def _trainer(tmp_path, **kwargs) -> Trainer:
+    """A quiet CPU trainer that exports at the end of fit, as `dflash2 fit` does."""
     return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
+                   enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ExportOnFitEnd()], **kwargs)
 
 
 def test_non_finite_loss_names_the_step_and_batch(tmp_path):
@@ -378,5 +380,5 @@ def test_an_acceptance_record_that_cannot_be_made_is_a_warning(tmp_path):
     model = DFlash2Module(target=SPEC, **grouped(**SMALL))
     with pytest.warns(UserWarning, match=r"^warning: \[export\] no acceptance record beside .*missing \(.*config\.json "
                                          r"not found.*\); write it with `dflash2 acceptance-record --draft"):
-        model._write_acceptance_record(tmp_path / "missing")
+        write_acceptance_record(model, tmp_path / "missing")
     assert not (tmp_path / "missing").exists()

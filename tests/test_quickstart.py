@@ -20,7 +20,6 @@ import torch
 import yaml
 
 from dflash2_lightning.data import regen as regen_module
-from dflash2_lightning import cli as cli_module
 from dflash2_lightning.train import lightning_cli
 from dflash2_lightning import threads
 from dflash2_lightning.model.checkpoint import load_draft
@@ -122,7 +121,7 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
         raise AssertionError("the re-run redid a finished step")
 
     monkeypatch.setattr(regen_module, "generate_responses", must_not_run)
-    monkeypatch.setattr(cli_module, "main", must_not_run)
+    monkeypatch.setattr(lightning_cli, "lightning_main", must_not_run)
     assert quickstart_main(argv) == 0
     printed = capsys.readouterr().out
     assert artifacts["responses"].stat().st_mtime_ns == responses_mtime

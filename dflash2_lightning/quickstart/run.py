@@ -307,7 +307,8 @@ def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: P
     ``settings`` (the fit config and the digest of the training data) decide whether an existing run
     is this run: then a finished one is reused and an interrupted one resumed; otherwise it is replaced.
     """
-    from dflash2_lightning.cli import main as cli_main
+    from dflash2_lightning.export.callback import FIT_END_CALLBACKS
+    from dflash2_lightning.train.lightning_cli import lightning_main
 
     same = stamps.matches("train", settings) and not opts.overwrite
     steps = settings["config"].get("trainer", {}).get("max_steps")
@@ -331,7 +332,7 @@ def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: P
             shutil.rmtree(run.hf_dir, ignore_errors=True)
         stamps.write("train", settings)
     with _bare_argv():
-        status = cli_main(argv)
+        status = lightning_main(argv, from_sys_argv=False, fit_end_callbacks=FIT_END_CALLBACKS)  # = `dflash2 fit`
     if status:  # the fit has printed its one-line error already: stop with its exit status
         raise SystemExit(status)
     if not (run.hf_dir / "model.safetensors").is_file():

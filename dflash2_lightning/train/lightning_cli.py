@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -244,9 +244,13 @@ def precheck(config: Any, data_files: bool = True) -> None:
 class DFlash2CLI(LightningCLI):
     """``LightningCLI`` with the model -> data links, atomic checkpoints and the run-directory guard."""
 
-    def __init__(self, *args: Any, resume: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, resume: str | None = None, fit_end_callbacks: Sequence[type[Callback]] = (),
+                 **kwargs: Any) -> None:
         # The command that resumes this fit (`... --ckpt_path last`), for the messages of an interrupted fit.
         self.resume = resume or "the same command with --ckpt_path last"
+        # Callbacks every run gets when its config does not name them (the end-of-fit export: the caller, a later
+        # stage, passes them; dflash2_lightning.export.callback.FIT_END_CALLBACKS).
+        self.fit_end_callbacks = tuple(fit_end_callbacks)
         # Errors come back as exceptions (ArgumentError), explained in one line by the command's handler.
         parser_kwargs = kwargs.pop("parser_kwargs", None) or {}
         parser_kwargs.setdefault("exit_on_error", False)
@@ -317,11 +321,15 @@ class DFlash2CLI(LightningCLI):
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         trainer_cfg = config.get("trainer") or {}
         given = trainer_cfg.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        defaults = [kind() for kind in self.fit_end_callbacks if not any(isinstance(c, kind) for c in given)]
         if trainer_cfg.get("enable_progress_bar", True) is not False \
-                and not any(isinstance(c, ProgressBar) for c in (given if isinstance(given, list) else [given])):
+                and not any(isinstance(c, ProgressBar) for c in given):
             from dflash2_lightning.train.progress import step_progress_bar
 
-            self.trainer_defaults = {**self.trainer_defaults, "callbacks": [step_progress_bar()]}
+            defaults.append(step_progress_bar())
+        if defaults:
+            self.trainer_defaults = {**self.trainer_defaults, "callbacks": defaults}
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (ValueError, MisconfigurationException) as error:  # Lightning refusing a combination of
@@ -500,13 +508,15 @@ def written_dirs(trainer: Trainer, model: Any) -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
-def build_cli(args: Sequence[str] | None = None, run: bool = True, resume: str | None = None) -> DFlash2CLI:
+def build_cli(args: Sequence[str] | None = None, run: bool = True, resume: str | None = None,
+              fit_end_callbacks: Sequence[type[Callback]] = ()) -> DFlash2CLI:
     """The configured CLI (``run=False`` only parses and instantiates: ``cli.model``, ``cli.trainer``).
 
     ``resume``: the command that resumes the fit (:func:`~dflash2_lightning.train.preemption.resume_command`).
+    ``fit_end_callbacks``: callback classes the trainer gets when the config names none of that class.
     """
     quiet_lightning()
-    return DFlash2CLI(resume=resume,
+    return DFlash2CLI(resume=resume, fit_end_callbacks=fit_end_callbacks,
         model_class=DFlash2Module, subclass_mode_model=True,
         datamodule_class=DraftDataModule, subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},  # a resumed run rewrites config.yaml in its own directory
@@ -566,18 +576,19 @@ def argument_errors(argv: Sequence[str], prog: str) -> Callable[[BaseException],
     return explain
 
 
-def lightning_main(argv: list[str], from_sys_argv: bool) -> int | None:
+def lightning_main(argv: list[str], from_sys_argv: bool,
+                   fit_end_callbacks: Sequence[type[Callback]] = ()) -> int | None:
     """Run LightningCLI on ``argv`` under the project's error style; jsonargparse's errors become one line.
 
     ``from_sys_argv``: LightningCLI reads ``sys.argv`` itself (the console script), which avoids its
-    "args and sys.argv" warning; tests pass ``argv`` explicitly.
+    "args and sys.argv" warning; tests pass ``argv`` explicitly. ``fit_end_callbacks``: see :func:`build_cli`.
     """
     subcommand = argv[0] if argv and not argv[0].startswith("-") else "fit"
     explain = argument_errors(argv, f"dflash2 {subcommand}")
     resume = resume_command(argv)
 
     def run(rest: list[str]) -> None:
-        build_cli(None if from_sys_argv else rest, resume=resume)
+        build_cli(None if from_sys_argv else rest, resume=resume, fit_end_callbacks=fit_end_callbacks)
 
     if subcommand != "fit":
         return run_command(run, argv, formatters=[explain])

@@ -25,9 +25,9 @@ Checkpoints record the target the draft was trained against and whether a valida
 step they cover; a resume against another target is refused, and a due validation runs after the resume
 (:mod:`~dflash2_lightning.train.resume_checks`, :mod:`~dflash2_lightning.train.due_validation`).
 
-At the end of ``fit`` the draft is written as an HF checkpoint (``config.json`` + ``model.safetensors``,
-served as-is by vLLM / SGLang) to ``export.dir`` (default ``<run dir>/hf``), in the target's dtype, with a
-``SERVING.md`` beside it: the engines' exact command lines and what the engine checks found.
+At the end of ``fit`` the callback :class:`~dflash2_lightning.export.callback.ExportOnFitEnd` writes the draft
+(:meth:`DFlash2Module.draft_from_state`) as an HF checkpoint to ``export.dir`` (default ``<run dir>/hf``), in the
+target's dtype, with ``SERVING.md`` and the acceptance record beside it; the ``export`` group holds its settings.
 """
 
 from __future__ import annotations
@@ -41,16 +41,12 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.errors import ConfigError, UserError, check
 from dflash2_lightning.data.prompts import record_prompts
-from dflash2_lightning.engines.acceptance_record import remove_stale_record
-from dflash2_lightning.model.checkpoint import load_config, save_draft
-from dflash2_lightning.engines.rules import TargetInfo, choose_export_dtype
-from dflash2_lightning.export.serving import write_serving
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetSpec
@@ -274,9 +270,10 @@ class DFlash2Module(pl.LightningModule):
 
     def on_train_start(self) -> None:
         # A resumed checkpoint taken just before a validation: run that validation now (nothing is lost).
-        self._run_due_validation()
+        self.run_due_validation()
 
-    def _run_due_validation(self) -> None:
+    def run_due_validation(self) -> None:
+        """Run the validation a resumed checkpoint still had due (once; nothing when none is due)."""
         due, self._due_validation = self._due_validation, None
         if due is not None:
             run_due_validation(self.trainer, due)
@@ -505,55 +502,20 @@ class DFlash2Module(pl.LightningModule):
             self._due_validation = due if isinstance(due, dict) else None
 
     def on_fit_end(self) -> None:
-        """Write the HF checkpoint of the trained draft (rank 0) into ``export.dir``."""
-        # A resume from the last step's checkpoint trains nothing (no on_train_start): its validation runs here.
-        self._run_due_validation()
-        state = self.trainer.strategy.lightning_module_state_dict()  # full weights also under FSDP
-        log_dir = self.trainer.log_dir  # a collective under DDP: every rank asks
-        if not self.trainer.is_global_zero:
-            return
-        directory = Path(self.options.export.dir or Path(log_dir or self.trainer.default_root_dir) / "hf")
+        """A validation still due after a resume runs here (the end-of-fit export callback runs it first)."""
+        self.run_due_validation()
+
+    def draft_from_state(self, state: dict[str, Tensor]) -> DraftModel:
+        """The trained draft as a standalone :class:`DraftModel` on the CPU, from this module's full ``state``
+        (``trainer.strategy.lightning_module_state_dict()``: gathered under FSDP), with the feature scale (when
+        trained with ``normalize_features``) folded into ``fc``: what the export writes."""
         draft = DraftModel(self.draft_config)
         draft.load_state_dict({k[len("draft."):]: v.detach().cpu() for k, v in state.items()
                                if k.startswith("draft.")})
         if "feature_scale" in state:  # fc was trained on scaled features: fold the scale into its columns
             with torch.no_grad():
                 draft.fc.weight.mul_(state["feature_scale"].detach().cpu().to(draft.fc.weight.dtype))
-        target = TargetInfo.from_target(self.target)
-        dtype, why = choose_export_dtype(self.options.export.dtype, target)
-        save_draft(draft, directory, dtype=dtype)
-        serving, findings = write_serving(directory, load_config(directory), target, why)
-        rank_zero_info(f"draft checkpoint written to {directory} in {dtype}: {why}")
-        for finding in findings:
-            if finding.level != "note":  # notes are in SERVING.md; warnings must be seen now
-                rank_zero_warn(str(finding))
-        removed = remove_stale_record(directory)  # a previous run's record never stays beside new weights
-        if self.options.export.acceptance_prompts > 0:
-            self._write_acceptance_record(directory)
-        elif removed is not None:
-            rank_zero_info(f"removed {removed}: it described the previous weights (export.acceptance_prompts 0 writes "
-                           "none; `dflash2 acceptance-record` writes one)")
-        rank_zero_info(f"how to serve it: {serving}")
-
-    def _write_acceptance_record(self, directory: Path) -> None:
-        """``directory/acceptance.json``: the tau the exported draft earns at T=0 on held-out prompts, with the
-        target already loaded here (what ``dflash2 check-serving`` compares an engine with). The export is
-        complete before it: a record that cannot be made is a warning, never a lost checkpoint."""
-        from dflash2_lightning.evaluate.record import make_record
-        from dflash2_lightning.engines.acceptance_record import summary_line, write_record
-        from dflash2_lightning.reporting import describe
-
-        export = self.options.export
-        try:
-            record = make_record(directory, self.target, num_prompts=export.acceptance_prompts,
-                                 max_new_tokens=export.acceptance_tokens, budget=ACCEPTANCE_TOKENS_OPTION)
-            path = write_record(record, directory)
-        except Exception as error:  # noqa: BLE001 - the checkpoint is written; the record can be made later
-            rank_zero_warn(f"warning: [export] no acceptance record beside {directory} "
-                           f"({describe(error).splitlines()[0]}); write it with "
-                           f"`dflash2 acceptance-record --draft {directory} --target TARGET`")
-            return
-        rank_zero_info(summary_line(record, path))
+        return draft
 
 
 class WarmupCosine:

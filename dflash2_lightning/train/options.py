@@ -120,7 +120,8 @@ class ValidationOptions:
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """Where the served checkpoint goes at the end of ``fit``.
+    """Where the served checkpoint goes at the end of ``fit`` (written by
+    :class:`~dflash2_lightning.export.callback.ExportOnFitEnd`).
 
     Args:
         dir: the HF checkpoint directory (default ``<run dir>/hf``).

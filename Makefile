@@ -75,8 +75,9 @@ GPU_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versi
                 $(if $(shell $(p) -c 'import sys' 2>/dev/null && echo ok),$(p))))
 GPU_PATH    = $(CURDIR):$(CURDIR)/.gpu-site
 # Triton 3.6's CPU interpreter cannot run the kernels' runtime-bounded loops (`range(taps)`: "only 0-dimensional
-# arrays can be converted to Python scalars"; 3.7 can); that machine compiles them for its GPU instead (tests/test_gpu.py).
-GPU_ENV_TESTS ?= --deselect tests/test_triton_kernels.py::test_interpreter_tests_in_a_child_process
+# arrays can be converted to Python scalars"; 3.7 can); that machine compiles them for its GPU instead
+# (tests/ops/test_gpu.py).
+GPU_ENV_TESTS ?= --deselect tests/ops/test_triton_kernels.py::test_interpreter_tests_in_a_child_process
 $(GPU_ENV)/.installed: requirements/gpu-machine.txt
 	test -n "$(GPU_PYTHON)" || { echo "make gpu-env: no working python3.12 here (set GPU_PYTHON)"; exit 2; }
 	test -x $(GPU_ENV)/bin/python || $(GPU_PYTHON) -m venv $(GPU_ENV)

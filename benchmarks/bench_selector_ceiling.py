@@ -9,7 +9,7 @@ for all drafts), the teacher-forced replay of :func:`dflash2_lightning.evaluate.
 cycle starts of the speculative loop, for three ways to pick the drafted tokens:
 
 - ``backbone``: the draft's argmax; ``selector``: DFlash2's greedy walk (the two paths the loop runs; at
-  T=0 the replay equals the measured τ exactly, ``tests/test_evaluate.py``);
+  T=0 the replay equals the measured τ exactly, ``tests/evaluate/test_evaluate.py``);
 - ``oracle``: a slot counts whenever the target's token is among the draft's top-k (k = the selector's
   ``top_k``, 8 for a DFlash draft): the τ a perfect selector over these candidates would reach.
 

@@ -1,11 +1,19 @@
 """Build a :class:`DFlash2Module` from flat settings in tests: ``grouped(lr=1e-2, block_size=4)`` ->
-``{"optimizer": {"lr": 0.01}, "draft": {"block_size": 4}}``, the module's option groups."""
+``{"optimizer": {"lr": 0.01}, "draft": {"block_size": 4}}``, the module's option groups; and the small draft,
+random batches and the quiet trainer the module's tests fit with."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from lightning.pytorch import Trainer
+
+from dflash2_lightning.export.callback import ExportOnFitEnd
 from dflash2_lightning.train.options import MOVED_KEYS
+
+#: a small draft for the tiny target (flat settings: see :func:`grouped`)
+SMALL = dict(block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=8, num_anchors=4)
 
 
 def grouped(**flat: Any) -> dict[str, dict[str, Any]]:
@@ -15,3 +23,30 @@ def grouped(**flat: Any) -> dict[str, dict[str, Any]]:
         group, _, field = MOVED_KEYS[key].partition(".")
         groups.setdefault(group, {})[field] = value
     return groups
+
+
+def random_batch(seq: int = 16, batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch of random token ids of the tiny target's vocabulary, every position trained on."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 500, (batch, seq), generator=gen)
+    return {"input_ids": ids, "loss_mask": torch.ones(batch, seq, dtype=torch.bool),
+            "attention_mask": torch.ones(batch, seq, dtype=torch.bool)}
+
+
+class Batches(torch.utils.data.Dataset):
+    """A list of samples as a dataset."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def quiet_trainer(tmp_path, **kwargs) -> Trainer:
+    """A quiet CPU trainer that exports at the end of fit, as `dflash2 fit` does."""
+    return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ExportOnFitEnd()], **kwargs)

@@ -1,4 +1,4 @@
-"""Callbacks loaded by the *trainer* in tests/test_preemption.py (``trainer.callbacks`` class paths; the tests
+"""Callbacks loaded by the *trainer* in tests/train/test_preemption.py (``trainer.callbacks`` class paths; the tests
 folder is on PYTHONPATH there). Each does nothing unless its environment variables are set, so one config serves
 the interrupted runs and the resumes.
 

@@ -72,8 +72,8 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
 @pytest.mark.parametrize("dry_run, tensorrt, marker", [(False, False, "gpu and not tensorrt"), (False, True, "gpu"),
                                                        (True, False, "gpu_dry_run")])
 def test_the_tensorrt_checks_run_only_where_tensorrt_imports(dry_run: bool, tensorrt: bool, marker: str) -> None:
-    cmd = gpu_check.pytest_command(dry_run, tensorrt, ["tests/test_gpu.py"])
-    assert cmd[cmd.index("-m", 2) + 1] == marker and cmd[-1] == "tests/test_gpu.py"
+    cmd = gpu_check.pytest_command(dry_run, tensorrt, ["tests/ops/test_gpu.py"])
+    assert cmd[cmd.index("-m", 2) + 1] == marker and cmd[-1] == "tests/ops/test_gpu.py"
     assert ("--gpu-dry-run" in cmd) is dry_run
 
 

@@ -15,7 +15,7 @@ other GPU tests; each check writes its figures and its verdict into one JSON rec
   back; then the same under the recipe's documented FSDP override (``DraftFSDPStrategy``: a unit per draft
   layer, float32 buffers) with the recipe's gradient clipping by norm (1.0). One GPU: FSDP falls back to
   NO_SHARD at world size 1, so this runs the wrapping, clipping, checkpoints and export, not sharding itself
-  (tests/test_fsdp.py shards over 2 CPU processes).
+  (tests/train/test_fsdp.py shards over 2 CPU processes).
 
 ``--gpu-dry-run`` runs the same functions on the CPU at a scaled-down geometry in float32 (no autocast, no
 CUDA graphs, no FSDP): the record then says ``"dry_run": true`` and holds null for GPU-only figures.
@@ -285,7 +285,7 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
         per_anchors[str(n)] = entry
         ok &= entry["grads_finite"] and bool(torch.isfinite(loss))
         record(passed=False, in_progress=True)  # the timings are kept should the plan's comparison fail
-        # The plan against one more (untimed) step: the tensors' own peak, as tests/test_plan.py measures it on CPU
+        # The plan against one more (untimed) step: the tensors' own peak, as tests/train/test_plan.py measures it on CPU
         # fits, and on the GPU the caching allocator's peak of the timed steps. The plan counts all 36 target
         # layers; the step holds the layers built here, so the target's real bytes replace that item.
         try:
@@ -307,7 +307,7 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
                       "tensor_peak_vs_plan": tensors.peak / planned,
                       "peak_memory_vs_plan": None if dry else allocated_peak / planned,
                       "plan_counts_the_drafts_weights": plan["draft weights"] == draft_bytes})
-        # Within 20% of the measured tensor peak, as the plan is held on CPU fits (tests/test_plan.py). The dry
+        # Within 20% of the measured tensor peak, as the plan is held on CPU fits (tests/train/test_plan.py). The dry
         # geometry's step is a few MB, where the plan's fixed terms weigh more (measured: the plan 20% over the
         # tensors at 4 anchors, 11% at 8), so it is held to 25% there.
         ok &= entry["plan_counts_the_drafts_weights"]
@@ -420,7 +420,7 @@ STEPS, CRASH_AT, EVERY = 4, 2, 2
 # Lightning 2.6.6's own FSDPPrecision.clip_grad_by_norm message: DraftFSDPStrategy must never show it.
 FSDP_REFUSES_CLIPPING = "`gradient_clip_algorithm='norm'` is currently not supported"
 FSDP_ON_CPU = ("not run: DraftFSDPStrategy requires a GPU accelerator (tests/test_gpu_recipes_on_cpu.py pins that "
-               "refusal; tests/test_fsdp.py tests its pieces on CPU)")
+               "refusal; tests/train/test_fsdp.py tests its pieces on CPU)")
 
 
 def fit_config(directory: Path, dry: bool) -> Path:

@@ -13,7 +13,7 @@ What this proves: the recipes parse, two DDP processes build (offline) and share
 train, validate, checkpoint, resume and export. What it does not: anything about GPUs (CUDA kernels,
 NCCL, bf16 on a GPU, memory at the real geometry) or a fit under FSDP, which cannot finish on a CPU
 (:func:`test_fsdp_cannot_be_rehearsed_on_cpu` pins the refusal; FSDP fits run only in ``pytest -m gpu``,
-its pieces are tested on CPU by tests/test_fsdp.py).
+its pieces are tested on CPU by tests/train/test_fsdp.py).
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def test_fsdp_cannot_be_rehearsed_on_cpu(recipe: Path, tmp_path: Path) -> None:
     Not a skip: a Lightning fit under FSDP is not rehearsed on a CPU because it cannot finish there (Lightning
     refuses its own FSDPStrategy on a CPU; under this subclass, torch's full-state-dict gathering for the
     first checkpoint crashes CPU processes); it runs only in the GPU check (``pytest -m gpu``), its pieces in
-    tests/test_fsdp.py. This pins the refusal (a one-line error, exit 2) and that the override parses.
+    tests/train/test_fsdp.py. This pins the refusal (a one-line error, exit 2) and that the override parses.
     """
     config, _ = rehearsal_config(recipe, tmp_path)
     done = subprocess.run([str(DFLASH2), "fit", "--config", str(config), *fsdp_override(recipe)],

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--cap", type=float, default=DEFAULT_CAP_S,
                     help=f"seconds for the whole run, wheels included (default {DEFAULT_CAP_S}: a minute spare of 10)")
     go.add_argument("--dry-run", action="store_true", help="the CPU dry mode: the gpu_dry_run checks at a tiny size")
-    go.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -- tests/test_gpu.py")
+    go.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -- tests/ops/test_gpu.py")
     args = parser.parse_args(argv)
     if args.step == "wheels":
         wheels = download_wheels(args.dest)

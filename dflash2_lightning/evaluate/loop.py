@@ -89,7 +89,7 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     if any(not st.greedy for st in settings):
         notes.append("temperature > 0: outputs are samples, so losslessness is not checked token for token "
                      "(lossless: null); the loop's output law is proven equal to the target's in "
-                     "tests/test_sampling.py")
+                     "tests/model/test_sampling.py")
 
     if oracle_top_k is None:
         oracle_top_k = default_oracle_top_k(draft)

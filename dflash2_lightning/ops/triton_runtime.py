@@ -7,7 +7,7 @@ a ``JITFunction`` from the same function for ahead-of-time compilation.
 ``TRITON_INTERPRET=1`` (run kernels on CPU tensors with Triton's interpreter) must be set before
 ``triton`` is first imported in the process: Triton decorates its own library functions
 (``tl.sum``, ``tl.argmax``, ...) at import, in the mode of that moment. A process is therefore either
-interpreting or compiling, never both; ``tests/test_triton_kernels.py`` runs its interpreter tests in a
+interpreting or compiling, never both; ``tests/ops/test_triton_kernels.py`` runs its interpreter tests in a
 child process for this reason.
 """
 

@@ -24,7 +24,7 @@ block rows, ``C = B*S`` context rows; ``s`` bytes of a parameter, ``a`` of the c
 
 Peak = the persistent part + the largest of the target's forward, the draft's step and the optimiser step (the
 for-each AdamW's temporaries on a CPU; CUDA's fused AdamW updates in place).
-It is an estimate of what is saved for backward, not a trace: ``tests/test_plan.py`` checks it against the
+It is an estimate of what is saved for backward, not a trace: ``tests/train/test_plan.py`` checks it against the
 measured peak of CPU fits (within 20%) and the offline cache against the bytes a real build writes.
 """
 
@@ -47,7 +47,7 @@ from dflash2_lightning.train.objective import LOGITS_CHUNK_ELEMENTS
 from dflash2_lightning.train.options import DraftOptions, ObjectiveOptions, as_options, draft_settings_named
 
 #: A run "clearly" does not fit when its estimate exceeds the device by this factor (fit refuses it): above the
-#: estimate's error measured on CPU fits (tests/test_plan.py).
+#: estimate's error measured on CPU fits (tests/train/test_plan.py).
 CLEAR_MARGIN = 1.25
 #: The share of the device the plan leaves to what it does not count (allocator fragmentation, CUDA context,
 #: kernels' workspaces): below this share the verdict is "fits".

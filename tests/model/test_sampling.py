@@ -44,7 +44,7 @@ import dflash2_lightning.decode.speculative as spec
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.model.sampling import (Sampling, draw_rows, probabilities, sample_backbone, sample_selector_walk,
-                                        verify)
+                                              verify)
 from dflash2_lightning.decode.drafter import TorchDrafter
 from dflash2_lightning.decode.speculative import speculative_generate, target_sample
 

@@ -61,7 +61,7 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
     hf = artifacts["draft checkpoint (HF)"]
     draft = load_draft(hf)
     assert draft.config.architecture == "DFlash2DraftModel"
-    shipped = yaml.safe_load((Path(__file__).parents[1] / "configs" / "quickstart.yaml").read_text())
+    shipped = yaml.safe_load((Path(__file__).parents[2] / "configs" / "quickstart.yaml").read_text())
     shipped_model = shipped["model"]["init_args"]["draft"]  # the draft geometry is an option group of its own
     assert draft.config.block_size == shipped_model["block_size"]
     assert draft.config.num_hidden_layers == shipped_model["num_hidden_layers"]

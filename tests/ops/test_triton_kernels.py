@@ -4,7 +4,7 @@ Triton fixes interpreter mode when it is first imported (its own library functio
 then), so one process cannot both interpret kernels and compile them. The interpreter tests
 (marked ``interp``) therefore run in a child pytest started with ``TRITON_INTERPRET=1``
 (``test_interpreter_tests_in_a_child_process``); every other test is marked ``parent`` and runs only
-in the parent process. Running ``TRITON_INTERPRET=1 pytest tests/test_triton_kernels.py``
+in the parent process. Running ``TRITON_INTERPRET=1 pytest tests/ops/test_triton_kernels.py``
 directly runs the interpreter tests in-process.
 """
 
@@ -31,7 +31,7 @@ from dflash2_lightning.ops.triton_runtime import interpreting, launchable, next_
 INTERPRETING = interpreting()
 interp = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process")
 parent = pytest.mark.skipif(INTERPRETING, reason="runs in the parent process (Triton compiles only there)")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_interpreter_tests_in_a_child_process():

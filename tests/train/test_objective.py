@@ -10,8 +10,8 @@ from torch import nn
 
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.train.objective import (DraftObjective, ObjectiveError, Teacher, block_attention_mask,
-                                         decay_weights, dpace_weights, layout_blocks, sample_anchors,
-                                         soft_cross_entropy, sparse_soft_cross_entropy)
+                                               decay_weights, dpace_weights, layout_blocks, sample_anchors,
+                                               soft_cross_entropy, sparse_soft_cross_entropy)
 
 from conftest import randomize_draft_
 

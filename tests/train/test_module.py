@@ -6,31 +6,22 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from dflash2_lightning.model.checkpoint import load_draft
 from dflash2_lightning.errors import ConfigError
-from dflash2_lightning.export.callback import ExportOnFitEnd, write_acceptance_record
+from dflash2_lightning.export.callback import write_acceptance_record
 from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine, unwrapped_name
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.load import load_target
-from module_helpers import grouped
+from module_helpers import SMALL, Batches, grouped, quiet_trainer, random_batch
 
 SPEC = TargetSpec(tiny={})
-SMALL = dict(block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=8, num_anchors=4)
 
 
 @pytest.fixture(scope="module")
 def module() -> DFlash2Module:
     return DFlash2Module(target=SPEC, **grouped(**SMALL))
-
-
-def _batch(seq: int = 16, batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, 500, (batch, seq), generator=gen)
-    return {"input_ids": ids, "loss_mask": torch.ones(batch, seq, dtype=torch.bool),
-            "attention_mask": torch.ones(batch, seq, dtype=torch.bool)}
 
 
 def test_draft_geometry_comes_from_the_target(module):
@@ -54,7 +45,7 @@ def test_target_is_frozen_and_not_part_of_the_checkpoint(module):
     assert {name.split(".")[0] for name in module.state_dict()} == {"draft"}
     assert all(not p.requires_grad for p in module.target.parameters())
     assert all(m is not module.target for m in module.modules())  # identity: Metric overloads ==
-    out = module.forward_batch(_batch(), torch.Generator().manual_seed(0))
+    out = module.forward_batch(random_batch(), torch.Generator().manual_seed(0))
     out.loss.backward()
     assert all(p.grad is None for p in module.target.parameters())
     assert module.draft.fc.weight.grad is not None
@@ -63,7 +54,7 @@ def test_target_is_frozen_and_not_part_of_the_checkpoint(module):
 
 def test_offline_batch_gives_the_online_loss(module):
     """Features and the target's greedy tokens taken from the batch == the target run in the step."""
-    batch = _batch()
+    batch = random_batch()
     target = load_target(SPEC)
     with torch.no_grad():
         out = target.features(batch["input_ids"], batch["attention_mask"], module.draft_config.target_layer_ids)
@@ -100,8 +91,8 @@ def test_bad_batches_fail_with_clear_messages(module):
     with pytest.raises(KeyError, match="loss_mask"):
         module.forward_batch({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, None)
     with pytest.raises(ConfigError, match="seq_len.*multiple of block_size=4"):
-        module.forward_batch(_batch(seq=10), None)
-    bad = {**_batch(), "features": torch.zeros(2, 16, 3)}
+        module.forward_batch(random_batch(seq=10), None)
+    bad = {**random_batch(), "features": torch.zeros(2, 16, 3)}
     with pytest.raises(ValueError, match=r"expected \[2, 16, 64\]"):
         module.forward_batch(bad, None)
 
@@ -132,14 +123,14 @@ def test_warmup_cosine_schedule():
 def test_a_resume_with_more_steps_follows_the_new_schedule(tmp_path):
     """Extending a finished run (a larger max_steps on resume) stretches the cosine to the new total; it does
     not keep the checkpoint's total and train on at the final rate."""
-    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    loader = DataLoader(Batches([{k: v[0] for k, v in random_batch(seed=i).items()} for i in range(4)]), batch_size=2)
     options = grouped(lr=1e-2, warmup_ratio=0.0, min_lr_ratio=0.0, **SMALL)
-    first = _trainer(tmp_path, max_steps=2)
+    first = quiet_trainer(tmp_path, max_steps=2)
     first.fit(DFlash2Module(target=SPEC, **options), train_dataloaders=loader)
     assert first.optimizers[0].param_groups[0]["lr"] == 0.0  # the end of a cosine to 0: the old total was 2
     first.save_checkpoint(tmp_path / "two.ckpt")
     saved = {k: v.clone() for k, v in first.lightning_module.draft.state_dict().items()}
-    resumed = _trainer(tmp_path, max_steps=6)
+    resumed = quiet_trainer(tmp_path, max_steps=6)
     model = DFlash2Module(target=SPEC, **options)
     resumed.fit(model, train_dataloaders=loader, ckpt_path=tmp_path / "two.ckpt")
     assert resumed.global_step == 6
@@ -149,46 +140,29 @@ def test_a_resume_with_more_steps_follows_the_new_schedule(tmp_path):
     assert math.isclose(resumed.lr_scheduler_configs[0].scheduler.lr_lambdas[0](4), WarmupCosine(0, 6, 0.0)(4))
 
 
-class _Batches(torch.utils.data.Dataset):
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-
-def _trainer(tmp_path, **kwargs) -> Trainer:
-    """A quiet CPU trainer that exports at the end of fit, as `dflash2 fit` does."""
-    return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ExportOnFitEnd()], **kwargs)
-
-
 def test_non_finite_loss_names_the_step_and_batch(tmp_path):
     model = DFlash2Module(target=SPEC, **grouped(**SMALL))
     target = load_target(SPEC)
     rows = []
     for i in range(3):
-        sample = {k: v[0] for k, v in _batch(seed=i).items()}
+        sample = {k: v[0] for k, v in random_batch(seed=i).items()}
         with torch.no_grad():
             feats = target.features(sample["input_ids"][None], None, model.draft_config.target_layer_ids).features[0]
         if i == 2:
             feats = feats.clone()
             feats[3] = float("nan")  # a corrupt offline cache row
         rows.append({**sample, "features": feats})
-    loader = DataLoader(_Batches(rows), batch_size=1)
+    loader = DataLoader(Batches(rows), batch_size=1)
     with pytest.raises(NonFiniteLossError, match="global step 2, batch index 2"):
-        _trainer(tmp_path, max_steps=5).fit(model, train_dataloaders=loader)
+        quiet_trainer(tmp_path, max_steps=5).fit(model, train_dataloaders=loader)
 
 
 def test_training_steps_then_export(tmp_path):
     """A few real steps: the loss moves, the HF checkpoint equals the trained draft."""
     model = DFlash2Module(target=SPEC, **grouped(export_dir=str(tmp_path / "hf"), lr=1e-2, warmup_ratio=0.0, **SMALL))
     before = {k: v.clone() for k, v in model.draft.state_dict().items()}
-    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
-    _trainer(tmp_path, max_steps=3, gradient_clip_val=1.0).fit(model, train_dataloaders=loader)
+    loader = DataLoader(Batches([{k: v[0] for k, v in random_batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    quiet_trainer(tmp_path, max_steps=3, gradient_clip_val=1.0).fit(model, train_dataloaders=loader)
     exported = load_draft(tmp_path / "hf")
     state = model.draft.state_dict()
     assert exported.config == model.draft_config
@@ -208,13 +182,13 @@ def test_a_fit_that_writes_no_record_removes_the_previous_runs(tmp_path):
     from dflash2_lightning.engines.acceptance_record import RECORD_NAME
 
     hf = tmp_path / "hf"
-    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    loader = DataLoader(Batches([{k: v[0] for k, v in random_batch(seed=i).items()} for i in range(4)]), batch_size=2)
     first = DFlash2Module(target=SPEC, **grouped(export_dir=str(hf), lr=1e-2, warmup_ratio=0.0, **SMALL))
-    _trainer(tmp_path, max_steps=1).fit(first, train_dataloaders=loader)
+    quiet_trainer(tmp_path, max_steps=1).fit(first, train_dataloaders=loader)
     assert (hf / RECORD_NAME).is_file()
     groups = grouped(export_dir=str(hf), lr=1e-2, warmup_ratio=0.0, **SMALL)
     groups["export"]["acceptance_prompts"] = 0
-    _trainer(tmp_path, max_steps=2).fit(DFlash2Module(target=SPEC, **groups), train_dataloaders=loader)
+    quiet_trainer(tmp_path, max_steps=2).fit(DFlash2Module(target=SPEC, **groups), train_dataloaders=loader)
     assert (hf / "model.safetensors").is_file() and not (hf / RECORD_NAME).exists()
 
 
@@ -229,8 +203,8 @@ def test_a_recipes_mask_token_outside_the_targets_vocabulary_names_the_setting_a
 def test_selector_lr_scale_gives_the_selector_its_own_rate(tmp_path, scale):
     """Scaled: the selector's parameters (and only they) train at scale x lr through the schedule."""
     model = DFlash2Module(target=SPEC, **grouped(lr=1e-2, warmup_ratio=0.0, selector_lr_scale=scale, **SMALL))
-    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
-    trainer = _trainer(tmp_path, max_steps=2)
+    loader = DataLoader(Batches([{k: v[0] for k, v in random_batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    trainer = quiet_trainer(tmp_path, max_steps=2)
     trainer.fit(model, train_dataloaders=loader)
     groups = {g["name"]: g for g in trainer.optimizers[0].param_groups}
     selector = {id(p) for p in model.draft.candidate_selector.parameters()}
@@ -250,12 +224,12 @@ def test_normalized_features_are_folded_into_fc_at_export(tmp_path, warm):
     model = DFlash2Module(target=SPEC, **grouped(export_dir=str(tmp_path / "hf"), lr=1e-2, warmup_ratio=0.0,
                                                  normalize_features=True, init_from_target=warm, **SMALL))
     target = load_target(SPEC)
-    batch = _batch(seed=9)
+    batch = random_batch(seed=9)
     with torch.no_grad():
         raw = target.features(batch["input_ids"], None, model.draft_config.target_layer_ids).features
         before = model.draft.context_kv(raw, torch.arange(raw.shape[1]).expand(2, -1)).layers[0].keys.clone()
-    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(4)]), batch_size=2)
-    _trainer(tmp_path, max_steps=2).fit(model, train_dataloaders=loader)
+    loader = DataLoader(Batches([{k: v[0] for k, v in random_batch(seed=i).items()} for i in range(4)]), batch_size=2)
+    quiet_trainer(tmp_path, max_steps=2).fit(model, train_dataloaders=loader)
     scale = model.feature_scale
     assert bool(model.feature_scale_ready) and not torch.allclose(scale, torch.ones_like(scale))
     exported = load_draft(tmp_path / "hf")
@@ -324,7 +298,7 @@ def test_online_greedy_labels_without_the_full_logits():
     from dflash2_lightning.train.objective import Teacher, sample_anchors
 
     model = DFlash2Module(target=SPEC, **grouped(**{**SMALL, "labels": "target", "num_anchors": 3}))
-    batch = _batch(seq=48, batch=3, seed=4)
+    batch = random_batch(seq=48, batch=3, seed=4)
     batch["loss_mask"][1, :30] = False  # a prompt: sample 1's first positions are read by no block
     target = model.target
     assert target.greedy_from_hidden

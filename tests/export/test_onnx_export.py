@@ -322,7 +322,7 @@ def test_the_export_script_refuses_an_opset_in_one_line(tmp_path):
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "export" / "to_onnx.py"
+    script = Path(__file__).resolve().parents[2] / "export" / "to_onnx.py"
     done = subprocess.run([sys.executable, str(script), "--draft", str(tmp_path), "--target", "tiny", "--out",
                            str(tmp_path / "onnx"), "--opset", "3"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr

@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_cli import small_config
-from test_module import SMALL, _batch, _Batches, _trainer
 from torch.utils.data import DataLoader
 
 from dflash2_lightning import cli
@@ -18,7 +17,7 @@ from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.engines.rules import TargetInfo, choose_export_dtype, engine_findings
 from dflash2_lightning.train.module import DFlash2Module
 from dflash2_lightning.target.spec import TargetSpec
-from module_helpers import grouped
+from module_helpers import SMALL, Batches, grouped, quiet_trainer, random_batch
 
 
 # ----------------------------------------------------------------------------- the dtype rule
@@ -38,8 +37,8 @@ def test_a_requested_export_dtype_wins_and_says_what_it_costs():
 
 def _fit(tmp_path, target: TargetSpec, **kwargs) -> DFlash2Module:
     model = DFlash2Module(target=target, **grouped(export_dir=str(tmp_path / "hf"), **{**SMALL, **kwargs}))
-    loader = DataLoader(_Batches([{k: v[0] for k, v in _batch(seed=i).items()} for i in range(2)]), batch_size=2)
-    _trainer(tmp_path, max_steps=1).fit(model, train_dataloaders=loader)
+    loader = DataLoader(Batches([{k: v[0] for k, v in random_batch(seed=i).items()} for i in range(2)]), batch_size=2)
+    quiet_trainer(tmp_path, max_steps=1).fit(model, train_dataloaders=loader)
     return model
 
 

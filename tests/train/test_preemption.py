@@ -29,7 +29,7 @@ from dflash2_lightning.reporting import run_command
 from dflash2_lightning.train.launcher import describe_exit, is_peer_failure, peer_failure_words, stop_signal_of
 from dflash2_lightning.train.preemption import STOP, FitInterrupted, resume_command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DFLASH2 = Path(sys.executable).parent / "dflash2"
 STEPS = 12
 EVERY = 4  # validation and last.ckpt every EVERY steps: a validation is due after steps 4 and 8

@@ -11,7 +11,7 @@ import torch
 
 from dflash2_lightning.export.tensorrt import build as to_trt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "export" / "to_trt.py"
 HAS_TRT_AND_GPU = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
 

@@ -26,7 +26,7 @@ import yaml
 
 from dflash2_lightning import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: The real Qwen3-8B checkpoint's config.json values (see the design's reference): nothing else of it is needed.
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

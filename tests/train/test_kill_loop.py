@@ -20,7 +20,7 @@ from collections import Counter
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DFLASH2 = Path(sys.executable).parent / "dflash2"
 STEPS = 16
 

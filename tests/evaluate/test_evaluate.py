@@ -194,7 +194,7 @@ def test_eval_at_temperature_reports_every_setting_with_intervals() -> None:
     for name in ("selector", "backbone"):
         assert greedy["paths"][name]["lossless"] is True
         res = sampled["paths"][name]
-        assert res["lossless"] is None  # samples: the law is what is lossless (tests/test_sampling.py)
+        assert res["lossless"] is None  # samples: the law is what is lossless (tests/model/test_sampling.py)
         assert len(res["measured"]["accept"]) == BLOCK_SIZE - 1
         # 3 prompts x 2 samples of 10 tokens each, for the target alone and for every path
         assert res["measured"]["tokens"] == sampled["target_only"]["tokens"] == 3 * 2 * 10

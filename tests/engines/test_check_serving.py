@@ -2,8 +2,8 @@
 
 The engines here are stand-ins (tests/serving_fakes.py) answering field by field as vLLM 0.33.0, SGLang 0.5.23
 and llama-server 11434 do (each format's source file is cited there); the real llama-server is checked in
-tests/test_check_serving_llama_cpp.py. The record is synthetic (the record itself is tested in
-tests/test_acceptance_record.py): what is checked here is reading, comparing and naming causes.
+tests/engines/test_check_serving_llama_cpp.py. The record is synthetic (the record itself is tested in
+tests/engines/test_acceptance_record.py): what is checked here is reading, comparing and naming causes.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dflash2_lightning import cli
 from dflash2_lightning.engines.acceptance_record import RECORD_FORMAT, expected, write_record
 from dflash2_lightning.engines.check_serving import check_serving, compare_output, likely_causes
 from dflash2_lightning.engines.counters import (LLAMA_CPP, SGLANG, VLLM, Counts, EngineError,
-                                                        Served as ServedOutput,
-                                                        metrics_counts, parse_prometheus, read_completion, total)
+                                                Served as ServedOutput,
+                                                metrics_counts, parse_prometheus, read_completion, total)
 from serving_fakes import (MODELS, Broken, FakeEngine, Served, behaviour_of, llama_cpp_completion, llama_cpp_metrics,
                            sglang_completion, vllm_completion, vllm_metrics)
 

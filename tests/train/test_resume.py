@@ -17,7 +17,7 @@ from dflash2_lightning import cli
 from dflash2_lightning.train import lightning_cli
 from dflash2_lightning.data.order import ResumableOrder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 STEPS = 8          # 46 training samples / batch 8 = 6 batches per epoch: crosses an epoch boundary
 INTERRUPT = 4      # mid-epoch
@@ -122,7 +122,7 @@ main()
 def test_kill_while_writing_keeps_the_previous_checkpoint(tmp_path, argv):
     cfg = config(tmp_path, every=2)
     env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1"}  # one thread unless the caller says
-    done = subprocess.run([sys.executable, "-c", KILLER, str(Path(__file__).parent), "fit", "--config", str(cfg)],
+    done = subprocess.run([sys.executable, "-c", KILLER, str(Path(__file__).parents[1]), "fit", "--config", str(cfg)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 137, done.stderr[-3000:]
     checkpoints = tmp_path / "runs" / "tiny" / "default" / "checkpoints"

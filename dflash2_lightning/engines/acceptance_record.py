@@ -20,8 +20,8 @@ to a running engine and compares what it serves and accepts with this record.
 This module is the file: its fields, writing, reading and checking it, and whether it describes a draft's
 weights. Making one (the replay) is :mod:`dflash2_lightning.evaluate.record`: ``dflash2 acceptance-record``
 (any draft), ``dflash2 eval --replay-prompts N`` (from the replay it runs anyway), the end of a fit and the
-quickstart write it; ``dflash2 export-gguf`` copies it beside the GGUF (``<gguf stem>.acceptance.json``). Small (a few kB for the default 8 prompts x 64 tokens), written
-atomically. The format string changes when a field changes meaning; readers refuse other formats.
+quickstart write it; ``dflash2 export-gguf`` copies it beside the GGUF (``<gguf stem>.acceptance.json``). Small
+(a few kB for the default 8 prompts x 64 tokens), written atomically. The format string changes when a field changes meaning; readers refuse other formats.
 """
 
 from __future__ import annotations

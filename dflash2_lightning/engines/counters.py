@@ -40,8 +40,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash2_lightning.engines.openai_client import (ServerError, Unreachable, expect, fetch, first_choice, request_json,
-                                                  served_model)
+from dflash2_lightning.engines.openai_client import (ServerError, Unreachable, expect, fetch, first_choice,
+                                                     request_json, served_model)
 from dflash2_lightning.errors import UserError
 
 LLAMA_CPP = "llama.cpp"
@@ -276,7 +276,8 @@ def root_url(url: str) -> str:
 
 def _get(url: str, timeout: float) -> tuple[int, str] | None:
     """``(status, body)`` of a GET, or None when nothing answers (connection refused); a server that answers too
-    late or not in HTTP is an :class:`EngineError` saying so (:func:`~dflash2_lightning.engines.openai_client.fetch`)."""
+    late or not in HTTP is an :class:`EngineError` saying so
+    (:func:`~dflash2_lightning.engines.openai_client.fetch`)."""
     try:
         status, body = fetch(url, None, timeout)
     except Unreachable:

@@ -291,8 +291,8 @@ def serving_commands(block_size: int, dtype: str, draft_dir: str | Path,
         SGLANG: [f"python -m sglang.launch_server --model-path {quote(hf_target)} --dtype {served} \\",
                  f"  --speculative-algorithm DFLASH --speculative-draft-model-path {quote(draft)} \\",
                  f"  --speculative-num-draft-tokens {bs}"],
-        LLAMA_CPP: [f"dflash2 export-gguf --draft {quote(draft)} --target {quote(target.path or target.gguf or 'TARGET')} "
-                    "--out draft.gguf",
+        LLAMA_CPP: [f"dflash2 export-gguf --draft {quote(draft)} "
+                    f"--target {quote(target.path or target.gguf or 'TARGET')} --out draft.gguf",
                     f"llama-server -m {quote(target.gguf or 'target.gguf')} -md draft.gguf --spec-type draft-dflash "
                     f"--spec-draft-n-max {n} --metrics"],
     }

@@ -19,7 +19,7 @@ def convert_hf_to_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, out
     """Run llama.cpp's own ``convert_hf_to_gguf.py`` from the pinned sdist (with its own ``gguf-py``).
 
     Used to turn a target's HF directory into the GGUF llama.cpp serves, and by the tests as the
-    reference for :mod:`dflash2_lightning.export.gguf`. Needs only the unpacked source, not the build.
+    reference for :mod:`dflash2_lightning.engines.draft_gguf`. Needs only the unpacked source, not the build.
     A DFlash draft needs ``target_model_dir`` (its vocabulary). Llama vocabularies need ``sentencepiece``.
     """
     if llama is None:

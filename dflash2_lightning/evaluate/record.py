@@ -82,7 +82,8 @@ def make_record(draft_dir: str | os.PathLike, target: Any, prompts_file: str | o
 
     ``target``: a loaded :class:`~dflash2_lightning.target.target.Target` or its spec (loaded here). Before any
     token is generated, the draft must fit the target (:meth:`~dflash2_lightning.target.target.Target.check_fits`)
-    and every prompt plus ``max_new_tokens`` its context (:func:`~dflash2_lightning.data.prompts.record_prompts`; ``prompt_overflow`` as in
+    and every prompt plus ``max_new_tokens`` its context (:func:`~dflash2_lightning.data.prompts.record_prompts`;
+    ``prompt_overflow`` as in
     ``dflash2 eval``), as ``dflash2 eval`` checks them.
     Cost: the target's batched greedy decoding of ``num_prompts x max_new_tokens`` tokens plus one
     teacher-forced pass per prompt (SmolLM2-135M on 2 cores: ~10 s for the default 8 x 64).

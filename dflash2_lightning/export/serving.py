@@ -24,7 +24,7 @@ from dflash2_lightning.model.checkpoint import CONFIG_NAME, CheckpointError, rea
 from dflash2_lightning.files import atomic_write_text
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.engines.rules import (LLAMA_CPP, SGLANG, VLLM, Finding, TargetInfo, engine_findings,
-                                            serving_commands)
+                                             serving_commands)
 
 SERVING_NAME = "SERVING.md"
 RECORD_NAME = "acceptance.json"  # the acceptance record (dflash2_lightning.engines.acceptance_record)

@@ -1,5 +1,6 @@
 """The draft model: DFlash backbone, DFlash2 convolution and candidate selector, the drafting cache, the draft's
-on-disk format (:mod:`~dflash2_lightning.model.checkpoint`) and the sampling law (:mod:`~dflash2_lightning.model.sampling`)."""
+on-disk format (:mod:`~dflash2_lightning.model.checkpoint`) and the sampling law
+(:mod:`~dflash2_lightning.model.sampling`)."""
 
 from dflash2_lightning.model.backbone import CacheSlot, ContextKV, ContextStates, LayerKV
 from dflash2_lightning.model.cache import DraftCache

@@ -36,6 +36,9 @@ What this CLI adds to plain ``LightningCLI``:
   step boundary with a checkpoint of that step and one line saying how to resume
   (:mod:`~dflash2_lightning.train.preemption`); a rank that dies is one line naming it, and no rank is left
   waiting on a collective (:mod:`~dflash2_lightning.train.launcher`);
+- a run whose config does not name a callback of ``fit_end_callbacks`` gets one (the end-of-fit export: the
+  caller, ``dflash2 fit`` or the quickstart, hands in :data:`~dflash2_lightning.export.callback.FIT_END_CALLBACKS`,
+  a later stage than this one), so an older config exports as before;
 - one status line at the end of ``fit`` (step, final train loss, validation τ, where the draft went),
   a progress bar without the meaningless ``Epoch 0/-2`` and ``v_num``, and without Lightning's
   advertisement and irrelevant warnings.

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from record import load_average, loaded_label, machine, write_json
 
 from dflash2_lightning.data import feature_cache as data
-from record import load_average, loaded_label, machine, write_json
 
 RESULT = Path(__file__).resolve().parent / "results" / "bench_cache_verify.json"
 

@@ -28,8 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.intervals import paired_ratio_interval
 from record import write_json
+
+from dflash2_lightning.intervals import paired_ratio_interval
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

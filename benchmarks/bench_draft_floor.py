@@ -27,19 +27,18 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
-
 from types import SimpleNamespace
 
 import torch
+from bench_export import bench_config, random_draft
+from record import load_average, loaded_label, machine, write_json
 from torch import nn
 
-from dflash2_lightning.model import DraftCache
 from dflash2_lightning.decode.drafter import low_precision_head
-from bench_export import bench_config, random_draft
 from dflash2_lightning.export.onnx.export import export_drafter, random_embedding_and_head
-from record import load_average, loaded_label, machine, write_json
+from dflash2_lightning.model import DraftCache
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -39,14 +39,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 import transformers
+from record import load_average, loaded_label, machine, write_json
+from torch import nn
 from transformers import DynamicCache
 
-from dflash2_lightning.model.checkpoint import save_draft
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
-from record import load_average, loaded_label, machine, write_json
+from dflash2_lightning.model.checkpoint import save_draft
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from record import write_json
 from torch import Tensor, nn
 
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.model import ContextKV, DraftCache, DraftModel
 from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES, OrtDrafter
-from record import write_json
+from dflash2_lightning.model import ContextKV, DraftCache, DraftModel
 
 SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_target_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, intermediate_size=1536, rope_theta=100000.0,
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         notes.append("no CUDA device: GPU rows (torch eager with and without the Triton kernels, TensorRT) skipped")
     if args.trt_dir:
         try:
-            import tensorrt  # noqa: F401
+            import tensorrt  # noqa: F401 - only whether it imports
         except ImportError as err:
             notes.append(f"tensorrt not importable ({err}): TensorRT rows skipped")
         else:

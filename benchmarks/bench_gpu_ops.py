@@ -14,17 +14,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the GPU tests' input helpers
 
-from gpu_helpers import BS, GROUPS, H, RANK, TAPS, TOP_K, V, conv_inputs, reference_walk, walk_inputs  # noqa: E402
-from record import machine, write_json  # noqa: E402
+from gpu_helpers import BS, GROUPS, RANK, TAPS, TOP_K, H, V, conv_inputs, reference_walk, walk_inputs
+from record import machine, write_json
 
-from dflash2_lightning import ops  # noqa: E402
+from dflash2_lightning import ops
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_gpu_ops.json"
 
@@ -80,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_gpu_ops: no CUDA device", file=sys.stderr)
         return 2
+    from gpu_helpers import engine_inputs
+
     from dflash2_lightning.ops.block_conv.triton_kernel import block_conv
     from dflash2_lightning.ops.lattice_walk.triton_kernel import lattice_walk
-    from gpu_helpers import engine_inputs
 
     rows = []
     for b in (1, 8):
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [row, walk_row]
     print("| op | batch | reference ms | per-position loop ms | Triton ms | TensorRT (fp32 engine) ms |")
     print("|---|---|---|---|---|---|")
-    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"
     for r in rows:
         print(f"| {r['op']} | {r['batch']} | {fmt(r['reference_ms'])} | {fmt(r.get('per_position_loop_ms'))} | "
               f"{fmt(r['triton_ms'])} | {fmt(r.get('tensorrt_fp32_ms'))} |")

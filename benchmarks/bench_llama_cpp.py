@@ -23,9 +23,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.model.checkpoint import load_config
-from dflash2_lightning.evaluate.llama_cpp import evaluate_llama_cpp
 from record import load_average, loaded_label, machine, write_json
+
+from dflash2_lightning.evaluate.llama_cpp import evaluate_llama_cpp
+from dflash2_lightning.model.checkpoint import load_config
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_llama_cpp.json"
 
@@ -35,8 +36,8 @@ def held_out_prompts(count: int) -> tuple[list[list[int]], list[int]]:
     from transformers import AutoTokenizer
 
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
-    from dflash2_lightning.target.spec import TargetSpec
     from dflash2_lightning.target.load import hf_dir_of
+    from dflash2_lightning.target.spec import TargetSpec
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir_of(TargetSpec(gguf="smollm2"))))
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []

@@ -56,10 +56,12 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from record import load_average, loaded_label, machine, write_json
 
 from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.decode.draft_vocab import draft_vocab_head, find_draft_vocab
@@ -69,7 +71,6 @@ from dflash2_lightning.model.checkpoint import load_draft
 from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
 from dflash2_lightning.target.cpu_linear import CPU_LINEAR_CHOICES
 from dflash2_lightning.target.load import load_target
-from record import load_average, loaded_label, machine, write_json
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_loop.json"
 CPU_LOOPS = tuple(f"cpu-{setting}" for setting in CPU_LINEAR_CHOICES if setting != "auto")
@@ -149,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         fixed = load_target(dataclasses.replace(spec, cpu_linear=name.removeprefix("cpu-")))
         head = draft_vocab_head(fixed, args.draft) if find_draft_vocab(args.draft) else None
 
-        def fixed_loop(prompt: list[int], fixed: Any = fixed, drafter: Any = TorchDrafter(draft, args.path, head=head)
-                       ) -> tuple[list[int], Any]:
+        fixed_drafter = TorchDrafter(draft, args.path, head=head)
+
+        def fixed_loop(prompt: list[int], fixed: Any = fixed, drafter: Any = fixed_drafter) -> tuple[list[int], Any]:
             r = speculative_generate(fixed, drafter, prompt, args.max_new_tokens, stop)
             r.context = None
             return r.tokens, r

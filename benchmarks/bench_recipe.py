@@ -226,7 +226,7 @@ def table(results: dict[str, Any]) -> str:
                                              if k.endswith("/tau") and k.count("/") == 2}
         sp = ((row.get("paths") or {}).get("selector") or {}).get("speedup")
         train = ((row.get("timings") or {}).get("train") or {}).get("seconds")
-        fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
+        fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"
         lines.append(f"| {name} | {row.get('what', '')} | {fmt(tau.get('selector'))} | {fmt(tau.get('backbone'))} | "
                      f"{fmt(val.get('selector'))} / {fmt(val.get('backbone'))} | {fmt(sp)} | {fmt(train)} | "
                      f"`{row.get('command', '')}` |")

@@ -44,9 +44,9 @@ CONFIGS = [("hf-generate", "float32"), ("transformers-cache", "float32"), ("stat
 def run_one(loop: str, dtype: str, target: str, prompts: int, new: int) -> dict:
     import torch
 
-    from dflash2_lightning.target.generate import generate
     from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target.arguments import target_spec_from_arg
+    from dflash2_lightning.target.generate import generate
     from dflash2_lightning.target.load import load_target
 
     tgt = load_target(target_spec_from_arg(target, dtype))
@@ -78,10 +78,10 @@ def run_mix(schedule: str, dtype: str, target: str, prompts: int, new: int, samp
     """Regeneration's job mix under one scheduler (``batches`` or ``continuous``); see the module docstring."""
     import torch
 
-    from dflash2_lightning.target.generate import generate, generate_stream
     from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
-    from dflash2_lightning.target.arguments import target_spec_from_arg
     from dflash2_lightning.model.sampling import Sampling
+    from dflash2_lightning.target.arguments import target_spec_from_arg
+    from dflash2_lightning.target.generate import generate, generate_stream
     from dflash2_lightning.target.load import load_target
 
     tgt = load_target(target_spec_from_arg(target, dtype))
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--one", loop, dtype, "--target", args.target, "--prompts",
                str(args.prompts), "--new", str(args.new), "--threads", str(args.threads)]
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode or not lines:
             raise SystemExit(f"{loop}/{dtype} failed:\n{done.stderr[-3000:]}")
         rows.append(json.loads(lines[-1][len("RESULT "):]))
@@ -217,7 +217,7 @@ def mix_main(args: argparse.Namespace, load: list[float]) -> int:
                "--prompts", str(args.prompts), "--new", str(args.new), "--threads", str(args.threads),
                "--sampled", str(args.sampled), "--slots", str(args.slots)]
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode or not lines:
             raise SystemExit(f"{schedule} failed:\n{done.stderr[-3000:]}")
         rows.append(json.loads(lines[-1][len("RESULT "):]))

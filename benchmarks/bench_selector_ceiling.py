@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from record import load_average, machine, write_json
 
 from dflash2_lightning.intervals import paired_ratio_interval, paired_tau_ratio_interval
-from record import load_average, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selector_ceiling.json"
 
@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON results file, merged by draft (default benchmarks/results/selector_ceiling.json)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dflash2_lightning.model.checkpoint import load_draft
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.decode.speculative import target_greedy
     from dflash2_lightning.evaluate.replay import greedy_outputs, replay_lengths
     from dflash2_lightning.intervals import replay_summary
-    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
+    from dflash2_lightning.model.checkpoint import load_draft
     from dflash2_lightning.target.arguments import target_spec_from_arg
-    from dflash2_lightning.decode.speculative import target_greedy
     from dflash2_lightning.target.load import load_target
 
     load_before = load_average()

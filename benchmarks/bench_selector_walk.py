@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 import torch
+from record import load_average, loaded_label, machine, write_json
 
 from dflash2_lightning.model import CandidateSelector
 from dflash2_lightning.ops import lattice_walk, lattice_walk_per_position
-from record import load_average, loaded_label, machine, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, VOCAB, RANK, TOP_K, LENGTH = 576, 49152, 256, 16, 15

@@ -63,8 +63,8 @@ def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str, prec
     from lightning.pytorch import Callback, Trainer
 
     from dflash2_lightning.data.datamodule import DraftDataModule
-    from dflash2_lightning.train.module import DFlash2Module
     from dflash2_lightning.target.spec import TargetSpec
+    from dflash2_lightning.train.module import DFlash2Module
 
     class Timer(Callback):
         def __init__(self) -> None:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     command += ["--threads", str(args.threads)]
                 done = subprocess.run(command, capture_output=True, text=True,
                                       env={**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH2_CACHE": cache})
-                lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
                 if done.returncode or not lines:
                     raise SystemExit(f"{name}/{mode} failed:\n{done.stderr[-4000:]}")
                 rows.append(json.loads(lines[-1][len("RESULT "):]))

@@ -200,7 +200,7 @@ class DraftConfig:
     def conv_num_groups(self) -> int:
         return self.hidden_size // self.conv_group_size
 
-    def replace(self, **changes: Any) -> "DraftConfig":
+    def replace(self, **changes: Any) -> DraftConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
@@ -253,7 +253,7 @@ class DraftConfig:
         return out
 
     @classmethod
-    def from_hf_dict(cls, data: dict[str, Any]) -> "DraftConfig":
+    def from_hf_dict(cls, data: dict[str, Any]) -> DraftConfig:
         """Read a ``config.json`` written by this project, ModelOpt, SpecForge or z-lab.
 
         Strict where the serving engines are lenient, because what they accept silently is served wrong:

@@ -38,8 +38,14 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from dflash2_lightning.errors import (FULL_ERRNOS, USER_EXIT, ReportedByAnotherRank, UsageError, UserError,
-                                     disk_full_message)
+from dflash2_lightning.errors import (
+    FULL_ERRNOS,
+    USER_EXIT,
+    ReportedByAnotherRank,
+    UsageError,
+    UserError,
+    disk_full_message,
+)
 from dflash2_lightning.files import final_path, free_bytes
 
 PROG = "dflash2"

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_record import DRY_RUN_OPTION, GpuRecord, record_path
 
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
-from gpu_record import DRY_RUN_OPTION, GpuRecord, record_path
 
 # Small enough for a 2-core CI box, big enough to exercise GQA (4 heads / 2 KV heads), several
 # target features (3 ids) and conv groups (hidden 32 / group 8 = 4 groups).

@@ -68,7 +68,7 @@ def llama_cpp_or_skip() -> Any:
 
 def llama_source_or_skip() -> Path:
     """The unpacked llama.cpp source (the converter needs no build); fetched where CI requires it."""
-    from dflash2_lightning.engines.llama_cpp import build_root, fetch_sdist, _unpack
+    from dflash2_lightning.engines.llama_cpp import _unpack, build_root, fetch_sdist
 
     root = build_root()
     if not (root / "src" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():

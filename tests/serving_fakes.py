@@ -270,10 +270,10 @@ class Served:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 self._send(*owner.fake.get(self.path))
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path != "/v1/completions":
                     self._send(404, "application/json", "{}")
@@ -287,7 +287,7 @@ class Served:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "Served":
+    def __enter__(self) -> Served:
         self.thread.start()
         return self
 
@@ -367,10 +367,10 @@ class Broken:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 self._answer("GET")
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 self._answer("POST")
 
             def log_message(self, *args: Any) -> None:
@@ -381,7 +381,7 @@ class Broken:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "Broken":
+    def __enter__(self) -> Broken:
         self.thread.start()
         return self
 

@@ -16,13 +16,13 @@ import functools
 
 import torch
 
-from dflash2_lightning.model import DraftModel
-from dflash2_lightning.train.objective import DraftObjective, Teacher
 from dflash2_lightning.data.prompts import encode_prompt
 from dflash2_lightning.decode.speculative import target_features, target_greedy
-from dflash2_lightning.target.target import Target
-from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.model import DraftModel
 from dflash2_lightning.target.load import load_target
+from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.target.target import Target
+from dflash2_lightning.train.objective import DraftObjective, Teacher
 
 TARGET_SPEC = {"tiny": {}, "dtype": "float64"}
 BLOCK_SIZE = 4
@@ -64,9 +64,9 @@ def trained_draft(projector: str = "dflash2", steps: int = 40) -> DraftModel:
         torch.manual_seed(0)
         draft = DraftModel(cfg)
     objective = DraftObjective(token_loss="ce", selector_loss_alpha=1.0)
-    embed = lambda ids: target.embed(ids).float()  # noqa: E731
+    embed = lambda ids: target.embed(ids).float()
     head_weight = target.hf.get_output_embeddings().weight.float()
-    head = lambda h: h @ head_weight.T  # noqa: E731
+    head = lambda h: h @ head_weight.T
     batches = []
     with torch.no_grad():
         for p, c in list(zip(prompts(), continuations()))[:TRAINED_ON]:

@@ -554,7 +554,7 @@ def test_ckpt_path_values_that_cannot_resume(tmp_path, base, untouched, ckpt, ne
 
 # ----------------------------------------------------------------------------- data, prompts, configs
 def test_a_split_by_prompt_that_leaves_training_nothing_is_refused(tmp_path, base, untouched):
-    chat = lambda q, a: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}  # noqa: E731
+    chat = lambda q, a: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(chat("What is two plus two?", f"Four ({i}).")) + "\n" for i in range(30))
                     + json.dumps(chat("Another question?", "Yes.")) + "\n")

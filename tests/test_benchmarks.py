@@ -75,8 +75,8 @@ def drafts(tmp_path_factory) -> dict[str, Path]:
     """
     from conftest import randomize_draft_
 
-    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.model import DraftModel
+    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.target.load import load_target
     from dflash2_lightning.target.spec import TargetSpec
 
@@ -95,8 +95,8 @@ def smollm2_draft(tmp_path: Path) -> Path:
     from conftest import randomize_draft_
     from llamacpp_helpers import smollm2_draft_config
 
-    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.model import DraftModel
+    from dflash2_lightning.model.checkpoint import save_draft
 
     return save_draft(randomize_draft_(DraftModel(smollm2_draft_config()), seed=5).eval(), tmp_path / "smollm2-draft")
 

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from dflash2_lightning import cli
-from dflash2_lightning.train import lightning_cli
 from dflash2_lightning.data.records import DataError
+from dflash2_lightning.train import lightning_cli
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -251,7 +251,7 @@ def test_a_truncated_checkpoint_named_explicitly_is_refused_as_last_refuses_it(t
         assert len(lines) == 1 and "Traceback" not in err, err
         errors[(action, ckpt)] = lines[0]
     shown = {str(trunc): str(trunc), "last": str(checkpoints / "last.ckpt")}
-    for (action, ckpt), line in errors.items():
+    for (_action, ckpt), line in errors.items():
         assert line.startswith(f"dflash2: error: checkpoint {shown[ckpt]} cannot be read ("), line
         assert line.endswith("it is truncated or not a Lightning checkpoint; delete it and resume from another "
                              "checkpoint (--ckpt_path <file>), or start the run again"), line

@@ -13,11 +13,11 @@ import pytest
 
 from dflash2_lightning import files
 from dflash2_lightning.data import feature_cache as data
-from dflash2_lightning.train.lightning_cli import replace_target_overrides
-from dflash2_lightning.train.config_messages import explain
 from dflash2_lightning.data.records import DataError
 from dflash2_lightning.reporting import run_command, split_debug
 from dflash2_lightning.threads import timing_warning
+from dflash2_lightning.train.config_messages import explain
+from dflash2_lightning.train.lightning_cli import replace_target_overrides
 
 NOT_ACCEPTED = """Parser key "model":
   Does not validate against any of the Union subtypes
@@ -188,7 +188,7 @@ def test_os_and_network_errors_are_one_line_user_errors(tmp_path):
         try:
             raise DiskFullError("disk full while writing last.ckpt")
         except DiskFullError:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(errno.ENOSPC, "No space left on device")  # noqa: B904 - the implicit chain is what is tested
     except OSError as error:
         assert describe(find_user_error(error)) == "disk full while writing last.ckpt"
 
@@ -290,9 +290,9 @@ def test_the_cache_build_lock_refuses_a_second_builder_until_released(tmp_path):
 
 
 def test_resume_checks_name_both_sides():
+    from dflash2_lightning.errors import ConfigError
     from dflash2_lightning.model.checkpoint import CheckpointError
     from dflash2_lightning.train.resume_checks import TARGET_KEY, check_resume, resolve_ckpt_path
-    from dflash2_lightning.errors import ConfigError
 
     ours = {"spec": {"tiny": {}, "seed": 0}, "geometry": {"hidden_size": 64, "num_layers": 4}, "fingerprint": "aa"}
     draft = {"hidden_size": 64, "dflash_config": {"selector_rank": 16}, "torch_dtype": "float32"}
@@ -309,8 +309,8 @@ def test_resume_checks_name_both_sides():
 
 
 def test_prompts_past_the_context_are_refused_or_cut():
-    from dflash2_lightning.errors import ConfigError
     from dflash2_lightning.data.prompts import fit_to_context
+    from dflash2_lightning.errors import ConfigError
 
     prompts = [[1] * 10, [2] * 100, [3] * 5]
     assert fit_to_context(prompts, None, 8).prompts == prompts
@@ -327,7 +327,7 @@ def test_prompts_past_the_context_are_refused_or_cut():
 def test_the_validation_split_says_what_it_did_and_refuses_to_starve_training():
     from dflash2_lightning.data.records import validation_split
 
-    chat = lambda q, a: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}  # noqa: E731
+    chat = lambda q, a: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
     even = [(f"f:{i}", chat(f"q{i // 2}", f"a{i}")) for i in range(40)]
     split = validation_split(even, 0.1)
     assert len(split.held) == 4 and split.describe() == ("validation split by prompt: 4 of 40 records held out "

@@ -17,10 +17,9 @@ import pytest
 from test_cli import small_config
 
 from dflash2_lightning import cli, files
-from dflash2_lightning.model import checkpoint
-from dflash2_lightning.model.checkpoint import load_draft, save_draft
-from dflash2_lightning.model import DraftModel
 from dflash2_lightning.export.onnx.export import export_drafter, random_embedding_and_head
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.model.checkpoint import load_draft, save_draft
 
 
 @pytest.fixture(params=[0o022, 0o027], ids=["umask022", "umask027"])

@@ -104,7 +104,7 @@ def names(requirements: list[str]) -> set[str]:
 def test_what_is_carried_covers_what_the_gpu_machine_lacks() -> None:
     """Every dependency of the package is on the GPU machine or carried; what is carried is pinned as CI's lock pins it."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    machine = [l.split("#")[0].strip() for l in (REPO / "requirements" / "gpu-machine.txt").read_text().splitlines()]
+    machine = [line.split("#")[0].strip() for line in (REPO / "requirements" / "gpu-machine.txt").read_text().splitlines()]
     carried = gpu_check.carried_requirements()
     needed = names(project["dependencies"]) | {"docstring-parser", "typeshed-client"}  # jsonargparse[signatures]
     missing = needed - names([m for m in machine if m]) - names(carried)

@@ -38,13 +38,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from gpu_record import DRY_RUN_OPTION, GpuRecord
+from memory_helpers import LiveTensorBytes
 from torch import Tensor
 
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.train.objective import DraftObjective, Teacher, sample_anchors
-from gpu_record import DRY_RUN_OPTION, GpuRecord
-from memory_helpers import LiveTensorBytes
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "qwen3_8b_online.yaml"
@@ -333,7 +333,7 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
                                   "equals_default": all(torch.equal(gs[k], default[k]) for k in default),
                                   "_grads": gs}
     reference = backends["MATH"].get("_grads")
-    for name, b in backends.items():
+    for b in backends.values():
         gs = b.pop("_grads", None)
         if gs is not None and reference is not None:
             num = sum(float((gs[k] - reference[k]).pow(2).sum()) for k in reference)
@@ -356,8 +356,8 @@ def test_drafting_latency_eager_vs_cuda_graph(geo: Geometry, device: torch.devic
     torch.manual_seed(2)
     draft = DraftModel(cfg).to(device, dtype).eval()
     emb, lm = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    embed = lambda t: F.embedding(t, emb).to(dtype)  # noqa: E731
-    head = lambda h: F.linear(h.to(lm.dtype), lm)  # noqa: E731
+    embed = lambda t: F.embedding(t, emb).to(dtype)
+    head = lambda h: F.linear(h.to(lm.dtype), lm)
     rows: dict[str, Any] = {}
     ok = True
     for b in geo.batches:

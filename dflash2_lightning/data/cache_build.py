@@ -340,7 +340,7 @@ def compute_shard(tgt: Target, build: Path, batches: list[Batch], spec: FeatureS
         ranks.agree(start)
         progress = tqdm(range(steps), desc=f"target features (rank {ranks.rank} of {ranks.world})", unit="batch")
         for i in progress:
-            ranks.agree(lambda: step(i))
+            ranks.agree(lambda i=i: step(i))  # called before the next i: bound for clarity
         ranks.agree(stop)
     finally:
         if writer is not None and writer.thread.is_alive():

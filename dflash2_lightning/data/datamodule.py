@@ -24,20 +24,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from dflash2_lightning.target.corpus import builtin_corpus, builtin_fingerprint
 from dflash2_lightning.data.cache_build import FeatureSpec, build_feature_cache
-from dflash2_lightning.data.feature_cache import CACHE_FORMAT, MANIFEST, cache_bytes, read_manifest, verify_cache
+from dflash2_lightning.data.encode import encode_split
+from dflash2_lightning.data.feature_cache import CACHE_FORMAT, cache_bytes, read_manifest, verify_cache
 from dflash2_lightning.data.order import ResumableLoader, ResumableOrder
 from dflash2_lightning.data.records import SPLIT_RULE, DataError, read_jsonl, validation_split
-from dflash2_lightning.data.encode import encode_split
 from dflash2_lightning.data.workers import fork_deadlock_risk
 from dflash2_lightning.errors import check
+from dflash2_lightning.target.corpus import builtin_corpus, builtin_fingerprint
 from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetSpec, default_cache_dir
 from dflash2_lightning.target.target import Target, tokenizer_fingerprint

@@ -12,6 +12,7 @@ import numpy as np
 
 from dflash2_lightning.data.records import DataError, parse_record
 
+
 def encode_text(tokenizer: Any, text: str) -> tuple[list[int], list[bool]]:
     """Token ids of plain text (with the tokenizer's own special tokens), every token supervised."""
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]

@@ -46,7 +46,7 @@ class Failure:
     user: bool
 
     @classmethod
-    def of(cls, rank: int, error: BaseException) -> "Failure":
+    def of(cls, rank: int, error: BaseException) -> Failure:
         cause = find_user_error(error)
         if cause is not None:
             return cls(rank, type(cause).__name__, describe(cause), True)

@@ -55,8 +55,8 @@ def generate_responses(target: Any, prompts: list[list[int]], max_new_tokens: in
     gives each prompt its own generator, and a ``None`` seed keeps that prompt greedy. See
     :func:`dflash2_lightning.target.generate.generate_stream` (continuous batching).
     """
-    from dflash2_lightning.target.generate import generate_stream
     from dflash2_lightning.model.sampling import Sampling
+    from dflash2_lightning.target.generate import generate_stream
 
     eos = list(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
@@ -116,12 +116,11 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     """
     from tqdm.auto import tqdm
 
+    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, fit_to_context, read_prompts
+    from dflash2_lightning.errors import ConfigError
     from dflash2_lightning.files import atomic_write_text
     from dflash2_lightning.model.sampling import Sampling
-    from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, fit_to_context, read_prompts
     from dflash2_lightning.target.load import load_target
-
-    from dflash2_lightning.errors import ConfigError
 
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")

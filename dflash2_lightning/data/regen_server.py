@@ -29,15 +29,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.engines.openai_client import ServerError, complete, served_model
 from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
+from dflash2_lightning.engines.openai_client import ServerError, complete, served_model
 from dflash2_lightning.errors import check
 
 
 def _tokenizer(target_spec: Any) -> tuple[Any, Any]:
     """``(tokenizer, spec)`` of a target without loading its weights where that can be avoided."""
-    from dflash2_lightning.target.spec import TargetSpec
     from dflash2_lightning.target.load import hf_dir_of
+    from dflash2_lightning.target.spec import TargetSpec
     from dflash2_lightning.target.tiny import tiny_tokenizer
 
     if hasattr(target_spec, "tokenizer"):
@@ -75,8 +75,8 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
     """
     from tqdm.auto import tqdm
 
-    from dflash2_lightning.files import atomic_write_text
     from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, fit_to_context, read_prompts
+    from dflash2_lightning.files import atomic_write_text
 
     check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1")
     check(concurrency >= 1, "concurrency", concurrency, ">= 1")

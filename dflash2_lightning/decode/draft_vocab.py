@@ -46,7 +46,7 @@ def count_response_tokens(responses: str | os.PathLike, tokenizer: Any) -> colle
     """How often each token occurs in the assistant turns of a chat jsonl (``dflash2 regen``'s output)."""
     counts: collections.Counter[int] = collections.Counter()
     with open(responses, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+        for line in f:
             if not line.strip():
                 continue
             messages = json.loads(line).get("messages") or []

@@ -20,10 +20,10 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from dflash2_lightning.model.sampling import Proposal, Sampling, sample_backbone, sample_selector_walk
 from dflash2_lightning.model.backbone import ContextKV
 from dflash2_lightning.model.cache import DraftCache
 from dflash2_lightning.model.draft import DraftModel
+from dflash2_lightning.model.sampling import Proposal, Sampling, sample_backbone, sample_selector_walk
 
 Head = Callable[[Tensor], Tensor]
 DraftPath = Literal["selector", "backbone"]
@@ -32,7 +32,7 @@ DraftPath = Literal["selector", "backbone"]
 class ContextCache(Protocol):
     """The draft's cache of context K/V; :class:`ContextKV` and :class:`DraftCache` are two."""
 
-    def append(self, other: Any) -> "ContextCache": ...
+    def append(self, other: Any) -> ContextCache: ...
 
 
 class Drafter(Protocol):

@@ -57,9 +57,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash2_lightning.decode.drafter import DraftPath, Drafter, Head, as_drafter
-from dflash2_lightning.model.sampling import Sampling, draw, probabilities, verify
+from dflash2_lightning.decode.drafter import Drafter, DraftPath, Head, as_drafter
 from dflash2_lightning.model.draft import DraftModel
+from dflash2_lightning.model.sampling import Sampling, draw, probabilities, verify
 from dflash2_lightning.target.cpu_linear import declare_rows
 from dflash2_lightning.target.hf_cache import with_cache
 
@@ -168,7 +168,7 @@ class SpecResult:
     def truncated(self) -> list[bool]:
         return [e < a + 1 for a, e in zip(self.accepted, self.emitted)]
 
-    def stats(self) -> "AcceptanceStats":
+    def stats(self) -> AcceptanceStats:
         return AcceptanceStats.from_results([self])
 
 
@@ -190,7 +190,7 @@ class AcceptanceStats:
     seconds: float
 
     @classmethod
-    def from_results(cls, results: Sequence[SpecResult]) -> "AcceptanceStats":
+    def from_results(cls, results: Sequence[SpecResult]) -> AcceptanceStats:
         if not results:
             raise ValueError("results is empty: need at least one SpecResult")
         bs = results[0].block_size

@@ -35,10 +35,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.errors import bounded
 from dflash2_lightning.engines.acceptance_record import expected, read_record
-from dflash2_lightning.engines.counters import (ENGINE_CHOICES, LLAMA_CPP, SGLANG, VLLM, Counts,
-                                                EngineClient, EngineError, Served, metrics_exact, total)
+from dflash2_lightning.engines.counters import (
+    ENGINE_CHOICES,
+    LLAMA_CPP,
+    SGLANG,
+    VLLM,
+    Counts,
+    EngineClient,
+    EngineError,
+    Served,
+    metrics_exact,
+    total,
+)
+from dflash2_lightning.errors import bounded
 
 AGREE, DISAGREE, UNCHECKED = 0, 1, 2
 # Without the engine's configured width (llama.cpp without --metrics), fewer drafts per step than this

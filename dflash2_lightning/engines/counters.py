@@ -40,8 +40,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash2_lightning.engines.openai_client import (ServerError, Unreachable, expect, fetch, first_choice,
-                                                     request_json, served_model)
+from dflash2_lightning.engines.openai_client import (
+    ServerError,
+    Unreachable,
+    expect,
+    fetch,
+    first_choice,
+    request_json,
+    served_model,
+)
 from dflash2_lightning.errors import UserError
 
 LLAMA_CPP = "llama.cpp"
@@ -79,7 +86,7 @@ class Counts:
     accepted_per_position: tuple[float, ...] = ()
     steps_estimated: bool = False
 
-    def __sub__(self, before: "Counts") -> "Counts":
+    def __sub__(self, before: Counts) -> Counts:
         pos = tuple(a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0.0)
                     for i, a in enumerate(self.accepted_per_position))
         return Counts(self.drafted - before.drafted, self.accepted - before.accepted, self.steps - before.steps,

@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.errors import UserError
 from dflash2_lightning.engines.rules import llama_cpp_max_top_k
+from dflash2_lightning.errors import UserError
 
 ARCH = "dflash"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -169,8 +169,8 @@ def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, ou
     import gguf
     from safetensors.torch import load_file
 
-    from dflash2_lightning.model.checkpoint import WEIGHTS_NAME, check_tensors, load_config
     from dflash2_lightning.files import atomic_write
+    from dflash2_lightning.model.checkpoint import WEIGHTS_NAME, check_tensors, load_config
 
     if outtype not in OUTTYPES:
         raise GGUFExportError(f"outtype={outtype!r} is invalid: must be one of {', '.join(OUTTYPES)}")

@@ -96,7 +96,7 @@ def fetch(url: str, payload: dict[str, Any] | None, timeout: float) -> tuple[int
         got = len(error.partial)
         raise ServerError(f"{url} cut its answer off ({got} of {got + (error.expected or 0)} bytes received): the "
                           "server closed the connection mid-answer; check its log, then rerun") from None
-    except (TimeoutError, socket.timeout) as error:
+    except TimeoutError as error:
         raise _timed_out(url, timeout) from error
     except urllib.error.URLError as error:
         if isinstance(error.reason, (TimeoutError, socket.timeout)):

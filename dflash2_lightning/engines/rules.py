@@ -76,7 +76,7 @@ class TargetInfo:
     tiny: bool = False  # a tiny random test target: nothing to serve
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> "TargetInfo":
+    def from_dir(cls, directory: str | Path) -> TargetInfo:
         """Read a local HF model directory's ``config.json`` (and ``tokenizer.json``), not its weights."""
         from dflash2_lightning.target.hf_config import read_config_json
 
@@ -92,7 +92,7 @@ class TargetInfo:
                    mask_token_vocab_id=_vocab_id(directory / "tokenizer.json", SGLANG_MASK_TOKEN))
 
     @classmethod
-    def from_target(cls, target: Any) -> "TargetInfo":
+    def from_target(cls, target: Any) -> TargetInfo:
         """From a loaded :class:`~dflash2_lightning.target.target.Target` (what ``fit`` trained against)."""
         spec = target.spec
         loaded = str(target.dtype).removeprefix("torch.")
@@ -286,8 +286,8 @@ def serving_commands(block_size: int, dtype: str, draft_dir: str | Path,
     hf_target = target.path or "TARGET"
     return {
         VLLM: [f"vllm serve {quote(hf_target)} --dtype {served} \\",
-               "  --speculative-config " + quote('{"method": "dflash", "model": "%s", "num_speculative_tokens": %d}'
-                                                % (draft, n))],
+               "  --speculative-config " + quote(json.dumps({"method": "dflash", "model": draft,
+                                                                     "num_speculative_tokens": n}))],
         SGLANG: [f"python -m sglang.launch_server --model-path {quote(hf_target)} --dtype {served} \\",
                  f"  --speculative-algorithm DFLASH --speculative-draft-model-path {quote(draft)} \\",
                  f"  --speculative-num-draft-tokens {bs}"],

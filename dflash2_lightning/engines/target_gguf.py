@@ -50,9 +50,9 @@ def target_gguf(target_spec: Any, outtype: str = "f32", cache_dir: str | os.Path
     conversion the project trains against) goes through ``convert_hf_to_gguf.py --outtype`` into
     ``<cache>/llama.cpp/<version>/targets/<dir name>-<outtype>.gguf``, reused afterwards.
     """
-    from dflash2_lightning.target.spec import TargetSpec
-    from dflash2_lightning.target.load import hf_dir_of
     from dflash2_lightning.target.gguf import resolve_gguf
+    from dflash2_lightning.target.load import hf_dir_of
+    from dflash2_lightning.target.spec import TargetSpec
 
     spec = target_spec if isinstance(target_spec, TargetSpec) else TargetSpec(**target_spec)
     if outtype == "shipped":

@@ -20,11 +20,11 @@ import torch
 from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
 from dflash2_lightning.decode.drafter import DraftPath
 from dflash2_lightning.errors import bounded
-from dflash2_lightning.intervals import RESAMPLES
 from dflash2_lightning.evaluate.loop import evaluate_draft
 from dflash2_lightning.evaluate.replay import replay_report, run_replay
 from dflash2_lightning.evaluate.report import plot_eval, summary_lines
 from dflash2_lightning.evaluate.teacher_forced import ORACLE_TOP_K, PATHS
+from dflash2_lightning.intervals import RESAMPLES
 
 
 def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str | os.PathLike | None,
@@ -73,15 +73,13 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     these threads exceed the cores, a note says the timings cannot be trusted
     (:func:`~dflash2_lightning.threads.timing_warning`).
     """
-    from dflash2_lightning.model.checkpoint import load_draft
-    from dflash2_lightning.files import atomic_write_text
-    from dflash2_lightning.decode.draft_vocab import draft_vocab_head, find_draft_vocab
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, fit_to_context, read_prompts
+    from dflash2_lightning.decode.draft_vocab import draft_vocab_head, find_draft_vocab
+    from dflash2_lightning.errors import ConfigError, check
+    from dflash2_lightning.files import atomic_write_text, check_writable
+    from dflash2_lightning.model.checkpoint import load_draft
     from dflash2_lightning.target.load import load_target
     from dflash2_lightning.threads import load_average, timing_warning
-
-    from dflash2_lightning.errors import ConfigError, check
-    from dflash2_lightning.files import check_writable
 
     # Every setting that can be checked alone is checked before the draft, the target or a prompt is loaded.
     check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1")

@@ -109,10 +109,10 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
     (DFlash) probability is below it, ``0 <= draft_p_min < 1`` (0: always the whole ``draft_n_max``).
     The machine's load average is recorded beside the timings.
     """
-    from dflash2_lightning.model.checkpoint import load_config
     from dflash2_lightning.engines.draft_gguf import export_gguf
     from dflash2_lightning.engines.llama_cpp import VERSION, require_llama_cpp
     from dflash2_lightning.engines.target_gguf import target_gguf as convert_target
+    from dflash2_lightning.model.checkpoint import load_config
 
     cfg = load_config(draft_dir)
     width = cfg.block_size - 1

@@ -25,11 +25,19 @@ from typing import Any
 import torch
 
 from dflash2_lightning.decode.drafter import DraftPath, Head, TorchDrafter
-from dflash2_lightning.model.sampling import Sampling
-from dflash2_lightning.decode.speculative import AcceptanceStats, GreedyResult, SpecResult, speculative_generate, target_greedy, target_handles, target_sample
-from dflash2_lightning.intervals import RESAMPLES, bootstrap_intervals
+from dflash2_lightning.decode.speculative import (
+    AcceptanceStats,
+    GreedyResult,
+    SpecResult,
+    speculative_generate,
+    target_greedy,
+    target_handles,
+    target_sample,
+)
 from dflash2_lightning.evaluate.teacher_forced import PATHS, EstimateStats, default_oracle_top_k, teacher_forced
+from dflash2_lightning.intervals import RESAMPLES, bootstrap_intervals
 from dflash2_lightning.model.draft import DraftModel
+from dflash2_lightning.model.sampling import Sampling
 
 
 @dataclass

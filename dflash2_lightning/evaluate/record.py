@@ -14,12 +14,21 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash2_lightning.engines.acceptance_record import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPTS, RECORD_FORMAT,
-                                                         RECORD_NAME, continuation_text, expected, summary_line,
-                                                         weights_digest, write_record)
+from dflash2_lightning.engines.acceptance_record import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_PROMPTS,
+    RECORD_FORMAT,
+    RECORD_NAME,
+    continuation_text,
+    expected,
+    summary_line,
+    weights_digest,
+    write_record,
+)
 
 
 def served_path(is_dflash2: bool) -> str:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash2_lightning.decode.speculative import target_handles
-from dflash2_lightning.intervals import RESAMPLES, replay_summary
 from dflash2_lightning.evaluate.loop import check_inputs
 from dflash2_lightning.evaluate.teacher_forced import default_oracle_top_k, teacher_forced
+from dflash2_lightning.intervals import RESAMPLES, replay_summary
 from dflash2_lightning.model.draft import DraftModel
 
 

@@ -49,9 +49,9 @@ import torch
 from torch import Tensor
 
 from dflash2_lightning.decode.drafter import DraftPath
-from dflash2_lightning.model.sampling import Sampling
 from dflash2_lightning.decode.speculative import target_features, target_handles
 from dflash2_lightning.model.draft import DraftModel
+from dflash2_lightning.model.sampling import Sampling
 
 PATHS: tuple[DraftPath, ...] = ("selector", "backbone")
 ORACLE_TOP_K = 8  # the top-k oracle's candidates for a draft without a selector (the quickstart's selector_top_k)
@@ -131,9 +131,9 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
     sampled = sampling is not None and not sampling.greedy
     teacher = Teacher(greedy=out.logits.argmax(-1), logits=out.logits if sampled else None)
     loss_mask = torch.arange(s, device=device)[None] >= p
-    embed = lambda x: t.embed(x).to(dtype)  # noqa: E731 (target and draft may differ in dtype)
+    embed = lambda x: t.embed(x).to(dtype)
     head_dtype = t.hf.get_output_embeddings().weight.dtype
-    head = lambda h: t.head(h.to(head_dtype))  # noqa: E731
+    head = lambda h: t.head(h.to(head_dtype))
     objective = DraftObjective(token_loss="ce", selector_loss_alpha=0.0)
     want = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
     oracle = bool(oracle_top_k) and not sampled
@@ -178,7 +178,7 @@ class EstimateStats:
     sampled: Any = None  # a SampledAcceptance at temperature > 0 (then the greedy figures are not reported)
 
     @classmethod
-    def empty(cls, block_size: int, sampled: bool = False) -> "EstimateStats":
+    def empty(cls, block_size: int, sampled: bool = False) -> EstimateStats:
         from dflash2_lightning.train.metrics import BlockAcceptance, SampledAcceptance
 
         return cls(block_size, BlockAcceptance(block_size), [],

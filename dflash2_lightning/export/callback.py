@@ -74,7 +74,7 @@ def write_acceptance_record(pl_module: DFlash2Module, directory: Path) -> None:
         record = make_record(directory, pl_module.target, num_prompts=export.acceptance_prompts,
                              max_new_tokens=export.acceptance_tokens, budget=ACCEPTANCE_TOKENS_OPTION)
         path = write_record(record, directory)
-    except Exception as error:  # noqa: BLE001 - the checkpoint is written; the record can be made later
+    except Exception as error:
         rank_zero_warn(f"warning: [export] no acceptance record beside {directory} "
                        f"({describe(error).splitlines()[0]}); write it with "
                        f"`dflash2 acceptance-record --draft {directory} --target TARGET`")

@@ -20,11 +20,18 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash2_lightning.model.checkpoint import CONFIG_NAME, CheckpointError, read_config_json, verify_checkpoint
-from dflash2_lightning.files import atomic_write_text
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.engines.rules import (LLAMA_CPP, SGLANG, VLLM, Finding, TargetInfo, engine_findings,
-                                             serving_commands)
+from dflash2_lightning.engines.rules import (
+    LLAMA_CPP,
+    SGLANG,
+    VLLM,
+    Finding,
+    TargetInfo,
+    engine_findings,
+    serving_commands,
+)
+from dflash2_lightning.files import atomic_write_text
+from dflash2_lightning.model.checkpoint import CONFIG_NAME, CheckpointError, read_config_json, verify_checkpoint
 
 SERVING_NAME = "SERVING.md"
 RECORD_NAME = "acceptance.json"  # the acceptance record (dflash2_lightning.engines.acceptance_record)

@@ -126,7 +126,7 @@ class ContextKV:
     def length(self) -> int:
         return int(self.positions.shape[1])
 
-    def append(self, other: "ContextKV") -> "ContextKV":
+    def append(self, other: ContextKV) -> ContextKV:
         """A cache holding this context followed by ``other``."""
         return ContextKV(
             [LayerKV(torch.cat([a.keys, b.keys], 2), torch.cat([a.values, b.values], 2))
@@ -134,7 +134,7 @@ class ContextKV:
             torch.cat([self.positions, other.positions], 1),
         )
 
-    def crop(self, length: int) -> "ContextKV":
+    def crop(self, length: int) -> ContextKV:
         """The first ``length`` context positions."""
         return ContextKV([LayerKV(kv.keys[:, :, :length], kv.values[:, :, :length]) for kv in self.layers],
                          self.positions[:, :length])

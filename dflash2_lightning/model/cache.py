@@ -53,7 +53,7 @@ class DraftCache:
         self.capacity, self.block_size, self.length = capacity, block_size, 0
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, batch: int, capacity: int) -> "DraftCache":
+    def for_model(cls, model: torch.nn.Module, batch: int, capacity: int) -> DraftCache:
         """An empty cache for a :class:`~dflash2_lightning.model.DraftModel` (its dtype and device)."""
         cfg = model.config
         p = next(model.parameters())
@@ -82,7 +82,7 @@ class DraftCache:
         return [CacheSlot(k, v, self.length) for k, v in zip(self.keys, self.values)]
 
     # ------------------------------------------------------------------ updates
-    def append(self, other: ContextKV) -> "DraftCache":
+    def append(self, other: ContextKV) -> DraftCache:
         """Write ``other``'s K/V and positions at ``length..`` in place; returns ``self`` (O(new positions))."""
         k = other.length
         if self.length + k > self.capacity:
@@ -98,7 +98,7 @@ class DraftCache:
         self.length = end
         return self
 
-    def crop(self, length: int) -> "DraftCache":
+    def crop(self, length: int) -> DraftCache:
         """Keep the first ``length`` positions (in place; returns ``self``)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"length={length} is invalid: must be in [0, {self.length}]")

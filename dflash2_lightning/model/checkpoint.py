@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dflash2_lightning.files import atomic_write, atomic_write_text
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.errors import UserError
+from dflash2_lightning.files import atomic_write, atomic_write_text
 from dflash2_lightning.model import DraftModel
 
 CONFIG_NAME = "config.json"

@@ -18,8 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.model.backbone import (ContextKV, ContextStates, DraftLayer, RMSNorm, RotaryEmbedding,
-                                              sliding_window_mask)
+from dflash2_lightning.model.backbone import (
+    ContextKV,
+    ContextStates,
+    DraftLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    sliding_window_mask,
+)
 from dflash2_lightning.model.cache import DraftCache
 from dflash2_lightning.model.conv import DFlashGroupedConv
 from dflash2_lightning.model.selector import CandidateSelector

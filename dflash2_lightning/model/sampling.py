@@ -130,7 +130,7 @@ def sample_backbone(logits: Tensor, sampling: Sampling, generator: torch.Generat
     return Proposal(draw(q, generator), q)
 
 
-def sample_selector_walk(selector: "CandidateSelector", logits: Tensor, hidden: Tensor, anchor: Tensor,
+def sample_selector_walk(selector: CandidateSelector, logits: Tensor, hidden: Tensor, anchor: Tensor,
                          sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
     """DFlash2 proposal: a sampled walk through the top-k lattice of ``logits [B, L, V]``.
 

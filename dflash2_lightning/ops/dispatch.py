@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

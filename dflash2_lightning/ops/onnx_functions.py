@@ -36,8 +36,13 @@ from dflash2_lightning.ops.block_conv import onnx_function as block_conv_onnx
 from dflash2_lightning.ops.block_conv.onnx_function import BLOCK_CONV, block_conv_function
 from dflash2_lightning.ops.lattice_walk import onnx_function as lattice_walk_onnx
 from dflash2_lightning.ops.lattice_walk.onnx_function import LATTICE_WALK, lattice_walk_function
-from dflash2_lightning.ops.onnx_domain import (DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, PLUGIN_NAMESPACE,
-                                               PLUGIN_VERSION)
+from dflash2_lightning.ops.onnx_domain import (
+    DOMAIN,
+    DOMAIN_VERSION,
+    PLUGIN_ATTRIBUTES,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+)
 
 CUSTOM_OPS = (BLOCK_CONV, LATTICE_WALK)
 DEFAULT_CONTRACT_OPSET = 20

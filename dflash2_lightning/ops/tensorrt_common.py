@@ -6,7 +6,8 @@ the registered functions' annotations as objects.
 """
 
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "FLOAT_TYPES", "Dim", "Shape", "check_rank", "must_equal",
            "triton_type_of", "known", "known_shape", "triton_type", "build_arch", "MIN_TENSORRT",
@@ -25,11 +26,11 @@ FLOAT_TYPES = ("FP32", "FP16", "BF16")  # tensorrt.plugin's names; order = autot
 # trt.DataType enum name -> Triton pointer element type
 TRITON_TYPE_OF_TRT = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT64": "i64", "INT32": "i32"}
 
-Dim = Optional[int]  # a known size, or None where the size is only known at run time
+Dim = int | None  # a known size, or None where the size is only known at run time
 Shape = Sequence[Dim]
 
 
-def tensorrt_version_problem(version: str) -> Optional[str]:
+def tensorrt_version_problem(version: str) -> str | None:
     """Why TensorRT ``version`` cannot run the plugins, or None when it can (at least :data:`MIN_TENSORRT`)."""
     parts = []
     for piece in str(version).split(".")[:3]:
@@ -80,7 +81,7 @@ def triton_type(desc: Any) -> str:
     return triton_type_of(desc.dtype.name)
 
 
-def build_arch() -> Optional[int]:
+def build_arch() -> int | None:
     """``DFLASH2_TRT_ARCH`` (e.g. 90) overrides the compute capability the kernels are compiled for."""
     value = os.environ.get("DFLASH2_TRT_ARCH")
     return int(value) if value else None

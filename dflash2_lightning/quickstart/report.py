@@ -38,7 +38,7 @@ class Reporter:
         torch.set_num_threads(n)
         return n
 
-    def step(self, name: str, text: str) -> "_Step":
+    def step(self, name: str, text: str) -> _Step:
         self._n += 1
         threads = self.set_threads()
         self.say(f"[{self._n}/{self.total}] {name} ({threads} thread{'s' if threads > 1 else ''}): {text}")

@@ -223,7 +223,6 @@ def step_responses(rep: Reporter, opts: QuickstartOptions, out: Path, target: An
     """Step 2: the target's own responses to the seed prompts (resumable; reused when already made)."""
     from dflash2_lightning.data.prompts import SEED_PROMPTS
     from dflash2_lightning.data.regen import regen
-
     from dflash2_lightning.model.sampling import Sampling
     from dflash2_lightning.target.load import load_target
 
@@ -343,9 +342,9 @@ def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: P
 def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf_dir: Path,
               stamps: Stamps) -> tuple[dict[str, Any], Path]:
     """Step 5: measure τ by real speculative decoding on the held-out prompts (``dflash2 eval``)."""
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS
     from dflash2_lightning.decode.draft_vocab import find_draft_vocab
     from dflash2_lightning.evaluate.command import run_eval
-    from dflash2_lightning.data.prompts import EVAL_PROMPTS
 
     eval_dir = out / "eval"
     sampling = {"temperatures": list(opts.eval_temperatures), "top_p": opts.eval_top_p, "top_k": opts.eval_top_k,
@@ -396,8 +395,14 @@ def _llama_cpp_options(target: Any) -> dict[str, Any] | None:
 def ensure_record(rep: Reporter, target: Any, hf_dir: Path) -> Path:
     """The draft's acceptance record: the one the evaluation's replay wrote, or (no replay, or a record of
     other weights) a new one on the default 8 held-out prompts x 64 tokens."""
-    from dflash2_lightning.engines.acceptance_record import (RECORD_NAME, RecordError, read_record, summary_line,
-                                                             weights_digest, write_record)
+    from dflash2_lightning.engines.acceptance_record import (
+        RECORD_NAME,
+        RecordError,
+        read_record,
+        summary_line,
+        weights_digest,
+        write_record,
+    )
     from dflash2_lightning.evaluate.record import make_record
 
     path = hf_dir / RECORD_NAME
@@ -494,9 +499,9 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     """Run the five steps (skipping finished ones); returns the summary dict (also in ``OUT/summary.json``)."""
     import yaml
 
-    from dflash2_lightning.model.checkpoint import load_draft
-    from dflash2_lightning.files import atomic_write_text
     from dflash2_lightning.decode.draft_vocab import make_draft_vocab
+    from dflash2_lightning.files import atomic_write_text
+    from dflash2_lightning.model.checkpoint import load_draft
     from dflash2_lightning.target.arguments import target_spec_from_arg
     from dflash2_lightning.target.spec import TargetSpec
 

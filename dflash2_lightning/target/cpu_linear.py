@@ -231,7 +231,7 @@ class FewRowLinear(nn.Linear):
         self.pack_warned = False
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kernels: CpuLinears) -> "FewRowLinear":
+    def from_linear(cls, linear: nn.Linear, kernels: CpuLinears) -> FewRowLinear:
         """A :class:`FewRowLinear` holding ``linear``'s own parameters (nothing copied)."""
         module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, kernels=kernels,
                      device="meta")

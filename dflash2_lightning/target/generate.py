@@ -72,7 +72,7 @@ def _decode_attention(hf: torch.nn.Module) -> Iterator[None]:
 
 def _select_rows(cache: object, rows: Tensor) -> None:
     """Keep only ``rows`` of a transformers cache (every layer), in place."""
-    for layer in getattr(cache, "layers"):
+    for layer in cache.layers:
         layer.batch_select_indices(rows)
 
 

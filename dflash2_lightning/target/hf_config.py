@@ -110,7 +110,7 @@ def target_config(directory: str | os.PathLike) -> Any:
     check_config_sizes(data, where)
     try:
         return AutoConfig.from_pretrained(str(Path(directory).expanduser()), local_files_only=True)
-    except Exception as error:  # noqa: BLE001 - a field of the wrong type for that model's config class (transformers
+    except Exception as error:
         # reports it as a ValueError, a TypeError or huggingface_hub's StrictDataclassFieldValidationError)
         raise TargetError(f"{where} is refused by transformers' {data['model_type']} config "
                           f"({type(error).__name__}: {str(error).splitlines()[0][:200]}): fix that field") from None

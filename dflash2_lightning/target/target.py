@@ -19,7 +19,6 @@ from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.cpu_linear import CpuLinears, declare_rows, install_cpu_linears
 from dflash2_lightning.target.spec import TargetError, TargetSpec
 
-
 # Logits elements computed at once by :meth:`Target.greedy_at` (2**26: 128 MiB in bf16, 256 MiB in float32).
 GREEDY_CHUNK_ELEMENTS = 2**26
 # Config fields of HF models whose logits are more than ``lm_head(last hidden state)`` (soft-capping, scaling).
@@ -55,7 +54,7 @@ class Target(nn.Module):
         self.verify_block_sizes: set[int] = set()
         super().train(False)
 
-    def train(self, mode: bool = True) -> "Target":
+    def train(self, mode: bool = True) -> Target:
         """Frozen: stays in eval mode whatever the parent module asks."""
         return super().train(False)
 

@@ -78,7 +78,7 @@ def group_fields(cls: Any) -> dict[str, list[str]]:
 
     try:
         hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # noqa: BLE001  (an unresolvable annotation: no groups to suggest from)
+    except Exception:
         return {}
     return {name: [f.name for f in dataclasses.fields(hint)] for name, hint in hints.items()
             if dataclasses.is_dataclass(hint)}

@@ -64,16 +64,16 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from dflash2_lightning import files
-from dflash2_lightning.train.run_files import AtomicCheckpointIO
-from dflash2_lightning.errors import ConfigError
-from dflash2_lightning.data.records import DataError
 from dflash2_lightning.data.datamodule import DraftDataModule
+from dflash2_lightning.data.records import DataError
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.reporting import run_command
-from dflash2_lightning.train.module import MISSING_TARGET, DFlash2Module
 from dflash2_lightning.train.launcher import WatchedLauncher, install_launcher
+from dflash2_lightning.train.module import MISSING_TARGET, DFlash2Module
 from dflash2_lightning.train.plan import PlanOptions
 from dflash2_lightning.train.preemption import STOP, install_preemption, resume_command
 from dflash2_lightning.train.resume_checks import check_resume, peek_checkpoint, resolve_ckpt_path
+from dflash2_lightning.train.run_files import AtomicCheckpointIO
 from dflash2_lightning.train.run_lock import RunLock
 
 TARGET_KEY = "model.init_args.target"

@@ -125,8 +125,8 @@ class SampledAcceptance(Metric):
 def sampled_alpha(out: ObjectiveOutput, sampling: Any) -> dict[str, Tensor] | None:
     """Per-slot acceptance probabilities ``{path: [B, N, L]}`` under ``sampling``, or None when the
     target's distribution is not at hand (neither its logits nor a cached top-k)."""
-    from dflash2_lightning.train.objective import gather_positions
     from dflash2_lightning.model.sampling import probabilities
+    from dflash2_lightning.train.objective import gather_positions
 
     teacher, sources = out.teacher, out.blocks.sources
     if out.logits is None:

@@ -45,17 +45,25 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.errors import ConfigError, UserError, check
 from dflash2_lightning.data.prompts import record_prompts
+from dflash2_lightning.errors import ConfigError, UserError, check
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.target import Target
+from dflash2_lightning.train.due_validation import DUE_KEY, run_due_validation, validation_due
 from dflash2_lightning.train.metrics import DraftMetrics, plot_acceptance
 from dflash2_lightning.train.objective import DraftObjective, ObjectiveOutput, Teacher, sample_anchors
-from dflash2_lightning.train.options import (DraftOptions, ExperimentalOptions, ExportOptions, ObjectiveOptions,
-                                             OptimizerOptions, ValidationOptions, as_options, draft_settings_named)
-from dflash2_lightning.train.due_validation import DUE_KEY, run_due_validation, validation_due
+from dflash2_lightning.train.options import (
+    DraftOptions,
+    ExperimentalOptions,
+    ExportOptions,
+    ObjectiveOptions,
+    OptimizerOptions,
+    ValidationOptions,
+    as_options,
+    draft_settings_named,
+)
 from dflash2_lightning.train.resume_checks import TARGET_KEY, check_resume
 from dflash2_lightning.train.run_files import log_step_metrics_now
 

@@ -46,7 +46,6 @@ Gold token outside the selector's top-k (``gold_outside_topk``)
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass

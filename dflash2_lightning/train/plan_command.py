@@ -12,8 +12,7 @@ from argparse import ArgumentError
 from typing import TYPE_CHECKING, Any
 
 from dflash2_lightning.errors import UsageError
-from dflash2_lightning.train.lightning_cli import (DFlash2CLI, argument_errors, plan_options, precheck,
-                                                   quiet_lightning)
+from dflash2_lightning.train.lightning_cli import DFlash2CLI, argument_errors, plan_options, precheck, quiet_lightning
 from dflash2_lightning.train.preemption import without_ckpt_path
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ def peek_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             return torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
         raise
-    except Exception as error:  # noqa: BLE001  (torch reports a truncated zip / pickle in several types)
+    except Exception as error:
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:160]}): it "
             "is truncated or not a Lightning checkpoint; delete it and resume from another checkpoint "

@@ -28,12 +28,11 @@ Metrics
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 from pathlib import Path
 from typing import Any
-
-import csv
-import io
 
 import torch
 from lightning.fabric.loggers.logger import rank_zero_experiment
@@ -42,8 +41,8 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from dflash2_lightning.model.checkpoint import CheckpointError
 from dflash2_lightning.files import append_durably, atomic_write, atomic_write_text
+from dflash2_lightning.model.checkpoint import CheckpointError
 
 
 def _is_local(path: str | os.PathLike) -> bool:

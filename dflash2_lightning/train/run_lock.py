@@ -94,7 +94,7 @@ class RunLock:
                 break
         self._created = []
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         self.acquire()
         return self
 

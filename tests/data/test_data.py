@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.data.datamodule import MANIFEST, DraftDataModule
-from dflash2_lightning.data.records import DataError, held_out_by_prompt, prompt_key
 from dflash2_lightning.data.encode import encode_chat, encode_records
-from dflash2_lightning.target.target import Target
-from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.data.records import DataError, held_out_by_prompt, prompt_key
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.load import load_target
+from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.target.target import Target
 
 TINY = TargetSpec(tiny={})
 CHAT = [{"role": "system", "content": "Be brief."},

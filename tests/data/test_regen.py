@@ -11,10 +11,10 @@ from speculative_helpers import TARGET_SPEC, tiny_target
 
 import dflash2_lightning.data.regen as regen_mod
 from dflash2_lightning.data.encode import encode_chat
-from dflash2_lightning.data.records import parse_record
 from dflash2_lightning.data.prompts import EVAL_PROMPTS, SEED_PROMPTS, encode_prompt, read_prompts
-from dflash2_lightning.data.regen_log import RegenError
+from dflash2_lightning.data.records import parse_record
 from dflash2_lightning.data.regen import regen, regen_main
+from dflash2_lightning.data.regen_log import RegenError
 from dflash2_lightning.decode.speculative import target_greedy
 
 N_PROMPTS, BATCH, NEW = 7, 2, 6

@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-
-from dflash2_lightning import cli
-from dflash2_lightning.engines.llama_server import free_port
-from dflash2_lightning.data.regen import regen, regen_main
-from dflash2_lightning.engines.openai_client import ServerError
-from dflash2_lightning.data.regen_server import regen_server
 from llamacpp_helpers import llama_cpp_or_skip
 from serving_fakes import MODELS, Broken
+
+from dflash2_lightning import cli
+from dflash2_lightning.data.regen import regen, regen_main
+from dflash2_lightning.data.regen_server import regen_server
+from dflash2_lightning.engines.llama_server import free_port
+from dflash2_lightning.engines.openai_client import ServerError
 
 SMOLLM2 = {"gguf": "smollm2"}
 PROMPTS = [

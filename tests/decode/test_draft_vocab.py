@@ -10,12 +10,20 @@ import pytest
 import torch
 from speculative_helpers import NEW_TOKENS, TARGET_SPEC, continuations, prompts, tiny_target, trained_draft
 
-from dflash2_lightning.model.checkpoint import save_draft
-from dflash2_lightning.decode.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocabError, DraftVocabHead, draft_vocab_head,
-                                                  hot_tokens, make_draft_vocab, read_draft_vocab, write_draft_vocab)
-from dflash2_lightning.evaluate.command import eval_main
+from dflash2_lightning.decode.draft_vocab import (
+    DRAFT_VOCAB_FILE,
+    DraftVocabError,
+    DraftVocabHead,
+    draft_vocab_head,
+    hot_tokens,
+    make_draft_vocab,
+    read_draft_vocab,
+    write_draft_vocab,
+)
 from dflash2_lightning.decode.drafter import TorchDrafter
 from dflash2_lightning.decode.speculative import speculative_generate, target_sample
+from dflash2_lightning.evaluate.command import eval_main
+from dflash2_lightning.model.checkpoint import save_draft
 
 
 def _lm_head():

@@ -7,9 +7,15 @@ import pytest
 import torch
 from speculative_helpers import BLOCK_SIZE, NEW_TOKENS, continuations, prompts, tiny_target, trained_draft
 
-from dflash2_lightning.model import DraftModel
-from dflash2_lightning.decode.speculative import AcceptanceStats, SpecResult, speculative_generate, target_features, target_greedy
 from dflash2_lightning.decode.drafter import TorchDrafter, low_precision_head
+from dflash2_lightning.decode.speculative import (
+    AcceptanceStats,
+    SpecResult,
+    speculative_generate,
+    target_features,
+    target_greedy,
+)
+from dflash2_lightning.model import DraftModel
 
 CASES = [("dflash2", "selector"), ("dflash2", "backbone"), ("dflash", "backbone")]
 
@@ -62,14 +68,14 @@ class OracleDrafter:
         def __init__(self, positions: list[int]) -> None:
             self.positions = positions
 
-        def append(self, other: "OracleDrafter.Cache") -> "OracleDrafter.Cache":
+        def append(self, other: OracleDrafter.Cache) -> OracleDrafter.Cache:
             return OracleDrafter.Cache(self.positions + other.positions)
 
     def __init__(self, sequence: list[int], accept: list[int], vocab: int) -> None:
         self.block_size, self.target_layer_ids = BLOCK_SIZE, [1]
         self.sequence, self.accept, self.vocab, self.cycle = sequence, accept, vocab, 0
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> "OracleDrafter.Cache":
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> OracleDrafter.Cache:
         assert features.shape[1] == positions.shape[1]
         return self.Cache(positions[0].tolist())
 

@@ -15,11 +15,20 @@ from speculative_helpers import TARGET_SPEC, tiny_target, trained_draft
 from dflash2_lightning import cli
 from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.decode.speculative import speculative_generate
+from dflash2_lightning.engines.acceptance_record import (
+    RECORD_FORMAT,
+    RECORD_NAME,
+    RecordError,
+    check_record_weights,
+    expected,
+    gguf_record_path,
+    read_record,
+    remove_stale_record,
+    stale_weights,
+    weights_digest,
+    write_record,
+)
 from dflash2_lightning.errors import ConfigError
-from dflash2_lightning.engines.acceptance_record import (RECORD_FORMAT, RECORD_NAME, RecordError,
-                                                         check_record_weights, expected, gguf_record_path,
-                                                         read_record, remove_stale_record, stale_weights,
-                                                         weights_digest, write_record)
 from dflash2_lightning.evaluate.record import make_record
 from dflash2_lightning.intervals import replay_summary
 from dflash2_lightning.model.checkpoint import save_draft
@@ -204,8 +213,8 @@ def test_the_gguf_export_puts_the_record_beside_the_gguf(draft_dir, record, tmp_
 
 
 def test_serving_md_describes_the_record_and_the_check(draft_dir, tmp_path):
-    from dflash2_lightning.model.checkpoint import load_config
     from dflash2_lightning.export.serving import write_serving
+    from dflash2_lightning.model.checkpoint import load_config
 
     path, _ = write_serving(draft_dir, load_config(draft_dir), out=tmp_path / "SERVING.md")
     text = path.read_text()

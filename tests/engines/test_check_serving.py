@@ -13,15 +13,34 @@ import random
 import re
 
 import pytest
+from serving_fakes import (
+    MODELS,
+    Broken,
+    FakeEngine,
+    Served,
+    behaviour_of,
+    llama_cpp_completion,
+    llama_cpp_metrics,
+    sglang_completion,
+    vllm_completion,
+    vllm_metrics,
+)
 
 from dflash2_lightning import cli
 from dflash2_lightning.engines.acceptance_record import RECORD_FORMAT, expected, write_record
 from dflash2_lightning.engines.check_serving import check_serving, compare_output, likely_causes
-from dflash2_lightning.engines.counters import (LLAMA_CPP, SGLANG, VLLM, Counts, EngineError,
-                                                Served as ServedOutput,
-                                                metrics_counts, parse_prometheus, read_completion, total)
-from serving_fakes import (MODELS, Broken, FakeEngine, Served, behaviour_of, llama_cpp_completion, llama_cpp_metrics,
-                           sglang_completion, vllm_completion, vllm_metrics)
+from dflash2_lightning.engines.counters import (
+    LLAMA_CPP,
+    SGLANG,
+    VLLM,
+    Counts,
+    EngineError,
+    metrics_counts,
+    parse_prometheus,
+    read_completion,
+    total,
+)
+from dflash2_lightning.engines.counters import Served as ServedOutput
 
 BLOCK = 4
 

@@ -18,7 +18,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import randomize_draft_
 from llamacpp_helpers import llama_cpp_or_skip, smollm2_draft_config
 
@@ -31,12 +30,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def pair(trained_smollm2_draft, tmp_path_factory) -> dict:
     """The draft with its record, the target's f32 GGUF, the draft's GGUF and the GGUFs of the broken cases."""
-    from dflash2_lightning.evaluate.record import make_record
     from dflash2_lightning.engines.acceptance_record import write_record
-    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.engines.draft_gguf import export_gguf
     from dflash2_lightning.engines.target_gguf import target_gguf
+    from dflash2_lightning.evaluate.record import make_record
     from dflash2_lightning.model import DraftModel
+    from dflash2_lightning.model.checkpoint import save_draft
 
     llama_cpp_or_skip()
     work = tmp_path_factory.mktemp("check-serving")

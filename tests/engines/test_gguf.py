@@ -7,14 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from dflash2_lightning.model.checkpoint import expected_tensors, save_draft
-from dflash2_lightning import cli
-from dflash2_lightning.engines.draft_gguf import (GGUFExportError, export_gguf, export_gguf_main, gguf_tensor_name)
-from dflash2_lightning.model import DraftModel
-from llamacpp_helpers import (PROVENANCE_KEYS, gguf_contents, llama_source_or_skip, smollm2_draft_config,
-                              vocab_gguf)
 from conftest import randomize_draft_
+from llamacpp_helpers import PROVENANCE_KEYS, gguf_contents, llama_source_or_skip, smollm2_draft_config, vocab_gguf
+
+from dflash2_lightning import cli
+from dflash2_lightning.engines.draft_gguf import GGUFExportError, export_gguf, export_gguf_main, gguf_tensor_name
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.model.checkpoint import expected_tensors, save_draft
 
 gguf = pytest.importorskip("gguf")
 
@@ -129,9 +128,9 @@ def test_equal_to_llama_cpp_converter(tmp_path, projector, outtype, dtype):
     """Field by field and tensor by tensor (bytes) equal to what llama.cpp's convert_hf_to_gguf.py writes."""
     from dflash2_lightning.engines.llama_cpp import LlamaCpp
     from dflash2_lightning.engines.target_gguf import convert_hf_to_gguf
-    from dflash2_lightning.target.spec import TargetSpec
-    from dflash2_lightning.target.load import hf_dir_of
     from dflash2_lightning.target.gguf import resolve_gguf
+    from dflash2_lightning.target.load import hf_dir_of
+    from dflash2_lightning.target.spec import TargetSpec
 
     root = llama_source_or_skip()
     target_hf = hf_dir_of(TargetSpec(gguf="smollm2"))

@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from llamacpp_helpers import llama_cpp_or_skip
 
 from dflash2_lightning.engines import llama_cpp as llamacpp
 from dflash2_lightning.engines import llama_server, target_gguf
 from dflash2_lightning.engines.llama_cpp import LlamaCppError, ensure_llama_cpp, find_llama_cpp, require_llama_cpp
-from llamacpp_helpers import llama_cpp_or_skip
 
 
 def _fake_build(cache: Path, tools=llamacpp.TOOLS) -> Path:
@@ -68,11 +68,12 @@ def test_an_sdist_with_the_wrong_checksum_is_refused_and_removed(tmp_path):
 @pytest.mark.slow
 def test_speculative_simple_loads_the_exported_draft_and_drafts(tmp_path):
     """llama.cpp's own speculative example loads our GGUF next to the f32 target and drafts with it."""
-    from dflash2_lightning.model.checkpoint import save_draft
+    from conftest import randomize_draft_
+    from llamacpp_helpers import smollm2_draft_config
+
     from dflash2_lightning.engines.draft_gguf import export_gguf
     from dflash2_lightning.model import DraftModel
-    from llamacpp_helpers import smollm2_draft_config
-    from conftest import randomize_draft_
+    from dflash2_lightning.model.checkpoint import save_draft
 
     llama = llama_cpp_or_skip()
     target = target_gguf.target_gguf({"gguf": "smollm2"}, "f32")
@@ -107,7 +108,7 @@ http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Healt
 """
 
 
-def _fake_llama(tmp_path, crash_when: str) -> "llamacpp.LlamaCpp":
+def _fake_llama(tmp_path, crash_when: str) -> llamacpp.LlamaCpp:
     """A llama.cpp build whose llama-server is a small Python server that segfaults when ``crash_when`` holds."""
     import sys
 

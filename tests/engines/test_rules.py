@@ -8,16 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from module_helpers import SMALL, Batches, grouped, quiet_trainer, random_batch
 from safetensors.torch import load_file
 from test_cli import small_config
 from torch.utils.data import DataLoader
 
 from dflash2_lightning import cli
-from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.engines.rules import TargetInfo, choose_export_dtype, engine_findings
-from dflash2_lightning.train.module import DFlash2Module
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.spec import TargetSpec
-from module_helpers import SMALL, Batches, grouped, quiet_trainer, random_batch
+from dflash2_lightning.train.module import DFlash2Module
 
 
 # ----------------------------------------------------------------------------- the dtype rule

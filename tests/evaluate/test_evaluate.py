@@ -8,14 +8,14 @@ import pytest
 import torch
 from speculative_helpers import BLOCK_SIZE, NEW_TOKENS, TARGET_SPEC, continuations, prompts, tiny_target, trained_draft
 
-from dflash2_lightning.model.checkpoint import save_draft
-from dflash2_lightning.evaluate.teacher_forced import EstimateStats, teacher_forced
-from dflash2_lightning.evaluate.loop import evaluate_draft
-from dflash2_lightning.evaluate.command import eval_main
-from dflash2_lightning.evaluate.replay import replay_eval
-from dflash2_lightning.intervals import replay_summary
-from dflash2_lightning.evaluate.report import summary_lines
 from dflash2_lightning.decode.speculative import AcceptanceStats, speculative_generate
+from dflash2_lightning.evaluate.command import eval_main
+from dflash2_lightning.evaluate.loop import evaluate_draft
+from dflash2_lightning.evaluate.replay import replay_eval
+from dflash2_lightning.evaluate.report import summary_lines
+from dflash2_lightning.evaluate.teacher_forced import EstimateStats, teacher_forced
+from dflash2_lightning.intervals import replay_summary
+from dflash2_lightning.model.checkpoint import save_draft
 
 # The trainer's estimate may differ from the measured τ by at most this fraction of the measured τ.
 # Both apply the same per-anchor acceptance (the replay below shows it exactly); they differ only in
@@ -136,9 +136,9 @@ def test_replay_summary_counts_cycles_and_offsets() -> None:
 
 
 def test_replay_options_are_checked_before_any_work(tmp_path) -> None:
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, read_prompts
     from dflash2_lightning.errors import ConfigError
     from dflash2_lightning.evaluate.command import run_eval
-    from dflash2_lightning.data.prompts import EVAL_PROMPTS, read_prompts
 
     held_out = len(read_prompts(EVAL_PROMPTS))
     missing = tmp_path / "no-draft"  # never loaded: the options fail first
@@ -207,7 +207,7 @@ def test_eval_at_temperature_reports_every_setting_with_intervals() -> None:
     # seeded: the same settings measure the same cycles, another seed other ones
     again = evaluate_draft(draft, target, prompts()[:3], 10, **kw)
     other = evaluate_draft(draft, target, prompts()[:3], 10, **{**kw, "seed": 8})
-    hist = lambda r: {n: v["measured"]["histogram"] for n, v in r["temperatures"]["1"]["paths"].items()}  # noqa: E731
+    hist = lambda r: {n: v["measured"]["histogram"] for n, v in r["temperatures"]["1"]["paths"].items()}
     assert hist(again) == hist(report) and hist(other) != hist(report)
     lines = summary_lines(report)
     assert any(line.startswith("T=1, top_p 0.9") for line in lines)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from llamacpp_helpers import llama_cpp_or_skip
 
 
@@ -47,11 +46,11 @@ def test_shipped_quantised_target_runs(trained_smollm2_draft, tmp_path):
     from dflash2_lightning.evaluate.llama_cpp import evaluate_llama_cpp
 
     llama_cpp_or_skip()
-    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
     from transformers import AutoTokenizer
 
-    from dflash2_lightning.target.spec import TargetSpec
+    from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.target.load import hf_dir_of
+    from dflash2_lightning.target.spec import TargetSpec
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir_of(TargetSpec(gguf="smollm2"))))
     prompts = [encode_prompt(tok, m) for m in read_prompts(EVAL_PROMPTS, 2)]
@@ -64,8 +63,8 @@ def test_shipped_quantised_target_runs(trained_smollm2_draft, tmp_path):
 @pytest.mark.parametrize("n_max", [0, 4])
 def test_draft_n_max_outside_the_block_is_a_clear_error(tiny_draft_config, randomized_draft, tmp_path, n_max):
     """Before anything is built or served: the bad value, the field and the bound from the draft's block."""
-    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.evaluate.llama_cpp import evaluate_llama_cpp
+    from dflash2_lightning.model.checkpoint import save_draft
 
     draft = save_draft(randomized_draft(tiny_draft_config()), tmp_path / "hf")  # block_size 4
     with pytest.raises(ValueError, match=rf"draft_n_max={n_max} .*block_size=4.* 1 <= draft_n_max <= 3"):
@@ -74,8 +73,8 @@ def test_draft_n_max_outside_the_block_is_a_clear_error(tiny_draft_config, rando
 
 @pytest.mark.parametrize("p_min", [-0.1, 1.0])
 def test_draft_p_min_outside_0_1_is_a_clear_error(tiny_draft_config, randomized_draft, tmp_path, p_min):
-    from dflash2_lightning.model.checkpoint import save_draft
     from dflash2_lightning.evaluate.llama_cpp import evaluate_llama_cpp
+    from dflash2_lightning.model.checkpoint import save_draft
 
     draft = save_draft(randomized_draft(tiny_draft_config()), tmp_path / "hf")
     with pytest.raises(ValueError, match=rf"draft_p_min={p_min} is out of range: 0 <= draft_p_min < 1"):

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 import yaml
+from test_cli import small_config
 
 from dflash2_lightning import cli
 from dflash2_lightning.export.callback import FIT_END_CALLBACKS, ExportOnFitEnd
 from dflash2_lightning.recipes import RECIPES
 from dflash2_lightning.train import lightning_cli
-from test_cli import small_config
 
 CALLBACK = "dflash2_lightning.export.callback.ExportOnFitEnd"
 

@@ -16,15 +16,15 @@ import torch
 from conftest import TINY_DRAFT, randomize_draft_
 from onnx import TensorProto, helper
 
-from dflash2_lightning.model.checkpoint import save_draft
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.model import DraftModel
 from dflash2_lightning.export.onnx import command as cli
-from dflash2_lightning.ops import onnx_functions as ops
 from dflash2_lightning.export.onnx.export import export_drafter, random_embedding_and_head
 from dflash2_lightning.export.onnx.graphs import DraftStepGraph
 from dflash2_lightning.export.onnx.verify import choice_margins, verify_export
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.model.checkpoint import save_draft
 from dflash2_lightning.ops import block_conv, lattice_walk
+from dflash2_lightning.ops import onnx_functions as ops
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

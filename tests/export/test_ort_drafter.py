@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import randomize_draft_
 
-from dflash2_lightning.model import DraftModel
-from dflash2_lightning.export.onnx import OrtDrafter
-from dflash2_lightning.export.onnx.export import export_drafter, target_embedding_and_head
 from dflash2_lightning.decode.drafter import TorchDrafter, as_drafter
 from dflash2_lightning.decode.speculative import speculative_generate
-from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.export.onnx import OrtDrafter
+from dflash2_lightning.export.onnx.export import export_drafter, target_embedding_and_head
+from dflash2_lightning.model import DraftModel
 from dflash2_lightning.target.load import load_target
+from dflash2_lightning.target.spec import TargetSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -12,14 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2_lightning import cli
-from dflash2_lightning.model.checkpoint import CheckpointError, load_draft, save_draft, verify_checkpoint
 from dflash2_lightning.errors import ConfigError
-from dflash2_lightning.model import DraftModel
 from dflash2_lightning.export.serving import SERVING_NAME
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.model.checkpoint import CheckpointError, load_draft, save_draft, verify_checkpoint
 
 
 def edit_config(change: Callable[[dict], None]) -> Callable[[Path], None]:
@@ -179,7 +178,7 @@ def test_check_names_a_missing_directory(tmp_path, capsys):
 
 def commands(text: str) -> list[list[str]]:
     """The shell commands of SERVING.md's code blocks (continuation lines joined), as argv lists."""
-    out, block, inside = [], "", False
+    block, inside = "", False
     for line in text.splitlines():
         if line.startswith("```"):
             inside = not inside

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from gpu_helpers import TOL, engine_inputs, engine_reference, single_op_graphs
 
 pytestmark = [pytest.mark.tensorrt, pytest.mark.gpu]

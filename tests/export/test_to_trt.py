@@ -89,9 +89,8 @@ def test_read_graph_on_the_single_op_graphs(tmp_path):
 
 
 def test_dflash_nodes_get_the_aot_switch(tmp_path):
-    import onnx
-
     import gpu_helpers as gpu_check
+    import onnx
     path = gpu_check.single_op_graphs(tmp_path, "float32")["block_conv"]
     model = onnx.load_from_string(to_trt.with_aot_attribute(path))
     (node,) = model.graph.node

@@ -7,8 +7,8 @@ import torch
 from conftest import TINY_DRAFT, randomize_draft_
 
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.model import ContextKV, DraftCache, DraftModel
 from dflash2_lightning.export.onnx.graphs import DraftStepGraph, frozen_embedding_and_head
+from dflash2_lightning.model import ContextKV, DraftCache, DraftModel
 
 
 def _draft(**overrides) -> DraftModel:

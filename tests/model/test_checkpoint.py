@@ -11,9 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash2_lightning import files
-from dflash2_lightning.model import checkpoint
+from dflash2_lightning.model import DraftModel, checkpoint
 from dflash2_lightning.model.checkpoint import CheckpointError, load_config, load_draft, save_draft
-from dflash2_lightning.model import DraftModel
 
 
 def contract(num_layers, h, v, n_t, nh, nkv, hd, inter, taps, group, rank, dflash2=True):

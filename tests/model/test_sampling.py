@@ -39,14 +39,19 @@ import pytest
 import torch
 from conftest import randomize_draft_
 
-import dflash2_lightning.model.sampling as sampling_mod
 import dflash2_lightning.decode.speculative as spec
+import dflash2_lightning.model.sampling as sampling_mod
 from dflash2_lightning.config import DraftConfig
-from dflash2_lightning.model import DraftModel
-from dflash2_lightning.model.sampling import (Sampling, draw_rows, probabilities, sample_backbone, sample_selector_walk,
-                                              verify)
-from dflash2_lightning.decode.drafter import TorchDrafter
 from dflash2_lightning.decode.speculative import speculative_generate, target_sample
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.model.sampling import (
+    Sampling,
+    draw_rows,
+    probabilities,
+    sample_backbone,
+    sample_selector_walk,
+    verify,
+)
 
 ALPHA = 1e-6
 V, BLOCK, PROMPT = 6, 3, [1, 2, 1]
@@ -213,7 +218,7 @@ def test_selector_walk_reports_and_follows_its_law() -> None:
                 paths[(d1, d2)] = paths.get((d1, d2), 0.0) + p1 * p2
         one = sample_selector_walk(sel, logits, hidden, anchor, s, gen)
         d1, d2 = one.tokens[0].tolist()
-        for i, (pred, law) in enumerate([(4, step_law(4, 0)), (d1, step_law(d1, 1))]):
+        for i, (_pred, law) in enumerate([(4, step_law(4, 0)), (d1, step_law(d1, 1))]):
             want = torch.zeros(V, dtype=torch.float64)
             for c, p in law.items():
                 want[c] = p

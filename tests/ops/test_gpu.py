@@ -6,9 +6,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_helpers import (
+    BS,
+    DEVICE,
+    GROUPS,
+    RANK,
+    TAPS,
+    TOL,
+    TOP_K,
+    CudaDriver,
+    H,
+    V,
+    conv_inputs,
+    reference_walk,
+    walk_inputs,
+)
 
 from dflash2_lightning import ops
-from gpu_helpers import BS, DEVICE, GROUPS, H, RANK, TAPS, TOL, TOP_K, V, CudaDriver, conv_inputs, reference_walk, walk_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2_lightning import ops
-from dflash2_lightning.ops.lattice_walk import torch_op as walk_op
 from dflash2_lightning.model import DFlashGroupedConv
-from dflash2_lightning.ops import (block_conv, block_conv_reference, edge_scores, lattice_walk,
-                                   lattice_walk_per_position, walk_edge_scores)
+from dflash2_lightning.ops import (
+    block_conv,
+    block_conv_reference,
+    edge_scores,
+    lattice_walk,
+    lattice_walk_per_position,
+    walk_edge_scores,
+)
+from dflash2_lightning.ops.lattice_walk import torch_op as walk_op
 
 
 # ----------------------------------------------------------------------------- block conv

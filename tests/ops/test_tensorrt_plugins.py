@@ -112,10 +112,10 @@ def test_launch_arguments_are_symbolic_friendly():
         def _op(self, sign, other):
             return Sym(f"({self.text}{sign}{getattr(other, 'text', other)})")
 
-        __add__ = lambda self, o: self._op("+", o)  # noqa: E731
-        __sub__ = lambda self, o: self._op("-", o)  # noqa: E731
-        __mul__ = lambda self, o: self._op("*", o)  # noqa: E731
-        __floordiv__ = lambda self, o: self._op("//", o)  # noqa: E731
+        __add__ = lambda self, o: self._op("+", o)
+        __sub__ = lambda self, o: self._op("-", o)
+        __mul__ = lambda self, o: self._op("*", o)
+        __floordiv__ = lambda self, o: self._op("//", o)
 
     b, s = Sym("B"), Sym("S")
     scalars, grid = conv_plugin.block_conv_launch((b, s, 576), (2, 576), (b, s, 2, 36), 16, 8, 256)

@@ -8,10 +8,9 @@ finished work instead of regenerating or retraining.
 
 from __future__ import annotations
 
-import math
-
 import csv
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -19,12 +18,12 @@ import pytest
 import torch
 import yaml
 
-from dflash2_lightning.data import regen as regen_module
-from dflash2_lightning.train import lightning_cli
 from dflash2_lightning import threads
+from dflash2_lightning.data import regen as regen_module
 from dflash2_lightning.model.checkpoint import load_draft
-from dflash2_lightning.quickstart.run import quickstart_main
 from dflash2_lightning.quickstart.config import QuickstartError, find_config, fit_config, parse_override, uses_bf16
+from dflash2_lightning.quickstart.run import quickstart_main
+from dflash2_lightning.train import lightning_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

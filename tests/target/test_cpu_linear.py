@@ -9,8 +9,14 @@ from torch import nn
 
 import dflash2_lightning.target.cpu_linear as cpu_linear
 from dflash2_lightning.decode.speculative import speculative_generate, target_greedy
-from dflash2_lightning.target.cpu_linear import (CpuLinears, FewRowLinear, declare_rows, install_cpu_linears,
-                                                 packing_available, rows_first_linear)
+from dflash2_lightning.target.cpu_linear import (
+    CpuLinears,
+    FewRowLinear,
+    declare_rows,
+    install_cpu_linears,
+    packing_available,
+    rows_first_linear,
+)
 from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetError, TargetSpec
 

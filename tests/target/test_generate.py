@@ -10,11 +10,11 @@ import pytest
 import torch
 from speculative_helpers import tiny_target
 
-from dflash2_lightning.target.generate import generate
-from dflash2_lightning.model.sampling import Sampling, probabilities
 from dflash2_lightning.data.prompts import SEED_PROMPTS, encode_prompt, read_prompts
 from dflash2_lightning.data.regen import regen
 from dflash2_lightning.decode.speculative import target_greedy
+from dflash2_lightning.model.sampling import Sampling, probabilities
+from dflash2_lightning.target.generate import generate
 
 
 def _prompts(target, n: int) -> list[list[int]]:

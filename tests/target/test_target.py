@@ -7,16 +7,15 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
+import dflash2_lightning.target.tiny as tiny_mod
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.errors import ConfigError
-from dflash2_lightning.target.target import Target, tokenizer_fingerprint
-from dflash2_lightning.target.spec import TargetError, TargetSpec
-from dflash2_lightning.target.load import build_target, load_target
 from dflash2_lightning.target.gguf import resolve_gguf
+from dflash2_lightning.target.load import build_target, load_target
+from dflash2_lightning.target.spec import TargetError, TargetSpec
+from dflash2_lightning.target.target import Target, tokenizer_fingerprint
 from dflash2_lightning.target.tiny import tiny_tokenizer
-import dflash2_lightning.target.tiny as tiny_mod
 
 TINY = TargetSpec(tiny={})
 

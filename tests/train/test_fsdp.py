@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from module_helpers import grouped
 from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -30,7 +31,6 @@ from dflash2_lightning.model.backbone import DraftLayer
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.train.fsdp import DraftFSDPPrecision, DraftFSDPStrategy
 from dflash2_lightning.train.module import DFlash2Module, unwrapped_name
-from module_helpers import grouped
 
 WORLD = 2
 LAYERS = 3

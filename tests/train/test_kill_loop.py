@@ -13,9 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import yaml
@@ -53,7 +52,7 @@ def test_kills_at_random_moments_and_checkpoint_writes_lose_nothing(tmp_path):
     command = [str(DFLASH2), "fit", "--config", str(config), "--ckpt_path", "last"]
     rng = random.Random(0)
     killed_in_write = 0
-    for attempt, moment in enumerate(["write", "random", "write", "random", "write"]):
+    for moment in ["write", "random", "write", "random", "write"]:
         mark.unlink(missing_ok=True)
         proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 240
@@ -141,7 +140,7 @@ def test_kills_during_validation_lose_no_metrics_row(tmp_path):
 
     run_straight, run_killed = (w / "runs" / "tiny" / "default" for w in (straight, killed))
     want, got = _rows(run_straight), _rows(run_killed)
-    where = lambda rows: sorted((dict(r).get("step"), dict(r).get("epoch"), len(r)) for r in rows)  # noqa: E731
+    where = lambda rows: sorted((dict(r).get("step"), dict(r).get("epoch"), len(r)) for r in rows)
     assert got == want, f"missing rows (step, epoch, values): {where(want - got)}; extra rows: {where(got - want)}"
     weights = [hashlib.sha256((r / "hf" / "model.safetensors").read_bytes()).hexdigest()
                for r in (run_straight, run_killed)]

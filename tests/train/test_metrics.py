@@ -88,8 +88,8 @@ def test_ddp_two_processes_count_the_same_totals_as_one(tmp_path):
     from lightning.pytorch import Trainer
 
     from dflash2_lightning.data.datamodule import DraftDataModule
-    from dflash2_lightning.train.module import DFlash2Module
     from dflash2_lightning.target.spec import TargetSpec
+    from dflash2_lightning.train.module import DFlash2Module
 
     spec = TargetSpec(tiny={})
     # selector_top_k = half the vocabulary, so coverage is far from 0 and 1 and tells totals apart.
@@ -142,8 +142,8 @@ def _sampled_output(target_logits, draft_logits, cand=None, scores=None):
 
 
 def test_draft_metrics_log_the_expected_acceptance_at_a_temperature():
-    from dflash2_lightning.train.metrics import sampled_alpha
     from dflash2_lightning.model.sampling import Sampling, probabilities
+    from dflash2_lightning.train.metrics import sampled_alpha
 
     gen = torch.Generator().manual_seed(0)
     target = torch.randn(1, 1, 3, 7, generator=gen, dtype=torch.float64)

@@ -6,15 +6,15 @@ import math
 
 import pytest
 import torch
+from module_helpers import SMALL, Batches, grouped, quiet_trainer, random_batch
 from torch.utils.data import DataLoader
 
-from dflash2_lightning.model.checkpoint import load_draft
 from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.export.callback import write_acceptance_record
-from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine, unwrapped_name
-from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.model.checkpoint import load_draft
 from dflash2_lightning.target.load import load_target
-from module_helpers import SMALL, Batches, grouped, quiet_trainer, random_batch
+from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.train.module import DFlash2Module, NonFiniteLossError, WarmupCosine, unwrapped_name
 
 SPEC = TargetSpec(tiny={})
 

@@ -6,14 +6,22 @@ import math
 
 import pytest
 import torch
+from conftest import randomize_draft_
 from torch import nn
 
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.train.objective import (DraftObjective, ObjectiveError, Teacher, block_attention_mask,
-                                               decay_weights, dpace_weights, layout_blocks, sample_anchors,
-                                               soft_cross_entropy, sparse_soft_cross_entropy)
-
-from conftest import randomize_draft_
+from dflash2_lightning.train.objective import (
+    DraftObjective,
+    ObjectiveError,
+    Teacher,
+    block_attention_mask,
+    decay_weights,
+    dpace_weights,
+    layout_blocks,
+    sample_anchors,
+    soft_cross_entropy,
+    sparse_soft_cross_entropy,
+)
 
 
 class FrozenTarget(nn.Module):

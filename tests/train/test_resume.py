@@ -14,8 +14,8 @@ import yaml
 from lightning.pytorch import Callback
 
 from dflash2_lightning import cli
-from dflash2_lightning.train import lightning_cli
 from dflash2_lightning.data.order import ResumableOrder
+from dflash2_lightning.train import lightning_cli
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"

@@ -56,8 +56,8 @@ def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[list
     Trailing assistant turns are dropped: what remains is what the target answers. A plain ``text``
     record becomes a single user turn. ``limit`` keeps the first ``limit`` prompts.
     """
-    from dflash2_lightning.errors import ConfigError
     from dflash2_lightning.data.records import DataError, parse_record, read_jsonl
+    from dflash2_lightning.errors import ConfigError
 
     if limit is not None and limit < 1:
         raise ConfigError(f"limit={limit} is invalid: must be >= 1 (or None for all prompts)")

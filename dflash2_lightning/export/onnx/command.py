@@ -16,13 +16,19 @@ import time
 
 from torch import nn
 
-from dflash2_lightning.model.checkpoint import load_draft
-from dflash2_lightning.model import DraftModel
-from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES
 from dflash2_lightning.errors import bounded
-from dflash2_lightning.export.onnx.export import (DEFAULT_OPSET, MIN_OPSET, export_drafter, max_opset,
-                                                  random_embedding_and_head, target_embedding_and_head)
+from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES
+from dflash2_lightning.export.onnx.export import (
+    DEFAULT_OPSET,
+    MIN_OPSET,
+    export_drafter,
+    max_opset,
+    random_embedding_and_head,
+    target_embedding_and_head,
+)
 from dflash2_lightning.export.onnx.verify import verify_export
+from dflash2_lightning.model import DraftModel
+from dflash2_lightning.model.checkpoint import load_draft
 
 
 def resolve_target(target: str, draft: DraftModel, seed: int = 0) -> tuple[nn.Module, nn.Module]:
@@ -31,8 +37,8 @@ def resolve_target(target: str, draft: DraftModel, seed: int = 0) -> tuple[nn.Mo
     if target == "tiny":
         return random_embedding_and_head(cfg.vocab_size, cfg.hidden_size, seed)
     from dflash2_lightning.target.arguments import target_spec_from_arg
-    from dflash2_lightning.target.spec import TargetError
     from dflash2_lightning.target.load import load_target
+    from dflash2_lightning.target.spec import TargetError
 
     # The same --target values as `dflash2 eval` / `regen` (a JSON TargetSpec included); plain 'tiny' keeps
     # its meaning here: a random embedding and head of the draft's own geometry.

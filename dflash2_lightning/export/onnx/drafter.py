@@ -156,6 +156,6 @@ class OrtDrafter:
         """
         return self.draft_step(anchor, context, start)[0].to(anchor.device)
 
-    def eval(self) -> "OrtDrafter":
+    def eval(self) -> OrtDrafter:
         """No-op, for code that calls ``.eval()`` on any draft."""
         return self

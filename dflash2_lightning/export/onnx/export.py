@@ -32,12 +32,19 @@ import torch
 from torch import Tensor, nn
 
 from dflash2_lightning.errors import check
+from dflash2_lightning.export.onnx.drafter import MANIFEST, TORCH_DTYPES
+from dflash2_lightning.export.onnx.graphs import (
+    BATCH,
+    CAPACITY,
+    CONTEXT,
+    ContextGraph,
+    DraftStepGraph,
+    context_io,
+    draft_step_io,
+)
 from dflash2_lightning.files import atomic_write, atomic_write_text
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.ops import onnx_functions as ops
-from dflash2_lightning.export.onnx.drafter import MANIFEST, TORCH_DTYPES
-from dflash2_lightning.export.onnx.graphs import (BATCH, CAPACITY, CONTEXT, ContextGraph, DraftStepGraph, context_io,
-                                           draft_step_io)
 
 GRAPHS = ("context", "draft_step")
 # 2: draft_step reads preallocated cache buffers with a valid ``length`` input (1: a concatenated cache).

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from dflash2_lightning.model import ContextKV, DraftModel
 from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES, OrtDrafter, read_manifest
 from dflash2_lightning.export.onnx.graphs import DraftStepGraph
+from dflash2_lightning.model import ContextKV, DraftModel
 from dflash2_lightning.ops import edge_scores
 
 

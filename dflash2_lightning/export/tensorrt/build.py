@@ -13,9 +13,9 @@ says where they disagree. The command (``dflash2 export-trt``, ``python export/t
 
 import importlib.util
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 from dflash2_lightning.ops.tensorrt_common import TENSORRT_REQUIREMENT, tensorrt_version_problem
 
@@ -65,10 +65,10 @@ class GraphFiles:
 
     name: str
     trt_path: Path
-    ort_path: Optional[Path]
+    ort_path: Path | None
 
 
-def find_graphs(onnx: Path, names: Optional[Sequence[str]] = None) -> list[GraphFiles]:
+def find_graphs(onnx: Path, names: Sequence[str] | None = None) -> list[GraphFiles]:
     """The graphs under ``onnx`` (a directory or one file), preferring each ``.trt.onnx`` copy for TensorRT."""
     if onnx.is_file():
         stem = onnx.name.removesuffix(".onnx").removesuffix(".trt")
@@ -101,7 +101,7 @@ def parse_range(text: str, what: str) -> tuple[int, int, int]:
     return lo, opt, hi
 
 
-def dim_role(name: str) -> Optional[str]:
+def dim_role(name: str) -> str | None:
     """``"batch"``, ``"context"`` or None for a dynamic dimension's name."""
     words = re.split(r"[^a-z0-9]+", name.lower())
     if any(w.startswith(BATCH_WORDS) for w in words):

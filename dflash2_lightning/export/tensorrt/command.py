@@ -26,14 +26,27 @@ and onnxruntime disagree.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
+from dflash2_lightning.export.tensorrt.build import (
+    EXIT_BUILD,
+    EXIT_MISMATCH,
+    EXIT_MISSING,
+    EXIT_OK,
+    GraphFiles,
+    build_engine,
+    compare_outputs,
+    find_graphs,
+    missing_requirements,
+    parse_range,
+    profile_shapes,
+    random_inputs,
+    read_graph,
+    run_engine,
+    run_onnxruntime,
+)
 from dflash2_lightning.reporting import print_error
-from dflash2_lightning.export.tensorrt.build import (EXIT_BUILD, EXIT_MISMATCH, EXIT_MISSING, EXIT_OK, GraphFiles,
-                                                     build_engine, compare_outputs, find_graphs, missing_requirements,
-                                                     parse_range, profile_shapes, random_inputs, read_graph,
-                                                     run_engine, run_onnxruntime)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,7 +80,7 @@ def _engine_path(out: Path, graph: GraphFiles, many: bool) -> Path:
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 export-trt`` / ``python export/to_trt.py``; the exit status (see the module docstring)."""
     args = parser().parse_args(argv)
     missing = missing_requirements()
@@ -110,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_BUILD
         from dflash2_lightning.files import atomic_write
 
-        atomic_write(engine_path, lambda tmp: Path(tmp).write_bytes(plan))
+        atomic_write(engine_path, lambda tmp, plan=plan: Path(tmp).write_bytes(plan))
         print(f"  TensorRT {summary['tensorrt']}: {len(summary['plugin_layers'])} plugin layer(s) for "
               f"{custom_nodes} dflash node(s); "
               f"wrote {engine_path} ({len(plan) / 2**20:.1f} MiB), timing cache {cache}")

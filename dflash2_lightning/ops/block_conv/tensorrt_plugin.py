@@ -15,10 +15,21 @@ annotations``: ``tensorrt.plugin`` reads the registered functions' annotations a
 """
 
 import itertools
-from typing import Any, List, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
-from dflash2_lightning.ops.tensorrt_common import (FLOAT_TYPES, PLUGIN_NAMESPACE, Dim, Shape, build_arch, check_rank,
-                                                   known, known_shape, must_equal, triton_type)
+from dflash2_lightning.ops.tensorrt_common import (
+    FLOAT_TYPES,
+    PLUGIN_NAMESPACE,
+    Dim,
+    Shape,
+    build_arch,
+    check_rank,
+    known,
+    known_shape,
+    must_equal,
+    triton_type,
+)
 
 __all__ = ["BLOCK_CONV_ID", "check_block_size", "block_conv_output_shape", "block_conv_type_combinations",
            "block_conv_launch", "register"]
@@ -93,13 +104,13 @@ def register(trt: Any, trtp: Any) -> None:
 
     @trtp.autotune(BLOCK_CONV_ID)
     def block_conv_autotune(x: trtp.TensorDesc, base: trtp.TensorDesc, delta: trtp.TensorDesc,
-                            outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
+                            outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(types, "LINEAR") for types in block_conv_type_combinations()]
 
     @trtp.aot_impl(BLOCK_CONV_ID)
     def block_conv_aot(x: trtp.TensorDesc, base: trtp.TensorDesc, delta: trtp.TensorDesc, block_size: int,
-                       outputs: Tuple[trtp.TensorDesc], tactic: int
-                       ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+                       outputs: tuple[trtp.TensorDesc], tactic: int
+                       ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
         hidden = known(x.shape_expr[2]) or 1024  # only picks the tile width; any H is handled
         kernel = compile_block_conv(triton_type(x), hidden, build_arch(),
                                     base_dtype=triton_type(base), delta_dtype=triton_type(delta))

@@ -14,10 +14,21 @@ The shape and launch logic are plain functions (tested on a CPU); :func:`registe
 """
 
 import itertools
-from typing import Any, List, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
-from dflash2_lightning.ops.tensorrt_common import (FLOAT_TYPES, PLUGIN_NAMESPACE, Dim, Shape, build_arch, check_rank,
-                                                   known, known_shape, must_equal, triton_type)
+from dflash2_lightning.ops.tensorrt_common import (
+    FLOAT_TYPES,
+    PLUGIN_NAMESPACE,
+    Dim,
+    Shape,
+    build_arch,
+    check_rank,
+    known,
+    known_shape,
+    must_equal,
+    triton_type,
+)
 from dflash2_lightning.ops.triton_runtime import MAX_TOP_K  # torch only; triton is imported at engine build
 
 __all__ = ["LATTICE_WALK_ID", "lattice_walk_output_shape", "lattice_walk_type_combinations",
@@ -78,14 +89,14 @@ def register(trt: Any, trtp: Any) -> None:
     def lattice_walk_autotune(cand: trtp.TensorDesc, unary: trtp.TensorDesc, proj: trtp.TensorDesc,
                               anchor: trtp.TensorDesc, pred_codebook: trtp.TensorDesc,
                               succ_codebook: trtp.TensorDesc,
-                              outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
+                              outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(types, "LINEAR") for types in lattice_walk_type_combinations()]
 
     @trtp.aot_impl(LATTICE_WALK_ID)
     def lattice_walk_aot(cand: trtp.TensorDesc, unary: trtp.TensorDesc, proj: trtp.TensorDesc,
                          anchor: trtp.TensorDesc, pred_codebook: trtp.TensorDesc, succ_codebook: trtp.TensorDesc,
-                         outputs: Tuple[trtp.TensorDesc], tactic: int
-                         ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+                         outputs: tuple[trtp.TensorDesc], tactic: int
+                         ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
         top_k = known(cand.shape_expr[2])
         if top_k is None:
             raise ValueError("top_k (cand dimension 2) must be a build-time constant for DFlashLatticeWalk")

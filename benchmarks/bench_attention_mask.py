@@ -52,11 +52,16 @@ def counted(anchors: int, seq_len: int) -> dict[str, float]:
     pairs, attended = q * k, int(mask.sum())
     # QK^T and PV, forward: 2 GEMMs x 2 FLOPs per multiply-add; backward about twice the forward.
     dense_flops = 3 * 2 * 2 * HEADS * q * k * HEAD_DIM
-    return {"queries": q, "keys": k, "attended_fraction": attended / pairs,
-            "mask_bool_bytes": pairs, "bias_bf16_bytes": 2 * pairs,
-            "math_kernel_probabilities_bf16_bytes": 2 * HEADS * pairs,
-            "attention_flops_dense_fwd_bwd": dense_flops,
-            "attention_flops_block_sparse_fwd_bwd": dense_flops * attended / pairs}
+    return {
+        "queries": q,
+        "keys": k,
+        "attended_fraction": attended / pairs,
+        "mask_bool_bytes": pairs,
+        "bias_bf16_bytes": 2 * pairs,
+        "math_kernel_probabilities_bf16_bytes": 2 * HEADS * pairs,
+        "attention_flops_dense_fwd_bwd": dense_flops,
+        "attention_flops_block_sparse_fwd_bwd": dense_flops * attended / pairs,
+    }
 
 
 def one_layer(mode: str, anchors: int, seq_len: int) -> dict[str, float]:
@@ -67,9 +72,19 @@ def one_layer(mode: str, anchors: int, seq_len: int) -> dict[str, float]:
     from dflash2_lightning.model.backbone import DraftAttention, RotaryEmbedding
 
     torch.manual_seed(0)
-    cfg = DraftConfig(hidden_size=HIDDEN, vocab_size=1024, num_target_layers=8, num_hidden_layers=1,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      intermediate_size=4 * HIDDEN, block_size=BLOCK, target_layer_ids=[1], mask_token_id=1023)
+    cfg = DraftConfig(
+        hidden_size=HIDDEN,
+        vocab_size=1024,
+        num_target_layers=8,
+        num_hidden_layers=1,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate_size=4 * HIDDEN,
+        block_size=BLOCK,
+        target_layer_ids=[1],
+        mask_token_id=1023,
+    )
     attention = DraftAttention(cfg)
     chosen, mask = _anchors(anchors, seq_len)
     rotary = RotaryEmbedding(HEAD_DIM, cfg.rope_theta)
@@ -83,8 +98,7 @@ def one_layer(mode: str, anchors: int, seq_len: int) -> dict[str, float]:
     out = attention(block_hidden, context, *rotary(block_pos, torch.float32), mask if mode == "dense_mask" else None)
     out.square().mean().backward()
     seconds = time.perf_counter() - start
-    return {"peak_bytes": memory_status("VmHWM") - before, "seconds": seconds,
-            "threads": torch.get_num_threads()}
+    return {"peak_bytes": memory_status("VmHWM") - before, "seconds": seconds, "threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,21 +113,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     load_before = load_average()
     figures = counted(args.anchors, args.seq_len)
-    print(f"Q {figures['queries']} x K {figures['keys']}: {100 * figures['attended_fraction']:.1f}% of pairs "
-          f"attended; mask {figures['mask_bool_bytes'] / 2**20:.0f} MiB bool, "
-          f"{figures['bias_bf16_bytes'] / 2**20:.0f} MiB as a bf16 bias; math-kernel probabilities "
-          f"{figures['math_kernel_probabilities_bf16_bytes'] / 2**30:.2f} GiB per layer (bf16)")
+    print(
+        f"Q {figures['queries']} x K {figures['keys']}: {100 * figures['attended_fraction']:.1f}% of pairs "
+        f"attended; mask {figures['mask_bool_bytes'] / 2**20:.0f} MiB bool, "
+        f"{figures['bias_bf16_bytes'] / 2**20:.0f} MiB as a bf16 bias; math-kernel probabilities "
+        f"{figures['math_kernel_probabilities_bf16_bytes'] / 2**30:.2f} GiB per layer (bf16)"
+    )
     rows = {}
     for mode in ("dense_mask", "no_mask"):
-        done = subprocess.run([sys.executable, __file__, "--mode", mode, "--anchors", str(args.anchors),
-                               "--seq-len", str(args.seq_len)], check=True, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--mode", mode, "--anchors", str(args.anchors), "--seq-len", str(args.seq_len)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{mode:10s}: peak {rows[mode]['peak_bytes'] / 2**30:.2f} GiB above the step's start, "
-              f"{rows[mode]['seconds']:.1f} s")
-    write_json(args.json, {
-        "what": "one recipe-size draft attention layer (fp32, CPU) forward+backward, dense block mask vs none",
-        "anchors": args.anchors, "block_size": BLOCK, "seq_len": args.seq_len, "counted": figures,
-        "measured": rows, "machine": machine(rows["dense_mask"]["threads"], load_before)})
+        print(
+            f"{mode:10s}: peak {rows[mode]['peak_bytes'] / 2**30:.2f} GiB above the step's start, "
+            f"{rows[mode]['seconds']:.1f} s"
+        )
+    write_json(
+        args.json,
+        {
+            "what": "one recipe-size draft attention layer (fp32, CPU) forward+backward, dense block mask vs none",
+            "anchors": args.anchors,
+            "block_size": BLOCK,
+            "seq_len": args.seq_len,
+            "counted": figures,
+            "measured": rows,
+            "machine": machine(rows["dense_mask"]["threads"], load_before),
+        },
+    )
     print(f"written {args.json}")
     return 0
 

@@ -73,16 +73,22 @@ def main(argv: list[str] | None = None) -> int:
             data._VERIFIED.clear()  # once per process in real use: time the first (only) check
             data.verify_cache(root, manifest, "full")
 
-        results = {"bytes": size, "read_s": timed(read, args.repeats), "full_sha256_s": timed(full, args.repeats),
-                   "sampled_s": timed(lambda: data.verify_cache(root, manifest, "sampled"), args.repeats),
-                   "machine": machine(None, load_before)}
+        results = {
+            "bytes": size,
+            "read_s": timed(read, args.repeats),
+            "full_sha256_s": timed(full, args.repeats),
+            "sampled_s": timed(lambda: data.verify_cache(root, manifest, "sampled"), args.repeats),
+            "machine": machine(None, load_before),
+        }
     finally:
         shutil.rmtree(root)
     gb = size / 1e9
-    print(f"cache of {gb:.2f} GB: read {results['read_s']:.3f} s, full sha256 {results['full_sha256_s']:.3f} s "
-          f"({gb / results['full_sha256_s']:.2f} GB/s), sampled blocks {results['sampled_s'] * 1e3:.1f} ms "
-          f"(load average {load_before[0]:.2f} -> "
-          f"{results['machine']['load_average_after'][0]:.2f}{loaded_label(results['machine'])})")
+    print(
+        f"cache of {gb:.2f} GB: read {results['read_s']:.3f} s, full sha256 {results['full_sha256_s']:.3f} s "
+        f"({gb / results['full_sha256_s']:.2f} GB/s), sampled blocks {results['sampled_s'] * 1e3:.1f} ms "
+        f"(load average {load_before[0]:.2f} -> "
+        f"{results['machine']['load_average_after'][0]:.2f}{loaded_label(results['machine'])})"
+    )
     write_json(args.json, results)
     print(f"wrote {args.json}")
     return 0

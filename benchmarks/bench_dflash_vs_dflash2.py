@@ -38,6 +38,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def _f(value: float | None) -> str:
     """A ratio or bound to 3 decimals; '-' where there is none (a baseline that accepted no draft)."""
     return "-" if value is None else f"{value:.3f}"
+
+
 # bench_recipe variant -> label; the first DFlash2 row is the shipped recipe.
 VARIANTS = {"shipped": "DFlash2", "shipped_insert_last": "DFlash2 (insert_last)", "shipped_dflash": "DFlash"}
 
@@ -48,23 +50,37 @@ def summarise(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for variant, report in reports.items():
         for path, res in report["paths"].items():
             m = res["measured"]
-            rows.append(dict(draft=VARIANTS[variant], variant=variant, path=path, tau=round(m["tau"], 4),
-                             tau_interval=[round(x, 4) for x in res["interval"]["tau"]],
-                             accept=[round(x, 4) for x in m["accept"]],
-                             accept_interval=[[round(x, 4) for x in iv] for iv in res["interval"]["accept"]],
-                             cycles=m["cycles"], tokens=m["tokens"], accepted_drafts=sum(res["per_prompt_accepted"]),
-                             per_prompt_accepted=res["per_prompt_accepted"],
-                             tokens_per_second=round(m["tokens_per_second"], 2), speedup=round(res["speedup"], 3),
-                             lossless=res["lossless"], torch_threads=report["machine"]["torch_threads"],
-                             load_average_start=report["machine"]["load_average_start"]))
+            rows.append(
+                dict(
+                    draft=VARIANTS[variant],
+                    variant=variant,
+                    path=path,
+                    tau=round(m["tau"], 4),
+                    tau_interval=[round(x, 4) for x in res["interval"]["tau"]],
+                    accept=[round(x, 4) for x in m["accept"]],
+                    accept_interval=[[round(x, 4) for x in iv] for iv in res["interval"]["accept"]],
+                    cycles=m["cycles"],
+                    tokens=m["tokens"],
+                    accepted_drafts=sum(res["per_prompt_accepted"]),
+                    per_prompt_accepted=res["per_prompt_accepted"],
+                    tokens_per_second=round(m["tokens_per_second"], 2),
+                    speedup=round(res["speedup"], 3),
+                    lossless=res["lossless"],
+                    torch_threads=report["machine"]["torch_threads"],
+                    load_average_start=report["machine"]["load_average_start"],
+                )
+            )
     base = next(r for r in rows if r["draft"] == "DFlash")
     paired = {}
     for r in rows:
         if r["draft"] != "DFlash":
             key = r["path"] if r["draft"] == "DFlash2" else f"{r['draft']} {r['path']}"
-            paired[key] = {"draft": r["draft"], "path": r["path"], "tau_ratio": round(r["tau"] / base["tau"], 3),
-                           "accepted_drafts": paired_ratio_interval(r["per_prompt_accepted"],
-                                                                  base["per_prompt_accepted"])}
+            paired[key] = {
+                "draft": r["draft"],
+                "path": r["path"],
+                "tau_ratio": round(r["tau"] / base["tau"], 3),
+                "accepted_drafts": paired_ratio_interval(r["per_prompt_accepted"], base["per_prompt_accepted"]),
+            }
     return {"rows": rows, "dflash2_over_dflash": paired}
 
 
@@ -101,12 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=96)
     p.add_argument("--threads", default="auto", help="torch threads of the evaluation (default auto)")
-    p.add_argument("--target", default="smollm2",
-                   help="the target, as `dflash2 eval --target` takes it (default smollm2; the training, "
-                        "bench_recipe's quickstarts, is given it too)")
-    p.add_argument("--json", type=Path, default=RESULTS / "dflash_vs_dflash2.json",
-                   help="JSON output; the plot goes beside it with the suffix .png and the training's "
-                        "bench_recipe.json in the same folder (default benchmarks/results/dflash_vs_dflash2.json)")
+    p.add_argument(
+        "--target",
+        default="smollm2",
+        help="the target, as `dflash2 eval --target` takes it (default smollm2; the training, "
+        "bench_recipe's quickstarts, is given it too)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=RESULTS / "dflash_vs_dflash2.json",
+        help="JSON output; the plot goes beside it with the suffix .png and the training's "
+        "bench_recipe.json in the same folder (default benchmarks/results/dflash_vs_dflash2.json)",
+    )
     p.add_argument("--skip-train", action="store_true", help="reuse the trained variants under --out")
     p.add_argument("--skip-eval", action="store_true", help="reuse OUT/<variant>/cmp_eval/eval.json")
     args = p.parse_args(argv)
@@ -114,15 +137,42 @@ def main(argv: list[str] | None = None) -> int:
     here = Path(__file__).resolve().parent
     if not args.skip_train:
         common = [] if args.target == "smollm2" else ["--", "--target", args.target]
-        subprocess.run([sys.executable, str(here / "bench_recipe.py"), "--out", str(out), "--variants",
-                        ",".join(VARIANTS), "--results", str(args.json.with_name("bench_recipe.json")), *common],
-                       check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(here / "bench_recipe.py"),
+                "--out",
+                str(out),
+                "--variants",
+                ",".join(VARIANTS),
+                "--results",
+                str(args.json.with_name("bench_recipe.json")),
+                *common,
+            ],
+            check=True,
+        )
     reports, commands = {}, []
     for variant in VARIANTS:
         eval_dir = out / variant / "cmp_eval"
-        cmd = ["dflash2", "eval", "--draft", str(out / variant / "train" / "hf"), "--target", args.target,
-               "--out", str(eval_dir), "--max-prompts", str(args.eval_prompts), "--max-new-tokens",
-               str(args.eval_tokens), "--temperature", "0", "--threads", args.threads, "--no-progress"]
+        cmd = [
+            "dflash2",
+            "eval",
+            "--draft",
+            str(out / variant / "train" / "hf"),
+            "--target",
+            args.target,
+            "--out",
+            str(eval_dir),
+            "--max-prompts",
+            str(args.eval_prompts),
+            "--max-new-tokens",
+            str(args.eval_tokens),
+            "--temperature",
+            "0",
+            "--threads",
+            args.threads,
+            "--no-progress",
+        ]
         commands.append(" ".join(cmd))
         if not args.skip_eval:  # the dflash2 beside this interpreter (its venv's), as bench_recipe runs it
             subprocess.run([str(Path(sys.executable).parent / "dflash2"), *cmd[1:]], check=True)
@@ -133,13 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     plot(summary, args.json.with_suffix(".png"))
     for r in summary["rows"]:
         lo, hi = r["tau_interval"]
-        print(f"{r['draft']:8} {r['path']:9} tau {r['tau']:.3f} [{lo:.3f}, {hi:.3f}]  accept "
-              + " / ".join(f"{a:.3f}" for a in r["accept"]) + f"  {r['tokens_per_second']:.1f} tok/s")
+        print(
+            f"{r['draft']:8} {r['path']:9} tau {r['tau']:.3f} [{lo:.3f}, {hi:.3f}]  accept "
+            + " / ".join(f"{a:.3f}" for a in r["accept"])
+            + f"  {r['tokens_per_second']:.1f} tok/s"
+        )
     for v in summary["dflash2_over_dflash"].values():
         a = v["accepted_drafts"]
-        print(f"{v['draft']} {v['path']} / DFlash: tau {v['tau_ratio']:.3f}x, accepted drafts {_f(a['ratio'])}x "
-              f"[{_f(a['interval'][0])}, {_f(a['interval'][1])}] (paired; better on {a['prompts_better']} prompts, "
-              f"worse on {a['prompts_worse']})")
+        print(
+            f"{v['draft']} {v['path']} / DFlash: tau {v['tau_ratio']:.3f}x, accepted drafts {_f(a['ratio'])}x "
+            f"[{_f(a['interval'][0])}, {_f(a['interval'][1])}] (paired; better on {a['prompts_better']} prompts, "
+            f"worse on {a['prompts_worse']})"
+        )
     print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
 

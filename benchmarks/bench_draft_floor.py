@@ -86,10 +86,12 @@ def step_cost(cfg, context: int) -> dict[str, float]:
     layers_flops = cfg.num_hidden_layers * (2 * q * per_layer_weights + attention)
     head_flops = 2 * rows * h * cfg.vocab_size
     selector = 2 * rows * h * cfg.selector_rank if cfg.is_dflash2 else 0
-    return dict(head_flops=head_flops, head_bytes=4 * h * cfg.vocab_size,
-                layers_flops=layers_flops + selector,
-                layers_bytes=4 * cfg.num_hidden_layers * per_layer_weights
-                + 4 * cfg.num_hidden_layers * 2 * kv * context * hd)
+    return dict(
+        head_flops=head_flops,
+        head_bytes=4 * h * cfg.vocab_size,
+        layers_flops=layers_flops + selector,
+        layers_bytes=4 * cfg.num_hidden_layers * per_layer_weights + 4 * cfg.num_hidden_layers * 2 * kv * context * hd,
+    )
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, dict[str, float]]:
@@ -141,14 +143,27 @@ def bench_layers(layers: int, args: argparse.Namespace, peak: float, bandwidth: 
     # bf16: half the bytes; the bf16 dot-product instructions do twice the float32 FLOPs per cycle.
     head_floor_bf16 = max(cost["head_flops"] / (2 * peak), cost["head_bytes"] / 2 / bandwidth)
     layers_floor = max(cost["layers_flops"] / peak, cost["layers_bytes"] / bandwidth)
-    floors = {"head fp32": head_floor, "head bf16": head_floor_bf16, "step torch": head_floor + layers_floor,
-              "step torch + bf16 head": head_floor_bf16 + layers_floor, "step onnxruntime": head_floor + layers_floor}
+    floors = {
+        "head fp32": head_floor,
+        "head bf16": head_floor_bf16,
+        "step torch": head_floor + layers_floor,
+        "step torch + bf16 head": head_floor_bf16 + layers_floor,
+        "step onnxruntime": head_floor + layers_floor,
+    }
     out = []
     for name, t in times.items():
         floor_ms = 1e3 * floors[name]
-        out.append(dict(layers=layers, context=c, what=name, wall_ms=round(t["wall_ms"], 2),
-                        cpu_ms=round(t["cpu_ms"], 2), floor_ms=round(floor_ms, 2),
-                        x_floor_cpu=round(t["cpu_ms"] / floor_ms, 2)))
+        out.append(
+            dict(
+                layers=layers,
+                context=c,
+                what=name,
+                wall_ms=round(t["wall_ms"], 2),
+                cpu_ms=round(t["cpu_ms"], 2),
+                floor_ms=round(floor_ms, 2),
+                x_floor_cpu=round(t["cpu_ms"] / floor_ms, 2),
+            )
+        )
     return out
 
 
@@ -177,16 +192,25 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(args.threads, load_before)
     lines = ["| layers | what | wall (ms) | CPU (ms) | floor (ms) | CPU / floor |", "|---:|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['layers']} | {r['what']} | {r['wall_ms']:.2f} | {r['cpu_ms']:.2f} | {r['floor_ms']:.2f} | "
-                     f"{r['x_floor_cpu']:.2f}x |")
-    print(f"batch 1, context {args.context}, {args.threads} thread(s); measured peak {peak / 1e9:.1f} GFLOP/s, "
-          f"stream {bandwidth / 1e9:.1f} GB/s; load average {load_before[0]:.2f} -> "
-          f"{info['load_average_after'][0]:.2f}" + loaded_label(info))
+        lines.append(
+            f"| {r['layers']} | {r['what']} | {r['wall_ms']:.2f} | {r['cpu_ms']:.2f} | {r['floor_ms']:.2f} | "
+            f"{r['x_floor_cpu']:.2f}x |"
+        )
+    print(
+        f"batch 1, context {args.context}, {args.threads} thread(s); measured peak {peak / 1e9:.1f} GFLOP/s, "
+        f"stream {bandwidth / 1e9:.1f} GB/s; load average {load_before[0]:.2f} -> "
+        f"{info['load_average_after'][0]:.2f}" + loaded_label(info)
+    )
     print("\n".join(lines))
     command = "python benchmarks/bench_draft_floor.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = dict(command=command,
-                  peak_gflops=round(peak / 1e9, 2), stream_gbps=round(bandwidth / 1e9, 2), rows=rows,
-                  machine=info, table="\n".join(lines))
+    result = dict(
+        command=command,
+        peak_gflops=round(peak / 1e9, 2),
+        stream_gbps=round(bandwidth / 1e9, 2),
+        rows=rows,
+        machine=info,
+        table="\n".join(lines),
+    )
     write_json(Path(args.json), result)
     return 0
 

@@ -50,10 +50,22 @@ from dflash2_lightning.model.checkpoint import save_draft
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-GEOMETRY = dict(hidden_size=576, vocab_size=49152, num_target_layers=30, num_attention_heads=9,
-                num_key_value_heads=3, head_dim=64, intermediate_size=1536, rope_theta=100_000.0,
-                block_size=16, conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16,
-                mask_token_id=0)
+GEOMETRY = dict(
+    hidden_size=576,
+    vocab_size=49152,
+    num_target_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    rope_theta=100_000.0,
+    block_size=16,
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=256,
+    selector_top_k=16,
+    mask_token_id=0,
+)
 
 
 def randomize(model: DraftModel, seed: int = 0) -> DraftModel:
@@ -87,8 +99,10 @@ def interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, dict[str, flo
             fn()
             cpu[name].append(time.process_time() - c)
             wall[name].append(time.perf_counter() - w)
-    return {name: dict(wall_ms=statistics.median(wall[name]) * 1e3, cpu_ms=statistics.median(cpu[name]) * 1e3)
-            for name in fns}
+    return {
+        name: dict(wall_ms=statistics.median(wall[name]) * 1e3, cpu_ms=statistics.median(cpu[name]) * 1e3)
+        for name in fns
+    }
 
 
 def bench_config(projector: str, layers: int, context: int, repeats: int, warmup: int) -> list[dict]:
@@ -102,7 +116,7 @@ def bench_config(projector: str, layers: int, context: int, repeats: int, warmup
         ref = ref_cls.from_pretrained(tmp, dtype=torch.float32).eval()
 
     gen = torch.Generator().manual_seed(1)
-    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)   # stands for the target's embed_tokens
+    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # stands for the target's embed_tokens
     head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # and its lm_head
     features = torch.randn(1, context, cfg.num_target_features * cfg.hidden_size, generator=gen)
     ctx_pos = torch.arange(context)[None]
@@ -121,16 +135,26 @@ def bench_config(projector: str, layers: int, context: int, repeats: int, warmup
     with torch.inference_mode():
         cached = ours.context_kv(features, ctx_pos)
         cache = DynamicCache(config=ref.config)
-        ref(position_ids=all_pos, noise_embedding=embed(block), target_hidden=features, past_key_values=cache,
-            use_cache=True)
+        ref(
+            position_ids=all_pos,
+            noise_embedding=embed(block),
+            target_hidden=features,
+            past_key_values=cache,
+            use_cache=True,
+        )
         _crop_to(cache, context)  # now holds exactly the context's K/V
 
         def ours_cached():
             return ours.draft_block(anchor, cached, embed, head)
 
         def ref_cached():
-            hidden = ref(position_ids=all_pos[:, context:], noise_embedding=embed(block), target_hidden=no_features,
-                         past_key_values=cache, use_cache=True)
+            hidden = ref(
+                position_ids=all_pos[:, context:],
+                noise_embedding=embed(block),
+                target_hidden=no_features,
+                past_key_values=cache,
+                use_cache=True,
+            )
             _crop_to(cache, context)
             return ref_tokens(hidden)
 
@@ -142,14 +166,27 @@ def bench_config(projector: str, layers: int, context: int, repeats: int, warmup
             return ref_tokens(hidden)
 
         rows = []
-        for setting, mine, theirs in [("cached", ours_cached, ref_cached), ("projected", ours_projected, ref_projected)]:
+        for setting, mine, theirs in [
+            ("cached", ours_cached, ref_cached),
+            ("projected", ours_projected, ref_projected),
+        ]:
             same = torch.equal(mine(), theirs())
             t = interleaved({"ours": mine, "zlab": theirs}, repeats, warmup)
-            rows.append(dict(model=projector, layers=layers, context=context, setting=setting,
-                             ours_ms=round(t["ours"]["wall_ms"], 2), zlab_ms=round(t["zlab"]["wall_ms"], 2),
-                             speedup=round(t["zlab"]["wall_ms"] / t["ours"]["wall_ms"], 3),
-                             ours_cpu_ms=round(t["ours"]["cpu_ms"], 2), zlab_cpu_ms=round(t["zlab"]["cpu_ms"], 2),
-                             speedup_cpu=round(t["zlab"]["cpu_ms"] / t["ours"]["cpu_ms"], 3), same_tokens=same))
+            rows.append(
+                dict(
+                    model=projector,
+                    layers=layers,
+                    context=context,
+                    setting=setting,
+                    ours_ms=round(t["ours"]["wall_ms"], 2),
+                    zlab_ms=round(t["zlab"]["wall_ms"], 2),
+                    speedup=round(t["zlab"]["wall_ms"] / t["ours"]["wall_ms"], 3),
+                    ours_cpu_ms=round(t["ours"]["cpu_ms"], 2),
+                    zlab_cpu_ms=round(t["zlab"]["cpu_ms"], 2),
+                    speedup_cpu=round(t["zlab"]["cpu_ms"] / t["ours"]["cpu_ms"], 3),
+                    same_tokens=same,
+                )
+            )
     return rows
 
 
@@ -160,10 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--models", nargs="+", default=["dflash2", "dflash"], choices=["dflash2", "dflash"])
     parser.add_argument("--layers", nargs="+", type=int, default=[1, 5])
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's own choice); 1 is steadier on a busy machine")
-    parser.add_argument("--json", type=Path, default=RESULTS / "bench_draft_step.json",
-                        help="JSON output (default benchmarks/results/bench_draft_step.json)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's own choice); 1 is steadier on a busy machine",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=RESULTS / "bench_draft_step.json",
+        help="JSON output (default benchmarks/results/bench_draft_step.json)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -178,16 +223,23 @@ def main(argv: list[str] | None = None) -> int:
         for layers in args.layers:
             rows += bench_config(projector, layers, args.context, args.repeats, args.warmup)
 
-    lines = ["| draft | layers | context K/V | ours (ms) | z-lab (ms) | z-lab / ours | z-lab / ours (CPU time) "
-             "| same tokens |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| draft | layers | context K/V | ours (ms) | z-lab (ms) | z-lab / ours | z-lab / ours (CPU time) "
+        "| same tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['layers']} | {r['setting']} | {r['ours_ms']:.2f} | {r['zlab_ms']:.2f} "
-                     f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {'yes' if r['same_tokens'] else 'no'} |")
+        lines.append(
+            f"| {r['model']} | {r['layers']} | {r['setting']} | {r['ours_ms']:.2f} | {r['zlab_ms']:.2f} "
+            f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {'yes' if r['same_tokens'] else 'no'} |"
+        )
     info = machine(torch.get_num_threads(), load_before)
-    print(f"draft step, batch 1, block 16, context {args.context}, float32, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats} after {args.warmup} warm-up, "
-          f"{info['cpus']} CPUs, load average {load_before[0]:.1f} -> {info['load_average_after'][0]:.1f}"
-          + loaded_label(info))
+    print(
+        f"draft step, batch 1, block 16, context {args.context}, float32, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats} after {args.warmup} warm-up, "
+        f"{info['cpus']} CPUs, load average {load_before[0]:.1f} -> {info['load_average_after'][0]:.1f}"
+        + loaded_label(info)
+    )
     print("\n".join(lines))
 
     meta = dict(**info, repeats=args.repeats, warmup=args.warmup, dtype="float32", batch=1, geometry=GEOMETRY)

@@ -42,10 +42,23 @@ from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES, OrtDrafter
 from dflash2_lightning.model import ContextKV, DraftCache, DraftModel
 
-SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_target_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, head_dim=64, intermediate_size=1536, rope_theta=100000.0,
-               max_position_embeddings=8192, block_size=16, conv_kernel_size=2, conv_group_size=16,
-               selector_rank=256, selector_top_k=16, mask_token_id=0)
+SMOLLM2 = dict(
+    hidden_size=576,
+    vocab_size=49152,
+    num_target_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    block_size=16,
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=256,
+    selector_top_k=16,
+    mask_token_id=0,
+)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "export_bench.json"
 
 
@@ -88,16 +101,29 @@ class Stepper:
     the concatenating reference :class:`ContextKV`.
     """
 
-    def __init__(self, context_kv: Callable[[Tensor, Tensor], ContextKV],
-                 draft_block: Callable[[Tensor, Any, Tensor], Tensor],
-                 new_cache: Callable[[int, int], DraftCache] | None = None,
-                 sync: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        context_kv: Callable[[Tensor, Tensor], ContextKV],
+        draft_block: Callable[[Tensor, Any, Tensor], Tensor],
+        new_cache: Callable[[int, int], DraftCache] | None = None,
+        sync: Callable[[], None] = lambda: None,
+    ) -> None:
         self.context_kv, self.draft_block, self.new_cache, self.sync = context_kv, draft_block, new_cache, sync
 
 
-def time_steps(stepper: Stepper, cfg: DraftConfig, batch: int, context: int, new_tokens: int, runs: int,
-               warmup: int, max_seconds: float, device: str, dtype: torch.dtype,
-               seed: int = 0) -> tuple[int, list[float], list[float], list[float], list[float]]:
+def time_steps(
+    stepper: Stepper,
+    cfg: DraftConfig,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    runs: int,
+    warmup: int,
+    max_seconds: float,
+    device: str,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[int, list[float], list[float], list[float], list[float]]:
     """Time ``runs`` steps (after ``warmup``); stops early after ``max_seconds`` (at least 3 runs)."""
     gen = torch.Generator().manual_seed(seed)
     width = cfg.num_target_features * cfg.hidden_size
@@ -133,12 +159,14 @@ def time_steps(stepper: Stepper, cfg: DraftConfig, batch: int, context: int, new
     return len(parts[0]), *parts  # type: ignore[return-value]
 
 
-def torch_stepper(model: DraftModel, embed: nn.Module, head: nn.Module, device: str,
-                  preallocated: bool = True) -> Stepper:
+def torch_stepper(
+    model: DraftModel, embed: nn.Module, head: nn.Module, device: str, preallocated: bool = True
+) -> Stepper:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     new_cache = (lambda b, n: DraftCache.for_model(model, b, n)) if preallocated else None
-    return Stepper(lambda f, p: model.context_kv(f, p),
-                   lambda a, c, s: model.draft_block(a, c, embed, head, s), new_cache, sync)
+    return Stepper(
+        lambda f, p: model.context_kv(f, p), lambda a, c, s: model.draft_block(a, c, embed, head, s), new_cache, sync
+    )
 
 
 def ort_stepper(drafter: OrtDrafter) -> Stepper:
@@ -164,13 +192,18 @@ def trt_stepper(engines: Path) -> tuple[Stepper, torch.dtype]:
 
     def new_cache(batch: int, capacity: int) -> DraftCache:
         cfg = ctx_config(engines)
-        return DraftCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity,
-                          cfg.block_size, dtype, "cuda")
+        return DraftCache(
+            cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity, cfg.block_size, dtype, "cuda"
+        )
 
     def draft_block(anchor: Tensor, cache: DraftCache, start: Tensor) -> Tensor:
         b = anchor.shape[0]
-        feeds = {"anchor": anchor, "start": start, "context_positions": cache.slot_positions,
-                 "length": torch.full((b,), cache.length, dtype=torch.long, device=anchor.device)}
+        feeds = {
+            "anchor": anchor,
+            "start": start,
+            "context_positions": cache.slot_positions,
+            "length": torch.full((b,), cache.length, dtype=torch.long, device=anchor.device),
+        }
         for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
             feeds[f"k_{i}"], feeds[f"v_{i}"] = k, v
         return step(feeds)["tokens"]
@@ -213,8 +246,15 @@ class TrtGraph:
 
     def dtype(self, name: str) -> torch.dtype:
         """The torch dtype of the engine's tensor ``name`` (by name: ``trt.nptype`` has no bfloat16)."""
-        names = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
-                 "INT32": torch.int32, "BOOL": torch.bool, "INT8": torch.int8}
+        names = {
+            "FLOAT": torch.float32,
+            "HALF": torch.float16,
+            "BF16": torch.bfloat16,
+            "INT64": torch.int64,
+            "INT32": torch.int32,
+            "BOOL": torch.bool,
+            "INT8": torch.int8,
+        }
         return names[self.engine.get_tensor_dtype(name).name]
 
     def __call__(self, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -232,8 +272,14 @@ class TrtGraph:
 
 
 # ----------------------------------------------------------------------------- the grid
-def record_cuda(args: argparse.Namespace, model: DraftModel, embed: nn.Module, head: nn.Module,
-                record: Callable[..., None], notes: list[str]) -> None:
+def record_cuda(
+    args: argparse.Namespace,
+    model: DraftModel,
+    embed: nn.Module,
+    head: nn.Module,
+    record: Callable[..., None],
+    notes: list[str],
+) -> None:
     """torch eager on the GPU: the ops' reference implementations, then the Triton kernels (if installed)."""
     from dflash2_lightning.ops import dispatch as kernels
 
@@ -252,7 +298,6 @@ def record_cuda(args: argparse.Namespace, model: DraftModel, embed: nn.Module, h
                     record(name, dtype, torch_stepper(*typed, "cuda"), "cuda", torch_dtype)
     finally:
         kernels.cuda_block_conv, kernels.cuda_lattice_walk = launchers
-
 
 
 def _median(values: list[float]) -> float:
@@ -275,13 +320,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def record(backend: str, dtype: str, stepper: Stepper, device: str, torch_dtype: torch.dtype) -> None:
         for batch in args.batches:
             for context in args.contexts:
-                n, ctx, app, step, total = time_steps(stepper, cfg, batch, context, args.new_tokens, args.runs,
-                                                      args.warmup, args.max_seconds, device, torch_dtype, args.seed)
-                row = Row(backend, dtype, batch, context, args.new_tokens, n, _median(ctx), _median(app),
-                          _median(step), _median(total))
+                n, ctx, app, step, total = time_steps(
+                    stepper,
+                    cfg,
+                    batch,
+                    context,
+                    args.new_tokens,
+                    args.runs,
+                    args.warmup,
+                    args.max_seconds,
+                    device,
+                    torch_dtype,
+                    args.seed,
+                )
+                row = Row(
+                    backend,
+                    dtype,
+                    batch,
+                    context,
+                    args.new_tokens,
+                    n,
+                    _median(ctx),
+                    _median(app),
+                    _median(step),
+                    _median(total),
+                )
                 rows.append(row)
-                print(f"  {backend:<22} {dtype} batch {batch:>2} context {context:>5}: {row.step_ms:9.2f} ms/step "
-                      f"({n} runs)", flush=True)
+                print(
+                    f"  {backend:<22} {dtype} batch {batch:>2} context {context:>5}: {row.step_ms:9.2f} ms/step "
+                    f"({n} runs)",
+                    flush=True,
+                )
 
     scratch = None if args.onnx_dir else tempfile.TemporaryDirectory(prefix="dflash2-bench-")
     workdir = Path(args.onnx_dir or scratch.name)  # type: ignore[union-attr]
@@ -293,8 +362,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     typed = [copy.deepcopy(m).to(torch_dtype) for m in (model, embed, head)]
                     record("torch eager cpu", dtype, torch_stepper(*typed, "cpu"), "cpu", torch_dtype)
                     if args.reference_cache:
-                        record("torch eager cpu, ContextKV", dtype, torch_stepper(*typed, "cpu", preallocated=False),
-                               "cpu", torch_dtype)
+                        record(
+                            "torch eager cpu, ContextKV",
+                            dtype,
+                            torch_stepper(*typed, "cpu", preallocated=False),
+                            "cpu",
+                            torch_dtype,
+                        )
                     del typed
             if "ort" not in args.backends:
                 continue
@@ -303,8 +377,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not (directory / "drafter.json").is_file():
                     t0 = time.perf_counter()
                     export_drafter(model, embed, head, directory, dtype=dtype, opset=opset, with_hidden=False)
-                    print(f"  exported {dtype} opset {opset} graphs to {directory} in {time.perf_counter() - t0:.0f} s",
-                          flush=True)
+                    print(
+                        f"  exported {dtype} opset {opset} graphs to {directory} in {time.perf_counter() - t0:.0f} s",
+                        flush=True,
+                    )
                 drafter = OrtDrafter(directory, threads=threads)
                 record(f"onnxruntime cpu opset {opset}", dtype, ort_stepper(drafter), "cpu", torch_dtype)
     finally:
@@ -332,24 +408,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "command": args.command,
-        "geometry": {**SMOLLM2, "num_hidden_layers": args.layers, "projector_type": args.projector,
-                     "num_parameters": model.num_parameters()},
+        "geometry": {
+            **SMOLLM2,
+            "num_hidden_layers": args.layers,
+            "projector_type": args.projector,
+            "num_parameters": model.num_parameters(),
+        },
         "step": f"context graph on {args.new_tokens} new tokens + ContextKV.append + draft_step",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "threads": threads, "torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
-        "runs": args.runs, "warmup": args.warmup, "opsets": args.opsets,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "threads": threads,
+            "torch": torch.__version__,
+            "onnxruntime": onnxruntime.__version__,
+        },
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "opsets": args.opsets,
         "load_average": {"before": load_before, "after": os.getloadavg()},
-        "rows": [asdict(r) for r in rows], "notes": notes,
+        "rows": [asdict(r) for r in rows],
+        "notes": notes,
     }
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The rows as a markdown table (milliseconds, medians)."""
-    lines = ["| backend | dtype | batch | context | context graph (ms) | append (ms) | draft step (ms) | "
-             "**step (ms)** | runs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| backend | dtype | batch | context | context graph (ms) | append (ms) | draft step (ms) | "
+        "**step (ms)** | runs |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['backend']} | {r['dtype']} | {r['batch']} | {r['context']} | {r['context_ms']:.2f} | "
-                     f"{r['append_ms']:.2f} | {r['draft_step_ms']:.2f} | **{r['step_ms']:.2f}** | {r['runs']} |")
+        lines.append(
+            f"| {r['backend']} | {r['dtype']} | {r['batch']} | {r['context']} | {r['context_ms']:.2f} | "
+            f"{r['append_ms']:.2f} | {r['draft_step_ms']:.2f} | **{r['step_ms']:.2f}** | {r['runs']} |"
+        )
     return "\n".join(lines)
 
 
@@ -358,8 +452,10 @@ def _ints(text: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Drafting latency per step: torch eager vs "
-                                "onnxruntime on CPU (and TensorRT / CUDA on a GPU), SmolLM2-135M geometry.")
+    p = argparse.ArgumentParser(
+        description="Drafting latency per step: torch eager vs "
+        "onnxruntime on CPU (and TensorRT / CUDA on a GPU), SmolLM2-135M geometry."
+    )
     p.add_argument("--batches", type=_ints, default=[1, 8])
     p.add_argument("--contexts", type=_ints, default=[256, 1024, 4096])
     p.add_argument("--layers", type=int, default=5, help="draft layers (default 5)")
@@ -372,14 +468,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=float, default=4.0, help="time cap per row (>= 3 runs are kept)")
     p.add_argument("--threads", type=int, default=0, help="threads for torch and onnxruntime (default: torch's)")
     p.add_argument("--full", action="store_true", help="50 runs after 5 warm-up, no time cap, fp32 and fp16")
-    p.add_argument("--backends", type=lambda s: s.split(","), default=["torch", "ort"],
-                   help="CPU backends: torch,ort (GPU rows are added when a GPU is present)")
-    p.add_argument("--opsets", type=_ints, default=[20],
-                   help="opsets of the onnxruntime graphs, e.g. 20,23 (23 fuses Attention/RMSNormalization/RoPE)")
+    p.add_argument(
+        "--backends",
+        type=lambda s: s.split(","),
+        default=["torch", "ort"],
+        help="CPU backends: torch,ort (GPU rows are added when a GPU is present)",
+    )
+    p.add_argument(
+        "--opsets",
+        type=_ints,
+        default=[20],
+        help="opsets of the onnxruntime graphs, e.g. 20,23 (23 fuses Attention/RMSNormalization/RoPE)",
+    )
     p.add_argument("--onnx-dir", help="reuse (or keep) exported graphs here: <dir>/<dtype>-opset<N>/")
     p.add_argument("--trt-dir", help="directory with context.engine and draft_step.engine (export/to_trt.py --out)")
-    p.add_argument("--reference-cache", action="store_true",
-                   help="also time torch with the concatenating ContextKV (appending copies the whole cache)")
+    p.add_argument(
+        "--reference-cache",
+        action="store_true",
+        help="also time torch with the concatenating ContextKV (appending copies the whole cache)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=str(DEFAULT_OUT), help=f"JSON output (default {DEFAULT_OUT})")
     return p
@@ -401,8 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = round(time.perf_counter() - t0, 1)
     table = markdown(result)
     load = max(result["load_average"]["before"][0], result["load_average"]["after"][0])
-    print(f"\nload average {result['load_average']['before'][0]:.2f} -> {result['load_average']['after'][0]:.2f}"
-          + (" (LOADED MACHINE: re-take on a quiet one)" if load >= 1.0 else ""))
+    print(
+        f"\nload average {result['load_average']['before'][0]:.2f} -> {result['load_average']['after'][0]:.2f}"
+        + (" (LOADED MACHINE: re-take on a quiet one)" if load >= 1.0 else "")
+    )
     print(table + "\n")
     for note in result["notes"]:
         print(f"note: {note}")

@@ -89,14 +89,20 @@ def main(argv: list[str] | None = None) -> int:
     for b in (1, 8):
         x, base, both = conv_inputs(b, BS, H, TAPS, GROUPS, torch.bfloat16)
         delta = both[:, :, 1]
-        row = {"op": "block_conv bf16", "batch": b,
-               "reference_ms": time_cuda(lambda: ops.block_conv_reference(x, base, delta, BS), args.runs),
-               "triton_ms": time_cuda(lambda: block_conv(x, base, delta, BS), args.runs)}
+        row = {
+            "op": "block_conv bf16",
+            "batch": b,
+            "reference_ms": time_cuda(lambda: ops.block_conv_reference(x, base, delta, BS), args.runs),
+            "triton_ms": time_cuda(lambda: block_conv(x, base, delta, BS), args.runs),
+        }
         args_walk = walk_inputs(b, BS - 1, TOP_K, RANK, V, torch.bfloat16)
-        walk_row = {"op": "lattice_walk bf16", "batch": b,
-                    "reference_ms": time_cuda(lambda: reference_walk(*args_walk), args.runs),
-                    "per_position_loop_ms": time_cuda(lambda: ops.lattice_walk_per_position(*args_walk), args.runs),
-                    "triton_ms": time_cuda(lambda: lattice_walk(*args_walk), args.runs)}
+        walk_row = {
+            "op": "lattice_walk bf16",
+            "batch": b,
+            "reference_ms": time_cuda(lambda: reference_walk(*args_walk), args.runs),
+            "per_position_loop_ms": time_cuda(lambda: ops.lattice_walk_per_position(*args_walk), args.runs),
+            "triton_ms": time_cuda(lambda: lattice_walk(*args_walk), args.runs),
+        }
         if args.engines is not None:
             for r, name in ((row, "block_conv"), (walk_row, "lattice_walk")):
                 plan = (args.engines / f"{name}.float32.engine").read_bytes()
@@ -106,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     fmt = lambda v: "-" if v is None else f"{v:.4f}"
     for r in rows:
-        print(f"| {r['op']} | {r['batch']} | {fmt(r['reference_ms'])} | {fmt(r.get('per_position_loop_ms'))} | "
-              f"{fmt(r['triton_ms'])} | {fmt(r.get('tensorrt_fp32_ms'))} |")
+        print(
+            f"| {r['op']} | {r['batch']} | {fmt(r['reference_ms'])} | {fmt(r.get('per_position_loop_ms'))} | "
+            f"{fmt(r['triton_ms'])} | {fmt(r.get('tensorrt_fp32_ms'))} |"
+        )
     write_json(args.json, {"device": torch.cuda.get_device_name(), "rows": rows, "machine": machine(None, None)})
     return 0
 

@@ -47,14 +47,23 @@ def held_out_prompts(count: int) -> tuple[list[list[int]], list[int]]:
 def row(section: dict[str, Any]) -> dict[str, Any]:
     """The figures of one configuration (the token lists of the section are left out)."""
     s = section["speculative"]
-    return {"draft_outtype": section["draft_outtype"], "draft_n_max": section["draft_n_max"],
-            "draft_p_min": section["draft_p_min"], "drafted": s["drafted"],
-            "tau": round(s["tau"], 4), "accept": [round(a, 4) for a in s["accept"]],
-            "target_tokens_per_second": round(section["target_only"]["tokens_per_second"], 2),
-            "speculative_tokens_per_second": round(s["tokens_per_second"], 2), "speedup": round(s["speedup"], 3),
-            "lossless": s["lossless"], "mismatched_prompts": s["mismatched_prompts"],
-            "verify_steps": s["verify_steps"], "tokens": s["tokens"], "loadavg": section["loadavg"],
-            "wall_seconds": section["wall_seconds"]}
+    return {
+        "draft_outtype": section["draft_outtype"],
+        "draft_n_max": section["draft_n_max"],
+        "draft_p_min": section["draft_p_min"],
+        "drafted": s["drafted"],
+        "tau": round(s["tau"], 4),
+        "accept": [round(a, 4) for a in s["accept"]],
+        "target_tokens_per_second": round(section["target_only"]["tokens_per_second"], 2),
+        "speculative_tokens_per_second": round(s["tokens_per_second"], 2),
+        "speedup": round(s["speedup"], 3),
+        "lossless": s["lossless"],
+        "mismatched_prompts": s["mismatched_prompts"],
+        "verify_steps": s["verify_steps"],
+        "tokens": s["tokens"],
+        "loadavg": section["loadavg"],
+        "wall_seconds": section["wall_seconds"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,27 +87,50 @@ def main(argv: list[str] | None = None) -> int:
         for outtype in args.outtypes.split(","):
             for n_max, p_min in [(n, float(q)) for n in n_maxes for q in args.p_min.split(",")]:
                 section = evaluate_llama_cpp(
-                    args.draft, {"gguf": "smollm2"}, prompts, args.max_new_tokens, target_gguf=args.target_gguf,
-                    threads=args.threads, stop_token_ids=stop, work_dir=Path(work) / f"{outtype}-{n_max}-{p_min}",
-                    draft_outtype=outtype, draft_n_max=n_max, draft_p_min=p_min)
+                    args.draft,
+                    {"gguf": "smollm2"},
+                    prompts,
+                    args.max_new_tokens,
+                    target_gguf=args.target_gguf,
+                    threads=args.threads,
+                    stop_token_ids=stop,
+                    work_dir=Path(work) / f"{outtype}-{n_max}-{p_min}",
+                    draft_outtype=outtype,
+                    draft_n_max=n_max,
+                    draft_p_min=p_min,
+                )
                 rows.append(row(section))
                 r = rows[-1]
-                print(f"{outtype:5s} n_max {n_max} p_min {p_min}: tau {r['tau']:.2f}, "
-                      f"{r['speculative_tokens_per_second']:.1f} vs {r['target_tokens_per_second']:.1f} tok/s alone "
-                      f"({r['speedup']:.2f}x), lossless {r['lossless']}", flush=True)
+                print(
+                    f"{outtype:5s} n_max {n_max} p_min {p_min}: tau {r['tau']:.2f}, "
+                    f"{r['speculative_tokens_per_second']:.1f} vs {r['target_tokens_per_second']:.1f} tok/s alone "
+                    f"({r['speedup']:.2f}x), lossless {r['lossless']}",
+                    flush=True,
+                )
     info = machine(args.threads, load_before)
-    result = {"draft": str(args.draft), "target_gguf": args.target_gguf, "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "machine": info, "rows": rows}
+    result = {
+        "draft": str(args.draft),
+        "target_gguf": args.target_gguf,
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "machine": info,
+        "rows": rows,
+    }
     write_json(Path(args.out), result)
     before, after = info["load_average_before"], info["load_average_after"]
-    print(f"\n{args.prompts} prompts x {args.max_new_tokens} tokens, {args.threads} llama.cpp threads, load average "
-          + (f"{before[0]:.2f} -> {after[0]:.2f}" if before and after else "unknown") + loaded_label(info))
+    print(
+        f"\n{args.prompts} prompts x {args.max_new_tokens} tokens, {args.threads} llama.cpp threads, load average "
+        + (f"{before[0]:.2f} -> {after[0]:.2f}" if before and after else "unknown")
+        + loaded_label(info)
+    )
     print("| draft type | drafted per step | p_min | drafted | τ | tok/s with draft | target alone | speed-up |")
     print("|---|---:|---:|---:|---|---:|---:|---|")
     for r in rows:
-        print(f"| {r['draft_outtype']} | {r['draft_n_max']} | {r['draft_p_min']} | {r['drafted']} | {r['tau']:.2f} "
-              f"| {r['speculative_tokens_per_second']:.1f} | {r['target_tokens_per_second']:.1f} "
-              f"| {r['speedup']:.2f}x |")
+        print(
+            f"| {r['draft_outtype']} | {r['draft_n_max']} | {r['draft_p_min']} | {r['drafted']} | {r['tau']:.2f} "
+            f"| {r['speculative_tokens_per_second']:.1f} | {r['target_tokens_per_second']:.1f} "
+            f"| {r['speedup']:.2f}x |"
+        )
     print(f"wrote {args.out}")
     return 0
 

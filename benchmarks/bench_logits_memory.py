@@ -36,10 +36,24 @@ def one_step(mode: str, anchors: int, seq_len: int, vocab: int) -> dict[str, flo
     from dflash2_lightning.train.objective import DraftObjective, Teacher
 
     torch.manual_seed(0)
-    cfg = DraftConfig(hidden_size=64, vocab_size=vocab, num_target_layers=4, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                      block_size=16, target_layer_ids=[1], mask_token_id=vocab - 1, rope_theta=1e6,
-                      conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8)
+    cfg = DraftConfig(
+        hidden_size=64,
+        vocab_size=vocab,
+        num_target_layers=4,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        block_size=16,
+        target_layer_ids=[1],
+        mask_token_id=vocab - 1,
+        rope_theta=1e6,
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=16,
+        selector_top_k=8,
+    )
     draft = DraftModel(cfg)
     embed_tokens, lm_head = nn.Embedding(vocab, 64), nn.Linear(64, vocab, bias=False)
     with torch.no_grad():
@@ -51,13 +65,26 @@ def one_step(mode: str, anchors: int, seq_len: int, vocab: int) -> dict[str, flo
     objective = DraftObjective(num_anchors=anchors, position_weighting="decay")
     before = memory_status("VmRSS")
     start = time.perf_counter()
-    out = objective(draft, embed_tokens, lm_head, ids, mask, features, Teacher(),
-                    generator=torch.Generator().manual_seed(0), keep_logits=mode == "one_piece")
+    out = objective(
+        draft,
+        embed_tokens,
+        lm_head,
+        ids,
+        mask,
+        features,
+        Teacher(),
+        generator=torch.Generator().manual_seed(0),
+        keep_logits=mode == "one_piece",
+    )
     out.loss.backward()
     seconds = time.perf_counter() - start
-    return {"peak_bytes": memory_status("VmHWM") - before, "seconds": seconds, "loss": float(out.loss),
-            "fc_grad_norm": float(draft.fc.weight.grad.norm()),
-            "logits_elements": out.blocks.valid.numel() * vocab}
+    return {
+        "peak_bytes": memory_status("VmHWM") - before,
+        "seconds": seconds,
+        "loss": float(out.loss),
+        "fc_grad_norm": float(draft.fc.weight.grad.norm()),
+        "logits_elements": out.blocks.valid.numel() * vocab,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,18 +103,43 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_average()
     rows = {}
     for mode in ("one_piece", "chunked"):
-        done = subprocess.run([sys.executable, __file__, "--mode", mode, "--anchors", str(args.anchors),
-                               "--seq-len", str(args.seq_len), "--vocab", str(args.vocab)],
-                              check=True, capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--mode",
+                mode,
+                "--anchors",
+                str(args.anchors),
+                "--seq-len",
+                str(args.seq_len),
+                "--vocab",
+                str(args.vocab),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{mode:9s}: peak {rows[mode]['peak_bytes'] / 2**30:.2f} GiB above the step's start, "
-              f"{rows[mode]['seconds']:.1f} s, loss {rows[mode]['loss']:.6f}")
+        print(
+            f"{mode:9s}: peak {rows[mode]['peak_bytes'] / 2**30:.2f} GiB above the step's start, "
+            f"{rows[mode]['seconds']:.1f} s, loss {rows[mode]['loss']:.6f}"
+        )
     same = math.isclose(rows["one_piece"]["loss"], rows["chunked"]["loss"], rel_tol=1e-6)
-    write_json(args.json, {
-        "what": "objective forward+backward, 1 sample, hidden-64 stand-in draft, vocab and slots of the recipe",
-        "anchors": args.anchors, "block_size": 16, "seq_len": args.seq_len, "vocab": args.vocab,
-        "logits_chunk_elements": LOGITS_CHUNK_ELEMENTS, "results": rows, "losses_close_rel_1e-6": same,
-        "machine": machine(1, load_before)})
+    write_json(
+        args.json,
+        {
+            "what": "objective forward+backward, 1 sample, hidden-64 stand-in draft, vocab and slots of the recipe",
+            "anchors": args.anchors,
+            "block_size": 16,
+            "seq_len": args.seq_len,
+            "vocab": args.vocab,
+            "logits_chunk_elements": LOGITS_CHUNK_ELEMENTS,
+            "results": rows,
+            "losses_close_rel_1e-6": same,
+            "machine": machine(1, load_before),
+        },
+    )
     print(f"written {args.json}")
     return 0
 

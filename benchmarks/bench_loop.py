@@ -89,7 +89,7 @@ def zlab_loop(draft_dir: str, target: Any) -> Callable[[list[int], int, list[int
     def run(prompt: list[int], max_new_tokens: int, stop: list[int]) -> list[int]:
         ids = torch.tensor([prompt])
         out = dflash_generate(model, target.hf, ids, max_new_tokens, stop or None)
-        return out[0, len(prompt):].tolist()
+        return out[0, len(prompt) :].tolist()
 
     return run
 
@@ -103,12 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch (and onnxruntime) threads (default: torch's)")
     p.add_argument("--loops", default=",".join(DEFAULT_LOOPS), help=f"comma-separated subset of {','.join(LOOPS)}")
-    p.add_argument("--path", default=None, choices=["selector", "backbone"],
-                   help="decoding path of the project loop (default: selector for DFlash2; z-lab walks the selector)")
+    p.add_argument(
+        "--path",
+        default=None,
+        choices=["selector", "backbone"],
+        help="decoding path of the project loop (default: selector for DFlash2; z-lab walks the selector)",
+    )
     p.add_argument("--onnx-dir", default=None, help="reuse/keep the exported graphs here")
     p.add_argument("--opset", type=int, default=20)
-    p.add_argument("--compare-draft", default=None,
-                   help="a second draft checkpoint, timed in the same sitting as the 'compare' loop (added to --loops)")
+    p.add_argument(
+        "--compare-draft",
+        default=None,
+        help="a second draft checkpoint, timed in the same sitting as the 'compare' loop (added to --loops)",
+    )
     p.add_argument("--json", default=str(DEFAULT_OUT))
     args = p.parse_args(argv)
     loops = [x for x in args.loops.split(",") if x]
@@ -140,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             r = speculative_generate(target, drafter, prompt, args.max_new_tokens, stop)
             r.context = None
             return r.tokens, r
+
         return run
 
     if "target" in loops:
@@ -159,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
         runners[name] = fixed_loop
     if "torch-draft-vocab" in loops:
-        runners["torch-draft-vocab"] = project_loop(TorchDrafter(draft, args.path,
-                                                                 head=draft_vocab_head(target, args.draft)))
+        runners["torch-draft-vocab"] = project_loop(
+            TorchDrafter(draft, args.path, head=draft_vocab_head(target, args.draft))
+        )
     if "compare" in loops:
         other = load_draft(args.compare_draft, dtype=next(target.hf.parameters()).dtype).eval()
         other_head = draft_vocab_head(target, args.compare_draft) if find_draft_vocab(args.compare_draft) else None
@@ -176,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             scratch = tempfile.TemporaryDirectory(prefix="dflash2-bench-loop-")
         directory = Path(args.onnx_dir or scratch.name)  # type: ignore[union-attr]
         if not (directory / "drafter.json").is_file():
-            export_drafter(draft, *target_embedding_and_head(target, torch.float32), directory,
-                           opset=args.opset, with_hidden=False)
+            export_drafter(
+                draft, *target_embedding_and_head(target, torch.float32), directory, opset=args.opset, with_hidden=False
+            )
         ort = OrtDrafter(directory, threads=threads)
         if args.path and args.path != ort.path:
             raise SystemExit(f"--path {args.path} is not what the exported graphs decode with ({ort.path})")
@@ -223,16 +233,27 @@ def main(argv: list[str] | None = None) -> int:
     for name in runners:
         wall, used = statistics.median(seconds[name]), statistics.median(cpu[name])
         n = cycles.get(name)
-        rows.append(dict(loop=name, seconds=round(wall, 3), cpu_seconds=round(used, 3), cycles=n, tau=tau.get(name),
-                         ms_per_cycle=round(1e3 * wall / n, 3) if n else None,
-                         cpu_ms_per_cycle=round(1e3 * used / n, 3) if n else None,
-                         runs=[round(s, 3) for s in seconds[name]]))
+        rows.append(
+            dict(
+                loop=name,
+                seconds=round(wall, 3),
+                cpu_seconds=round(used, 3),
+                cycles=n,
+                tau=tau.get(name),
+                ms_per_cycle=round(1e3 * wall / n, 3) if n else None,
+                cpu_ms_per_cycle=round(1e3 * used / n, 3) if n else None,
+                runs=[round(s, 3) for s in seconds[name]],
+            )
+        )
     base = next((r for r in rows if r["loop"] == "torch"), None)
     alone = next((r for r in rows if r["loop"] == "target"), None)
     # Process CPU time counts every thread (onnxruntime's pool too); on a loaded machine it is the
     # steadier figure, but spinning thread pools inflate it.
-    lines = ["| loop | τ | cycles | wall time (s) | ms per cycle | vs torch drafter | speed-up vs target | CPU time (s) "
-             "| CPU vs torch |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| loop | τ | cycles | wall time (s) | ms per cycle | vs torch drafter | speed-up vs target | CPU time (s) "
+        "| CPU vs torch |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if alone:
             r["speedup"] = round(alone["seconds"] / r["seconds"], 4)
@@ -241,20 +262,32 @@ def main(argv: list[str] | None = None) -> int:
         per = f"{r['ms_per_cycle']:.2f}" if r["ms_per_cycle"] is not None else "-"
         t = "-" if r["loop"] == "target" else f"{r['tau']:.3f}" if r["tau"] is not None else "(same drafts)"
         speed = f"{r['speedup']:.2f}x" if alone else "-"
-        lines.append(f"| {r['loop']} | {t} | {r['cycles'] or '-'} | {r['seconds']:.2f} | {per} | {ratio} | {speed} | "
-                     f"{r['cpu_seconds']:.2f} | {cpu_ratio} |")
+        lines.append(
+            f"| {r['loop']} | {t} | {r['cycles'] or '-'} | {r['seconds']:.2f} | {per} | {ratio} | {speed} | "
+            f"{r['cpu_seconds']:.2f} | {cpu_ratio} |"
+        )
     generated = sum(len(t) for t in reference)
-    header = (f"{len(prompts)} prompts x {args.max_new_tokens} tokens ({generated} generated), "
-              f"target {args.target}, {threads} threads, median of {args.repeats}; load average "
-              f"{load_before[0]:.2f} -> {info['load_average_after'][0]:.2f}" + loaded_label(info))
+    header = (
+        f"{len(prompts)} prompts x {args.max_new_tokens} tokens ({generated} generated), "
+        f"target {args.target}, {threads} threads, median of {args.repeats}; load average "
+        f"{load_before[0]:.2f} -> {info['load_average_after'][0]:.2f}" + loaded_label(info)
+    )
     print(header)
     print("\n".join(lines))
-    result = dict(command="python benchmarks/bench_loop.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  draft=str(args.draft), compare_draft=args.compare_draft, target=args.target,
-                  cpu_linear=target.cpu_linears.describe(), prompts=len(prompts),
-                  max_new_tokens=args.max_new_tokens,
-                  generated_tokens=generated, identical_outputs=True, rows=rows,
-                  machine=info, table="\n".join(lines))
+    result = dict(
+        command="python benchmarks/bench_loop.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        draft=str(args.draft),
+        compare_draft=args.compare_draft,
+        target=args.target,
+        cpu_linear=target.cpu_linears.describe(),
+        prompts=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        generated_tokens=generated,
+        identical_outputs=True,
+        rows=rows,
+        machine=info,
+        table="\n".join(lines),
+    )
     write_json(Path(args.json), result)
     if scratch is not None:
         scratch.cleanup()

@@ -45,12 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="smollm2", help="the target, as `dflash2 eval --target` takes it")
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="target tokens per prompt (default 96)")
-    p.add_argument("--batched", action="store_true",
-                   help="decode the target's outputs in batches (~10x faster than one stream; what `dflash2 eval "
-                        "--replay-prompts` does) instead of one prompt at a time (the loop's own reference)")
+    p.add_argument(
+        "--batched",
+        action="store_true",
+        help="decode the target's outputs in batches (~10x faster than one stream; what `dflash2 eval "
+        "--replay-prompts` does) instead of one prompt at a time (the loop's own reference)",
+    )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--results", type=Path, default=RESULTS,
-                   help="JSON results file, merged by draft (default benchmarks/results/selector_ceiling.json)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help="JSON results file, merged by draft (default benchmarks/results/selector_ceiling.json)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
@@ -65,8 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(target_spec_from_arg(args.target))
     prompts = [encode_prompt(target.tokenizer, m) for m in read_prompts(EVAL_PROMPTS, args.prompts)]
     stop = list(getattr(target, "eos_token_ids", []))
-    outputs = (greedy_outputs(target, prompts, args.max_new_tokens, stop) if args.batched else
-               [target_greedy(target, q, args.max_new_tokens, stop).tokens for q in prompts])
+    outputs = (
+        greedy_outputs(target, prompts, args.max_new_tokens, stop)
+        if args.batched
+        else [target_greedy(target, q, args.max_new_tokens, stop).tokens for q in prompts]
+    )
     drafts = [d for d in args.drafts.split(",") if d]
     if args.base and args.base not in drafts:
         drafts.append(args.base)
@@ -75,48 +85,70 @@ def main(argv: list[str] | None = None) -> int:
     for d in drafts:
         t0 = time.perf_counter()
         draft = load_draft(d)
-        replays[d] = {path: replay_summary(lengths, draft.config.block_size)
-                      for path, lengths in replay_lengths(draft, target, prompts, outputs).items()}
+        replays[d] = {
+            path: replay_summary(lengths, draft.config.block_size)
+            for path, lengths in replay_lengths(draft, target, prompts, outputs).items()
+        }
         row = dict(replays[d])
         bb, orc = row["backbone"]["tau"], row["oracle"]["tau"]
         if "selector" in row and orc > bb:
             row["gap_closed"] = (row["selector"]["tau"] - bb) / (orc - bb)
         row["seconds"] = time.perf_counter() - t0
         rows[d] = row
-        summary = ", ".join(f"{k} {v['tau']:.3f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]"
-                            for k, v in row.items() if isinstance(v, dict))
+        summary = ", ".join(
+            f"{k} {v['tau']:.3f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]"
+            for k, v in row.items()
+            if isinstance(v, dict)
+        )
         print(f"{d}: {summary}" + (f"; gap closed {row['gap_closed']:.0%}" if "gap_closed" in row else ""), flush=True)
     if args.base:
         base = replays[args.base]
         best = "selector" if "selector" in base else "backbone"
         for d in drafts:
             if d != args.base:
-                rows[d]["vs_base"] = {path: {"base": f"{args.base} ({best})",
-                                             **paired_ratio_interval(r["per_prompt_accepted"],
-                                                                     base[best]["per_prompt_accepted"]),
-                                             "tau_ratio": paired_tau_ratio_interval(
-                                                 r["per_prompt_accepted"], r["per_prompt_cycles"],
-                                                 base[best]["per_prompt_accepted"], base[best]["per_prompt_cycles"])}
-                                      for path, r in replays[d].items()}
-                print(f"{d} vs {args.base}: " + ", ".join(
-                    f"{path} tau ratio {v['tau_ratio']['ratio']:.3f} [{v['tau_ratio']['interval'][0]:.3f}, "
-                    f"{v['tau_ratio']['interval'][1]:.3f}], accepted drafts "
-                    + ("-" if v["ratio"] is None else f"{v['ratio']:.2f}x")  # None: the base accepted no draft
-                    for path, v in rows[d]["vs_base"].items()), flush=True)
-    run = {"command": f"python benchmarks/bench_selector_ceiling.py --drafts {args.drafts}"
-                      + (f" --base {args.base}" if args.base else "")
-                      + (f" --prompts {args.prompts}" if args.prompts != 32 else "")
-                      + (" --batched" if args.batched else "")
-                      + (f" --results {args.results}" if args.results != RESULTS else "")
-                      + f" --threads {args.threads}",
-           "machine": machine(args.threads, load_before)}
+                rows[d]["vs_base"] = {
+                    path: {
+                        "base": f"{args.base} ({best})",
+                        **paired_ratio_interval(r["per_prompt_accepted"], base[best]["per_prompt_accepted"]),
+                        "tau_ratio": paired_tau_ratio_interval(
+                            r["per_prompt_accepted"],
+                            r["per_prompt_cycles"],
+                            base[best]["per_prompt_accepted"],
+                            base[best]["per_prompt_cycles"],
+                        ),
+                    }
+                    for path, r in replays[d].items()
+                }
+                print(
+                    f"{d} vs {args.base}: "
+                    + ", ".join(
+                        f"{path} tau ratio {v['tau_ratio']['ratio']:.3f} [{v['tau_ratio']['interval'][0]:.3f}, "
+                        f"{v['tau_ratio']['interval'][1]:.3f}], accepted drafts "
+                        + ("-" if v["ratio"] is None else f"{v['ratio']:.2f}x")  # None: the base accepted no draft
+                        for path, v in rows[d]["vs_base"].items()
+                    ),
+                    flush=True,
+                )
+    run = {
+        "command": f"python benchmarks/bench_selector_ceiling.py --drafts {args.drafts}"
+        + (f" --base {args.base}" if args.base else "")
+        + (f" --prompts {args.prompts}" if args.prompts != 32 else "")
+        + (" --batched" if args.batched else "")
+        + (f" --results {args.results}" if args.results != RESULTS else "")
+        + f" --threads {args.threads}",
+        "machine": machine(args.threads, load_before),
+    }
     for row in rows.values():
         row["run"] = run  # rows from several runs merge into one file: each keeps its own command and load
     old = json.loads(args.results.read_text()) if args.results.is_file() else {}
     old.setdefault("rows", {}).update(rows)
-    old.update(prompts=args.prompts, max_new_tokens=args.max_new_tokens, target=args.target,
-               generated_tokens=sum(len(o) for o in outputs),
-               outputs="batched greedy" if args.batched else "greedy, one prompt at a time")
+    old.update(
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        target=args.target,
+        generated_tokens=sum(len(o) for o in outputs),
+        outputs="batched greedy" if args.batched else "greedy, one prompt at a time",
+    )
     write_json(args.results, old)
     print(f"wrote {args.results}")
     return 0

@@ -53,8 +53,10 @@ def interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, dict[str, flo
             fn()
             cpu[name].append(time.process_time() - c)
             wall[name].append(time.perf_counter() - w)
-    return {name: dict(wall_us=statistics.median(wall[name]) * 1e6, cpu_us=statistics.median(cpu[name]) * 1e6)
-            for name in fns}
+    return {
+        name: dict(wall_us=statistics.median(wall[name]) * 1e6, cpu_us=statistics.median(cpu[name]) * 1e6)
+        for name in fns
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,10 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's own choice); 1 is steadier on a busy machine")
-    parser.add_argument("--json", type=Path, default=RESULTS / "bench_selector_walk.json",
-                        help="JSON output (default benchmarks/results/bench_selector_walk.json)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's own choice); 1 is steadier on a busy machine",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=RESULTS / "bench_selector_walk.json",
+        help="JSON output (default benchmarks/results/bench_selector_walk.json)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         zlab = None
     else:
-        cfg = Qwen3Config(hidden_size=HIDDEN, vocab_size=VOCAB,
-                          dflash_config=dict(selector_rank=RANK, selector_top_k=TOP_K))
+        cfg = Qwen3Config(
+            hidden_size=HIDDEN, vocab_size=VOCAB, dflash_config=dict(selector_rank=RANK, selector_top_k=TOP_K)
+        )
         zlab = ZlabSelector(cfg).eval()
         with torch.no_grad():
             zlab.predecessor_codebook.weight.copy_(selector.predecessor_codebook)
@@ -104,37 +115,63 @@ def main(argv: list[str] | None = None) -> int:
                 values, indices = logits.topk(TOP_K, dim=-1)
                 return selector.greedy_path(indices, values, hidden, anchor)
 
-            fns = {"walk_ours": lambda: lattice_walk(*walk_args),
-                   "walk_per_position": lambda: lattice_walk_per_position(*walk_args),
-                   "selector_ours": selector_ours}
+            fns = {
+                "walk_ours": lambda: lattice_walk(*walk_args),
+                "walk_per_position": lambda: lattice_walk_per_position(*walk_args),
+                "selector_ours": selector_ours,
+            }
             same = torch.equal(lattice_walk(*walk_args), lattice_walk_per_position(*walk_args))
             pairs = [("walk", "walk_ours", "walk_per_position", "lattice_walk_per_position")]
             if zlab is not None:
                 fns["selector_zlab"] = lambda: zlab.select(hidden, logits, anchor, 0.0)[0]
                 same = same and torch.equal(selector_ours(), fns["selector_zlab"]())
-                pairs.append(("top-k + projection + walk", "selector_ours", "selector_zlab",
-                              "z-lab CandidateSelector.select"))
+                pairs.append(
+                    ("top-k + projection + walk", "selector_ours", "selector_zlab", "z-lab CandidateSelector.select")
+                )
             t = interleaved(fns, args.repeats, args.warmup)
             for what, mine, theirs, baseline in pairs:
-                rows.append(dict(batch=batch, what=what, baseline=baseline,
-                                 ours_us=round(t[mine]["wall_us"], 1), baseline_us=round(t[theirs]["wall_us"], 1),
-                                 speedup=round(t[theirs]["wall_us"] / t[mine]["wall_us"], 2),
-                                 speedup_cpu=round(t[theirs]["cpu_us"] / t[mine]["cpu_us"], 2), same_tokens=same))
+                rows.append(
+                    dict(
+                        batch=batch,
+                        what=what,
+                        baseline=baseline,
+                        ours_us=round(t[mine]["wall_us"], 1),
+                        baseline_us=round(t[theirs]["wall_us"], 1),
+                        speedup=round(t[theirs]["wall_us"] / t[mine]["wall_us"], 2),
+                        speedup_cpu=round(t[theirs]["cpu_us"] / t[mine]["cpu_us"], 2),
+                        same_tokens=same,
+                    )
+                )
 
     info = machine(torch.get_num_threads(), load_before)
-    print(f"selector walk, L={LENGTH}, K={TOP_K}, r={RANK}, V={VOCAB}, float32, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats} after {args.warmup} warm-up, "
-          f"{info['cpus']} CPUs, load average {load_before[0]:.1f} -> {info['load_average_after'][0]:.1f}"
-          + loaded_label(info))
-    print("| batch | measured | ours (us) | baseline | baseline (us) | baseline / ours | baseline / ours (CPU time) "
-          "| same tokens |")
+    print(
+        f"selector walk, L={LENGTH}, K={TOP_K}, r={RANK}, V={VOCAB}, float32, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats} after {args.warmup} warm-up, "
+        f"{info['cpus']} CPUs, load average {load_before[0]:.1f} -> {info['load_average_after'][0]:.1f}"
+        + loaded_label(info)
+    )
+    print(
+        "| batch | measured | ours (us) | baseline | baseline (us) | baseline / ours | baseline / ours (CPU time) "
+        "| same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['what']} | {r['ours_us']:.0f} | {r['baseline']} | {r['baseline_us']:.0f} "
-              f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {'yes' if r['same_tokens'] else 'no'} |")
+        print(
+            f"| {r['batch']} | {r['what']} | {r['ours_us']:.0f} | {r['baseline']} | {r['baseline_us']:.0f} "
+            f"| {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {'yes' if r['same_tokens'] else 'no'} |"
+        )
 
-    meta = dict(**info, repeats=args.repeats, warmup=args.warmup, length=LENGTH, top_k=TOP_K, rank=RANK,
-                vocab=VOCAB, hidden=HIDDEN, dtype="float32")
+    meta = dict(
+        **info,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        length=LENGTH,
+        top_k=TOP_K,
+        rank=RANK,
+        vocab=VOCAB,
+        hidden=HIDDEN,
+        dtype="float32",
+    )
     write_json(args.json, dict(meta=meta, rows=rows))
     print(f"wrote {args.json}")
     return 0

@@ -20,8 +20,9 @@ from dflash2_lightning.threads import load_average, timing_warning
 __all__ = ["load_average", "machine", "loaded_label", "memory_status", "write_json"]
 
 
-def machine(threads: int | None, load_before: list[float] | None,
-            load_after: list[float] | None = None) -> dict[str, Any]:
+def machine(
+    threads: int | None, load_before: list[float] | None, load_after: list[float] | None = None
+) -> dict[str, Any]:
     """The machine a figure was taken on: platform, CPUs, threads used, versions and the load around the run.
 
     ``load_after`` defaults to the load now. ``loaded`` is the quickstart's rule
@@ -32,10 +33,17 @@ def machine(threads: int | None, load_before: list[float] | None,
     after = load_after if load_after is not None else load_average()
     cpus = os.cpu_count() or 1
     warning = timing_warning(threads or 1, cpus, load_before, after)
-    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                cpus=cpus, threads=threads, python=platform.python_version(),
-                torch=metadata.version("torch"), load_average_before=load_before, load_average_after=after,
-                loaded=None if load_before is None and after is None else warning is not None)
+    return dict(
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        cpus=cpus,
+        threads=threads,
+        python=platform.python_version(),
+        torch=metadata.version("torch"),
+        load_average_before=load_before,
+        load_average_after=after,
+        loaded=None if load_before is None and after is None else warning is not None,
+    )
 
 
 def loaded_label(info: dict[str, Any]) -> str:

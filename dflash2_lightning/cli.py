@@ -39,46 +39,79 @@ LIGHTNING_ACTIONS: dict[str, str] = {
     "validate": "validate a draft checkpoint on the config's validation data",
 }
 ACTIONS: dict[str, Action] = {
-    "plan": Action("dflash2_lightning.train.plan_command:plan_main",
-                   "what a fit needs per device and on disk, from the config alone, and whether it fits"),
-    "quickstart": Action("dflash2_lightning.quickstart.run:quickstart_main",
-                         "the whole job on SmolLM2-135M: regenerate, cache features, train, measure tau"),
-    "regen": Action("dflash2_lightning.data.regen:regen_main",
-                    "the target's own responses to a prompts file (training data), in-process or via a server"),
-    "eval": Action("dflash2_lightning.evaluate.command:eval_main",
-                   "measure tau with real speculative decoding (eval.json, acceptance.png)"),
-    "acceptance-record": Action("dflash2_lightning.evaluate.record:record_main",
-                                "write DRAFT/acceptance.json: the tau a draft earns at T=0 on held-out prompts"),
-    "check": Action("dflash2_lightning.export.serving:check_main",
-                    "check a draft checkpoint against what vLLM, SGLang and llama.cpp expect"),
-    "serve-help": Action("dflash2_lightning.export.serving:serve_help_main",
-                         "print the engines' exact commands to serve a draft checkpoint"),
-    "check-serving": Action("dflash2_lightning.engines.check_serving:check_serving_main",
-                            "check a running engine's outputs and tau against the draft's acceptance record"),
-    "draft-vocab": Action("dflash2_lightning.decode.draft_vocab:main",
-                          "write draft_vocab.json: the tokens the draft step's head covers"),
-    "export-gguf": Action("dflash2_lightning.engines.draft_gguf:export_gguf_main",
-                          "write the draft as a GGUF for llama.cpp's DFlash2 runtime"),
-    "export-onnx": Action("dflash2_lightning.export.onnx.command:main",
-                          "write the drafting graphs as ONNX with the dflash custom ops, verified"),
-    "export-trt": Action("dflash2_lightning.export.tensorrt.command:main",
-                         "build TensorRT engines with the dflash plugins from an ONNX export"),
-    "build-llama-cpp": Action("dflash2_lightning.engines.llama_cpp:main",
-                              "build llama-server from the pinned llama.cpp source (for eval and regen)"),
+    "plan": Action(
+        "dflash2_lightning.train.plan_command:plan_main",
+        "what a fit needs per device and on disk, from the config alone, and whether it fits",
+    ),
+    "quickstart": Action(
+        "dflash2_lightning.quickstart.run:quickstart_main",
+        "the whole job on SmolLM2-135M: regenerate, cache features, train, measure tau",
+    ),
+    "regen": Action(
+        "dflash2_lightning.data.regen:regen_main",
+        "the target's own responses to a prompts file (training data), in-process or via a server",
+    ),
+    "eval": Action(
+        "dflash2_lightning.evaluate.command:eval_main",
+        "measure tau with real speculative decoding (eval.json, acceptance.png)",
+    ),
+    "acceptance-record": Action(
+        "dflash2_lightning.evaluate.record:record_main",
+        "write DRAFT/acceptance.json: the tau a draft earns at T=0 on held-out prompts",
+    ),
+    "check": Action(
+        "dflash2_lightning.export.serving:check_main",
+        "check a draft checkpoint against what vLLM, SGLang and llama.cpp expect",
+    ),
+    "serve-help": Action(
+        "dflash2_lightning.export.serving:serve_help_main",
+        "print the engines' exact commands to serve a draft checkpoint",
+    ),
+    "check-serving": Action(
+        "dflash2_lightning.engines.check_serving:check_serving_main",
+        "check a running engine's outputs and tau against the draft's acceptance record",
+    ),
+    "draft-vocab": Action(
+        "dflash2_lightning.decode.draft_vocab:main", "write draft_vocab.json: the tokens the draft step's head covers"
+    ),
+    "export-gguf": Action(
+        "dflash2_lightning.engines.draft_gguf:export_gguf_main",
+        "write the draft as a GGUF for llama.cpp's DFlash2 runtime",
+    ),
+    "export-onnx": Action(
+        "dflash2_lightning.export.onnx.command:main",
+        "write the drafting graphs as ONNX with the dflash custom ops, verified",
+    ),
+    "export-trt": Action(
+        "dflash2_lightning.export.tensorrt.command:main",
+        "build TensorRT engines with the dflash plugins from an ONNX export",
+    ),
+    "build-llama-cpp": Action(
+        "dflash2_lightning.engines.llama_cpp:main",
+        "build llama-server from the pinned llama.cpp source (for eval and regen)",
+    ),
 }
 
 
 def overview() -> str:
     """The text of ``dflash2 --help``: every action with its one-line summary."""
     width = max(map(len, [*LIGHTNING_ACTIONS, *ACTIONS]))
-    lines = ["usage: dflash2 <action> [options]   (dflash2 <action> --help for an action's options)", "",
-             "Train DFlash2 speculative-decoding drafters for your own target, measure them and ship them.", "",
-             "actions:"]
+    lines = [
+        "usage: dflash2 <action> [options]   (dflash2 <action> --help for an action's options)",
+        "",
+        "Train DFlash2 speculative-decoding drafters for your own target, measure them and ship them.",
+        "",
+        "actions:",
+    ]
     lines += [f"  {name:<{width}}  {summary}" for name, summary in LIGHTNING_ACTIONS.items()]
     lines += [f"  {name:<{width}}  {action.summary}" for name, action in ACTIONS.items()]
-    lines += ["", "Shipped recipes (fit, validate and plan take them by name, e.g. `dflash2 fit --config tiny`):",
-              "  " + ", ".join(recipe_names()),
-              "", "--debug (any action) shows the full traceback of an error; --version prints the version."]
+    lines += [
+        "",
+        "Shipped recipes (fit, validate and plan take them by name, e.g. `dflash2 fit --config tiny`):",
+        "  " + ", ".join(recipe_names()),
+        "",
+        "--debug (any action) shows the full traceback of an error; --version prints the version.",
+    ]
     return "\n".join(lines)
 
 
@@ -86,11 +119,16 @@ def unknown_action(word: str) -> str:
     """The error for a first argument that names no action (with the closest action, when one is close)."""
     names = [*LIGHTNING_ACTIONS, *ACTIONS]
     if word.startswith("-"):
-        return f"{word} comes before an action: name the action first, e.g. `dflash2 fit {word} ...`; " \
-               "`dflash2 --help` lists the actions"
+        return (
+            f"{word} comes before an action: name the action first, e.g. `dflash2 fit {word} ...`; "
+            "`dflash2 --help` lists the actions"
+        )
     close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
-    return (f"{word!r} is not an action" + (f"; did you mean {close[0]!r}?" if close else "")
-            + " `dflash2 --help` lists the actions")
+    return (
+        f"{word!r} is not an action"
+        + (f"; did you mean {close[0]!r}?" if close else "")
+        + " `dflash2 --help` lists the actions"
+    )
 
 
 def _entry(spec: str) -> Callable[[list[str]], Any]:

@@ -20,6 +20,7 @@ from typing import Any
 #: exit status of a user error (a bug exits with 1: see :mod:`dflash2_lightning.reporting`).
 USER_EXIT = 2
 
+
 class UserError(Exception):
     """Base of every error that means "the input is wrong", not "the program is wrong".
 
@@ -40,8 +41,7 @@ class UsageError(UserError):
     """A command-line usage error (unknown option, bad value); the message says which and how to get help."""
 
 
-def check(ok: bool, name: str, value: Any, bound: str, error: type[UserError] = ConfigError,
-          verb: str = "be") -> None:
+def check(ok: bool, name: str, value: Any, bound: str, error: type[UserError] = ConfigError, verb: str = "be") -> None:
     """Unless ``ok``, raise ``error`` saying ``<name>=<value> is invalid: must <verb> <bound>``: the one form of
     every setting's range check (``verb="satisfy"`` where the bound is an expression,
     ``1 <= conv_kernel_size <= block_size=4``)."""
@@ -73,8 +73,9 @@ def format_bytes(n: float | None) -> str:
     return f"{n:.1f} TB"
 
 
-def disk_full_message(path: str | os.PathLike | None, needed: int | None = None, free: int | None = None,
-                      at_least: bool = False) -> str:
+def disk_full_message(
+    path: str | os.PathLike | None, needed: int | None = None, free: int | None = None, at_least: bool = False
+) -> str:
     """``disk full while writing PATH (needed N, free M): ...``: the one wording of a full disk (``path``
     None: the writer did not say which file)."""
     parts = []
@@ -87,28 +88,36 @@ def disk_full_message(path: str | os.PathLike | None, needed: int | None = None,
     return f"disk full {what}{detail}: free space on that disk, or write to another one (earlier files are unchanged)"
 
 
-def bounded(kind: Callable[[str], Any], low: Any = None, high: Any = None,
-            low_open: bool = False) -> Callable[[str], Any]:
+def bounded(
+    kind: Callable[[str], Any], low: Any = None, high: Any = None, low_open: bool = False
+) -> Callable[[str], Any]:
     """An argparse ``type=`` that parses with ``kind`` and refuses a value outside ``[low, high]``
     (``(low, high]`` with ``low_open``), saying the bound: ``argument --concurrency: 0 is invalid: must be >= 1``.
     A float that is not finite (``nan``, ``inf``) is refused whatever the bounds.
 
     Checked when the command line is parsed, before anything is loaded or computed.
     """
+
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a{'n' if kind is int else ''} "
-                                             f"{getattr(kind, '__name__', 'value')}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is invalid: must be a{'n' if kind is int else ''} {getattr(kind, '__name__', 'value')}"
+            ) from None
         if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite number")
         too_low = low is not None and (value <= low if low_open else value < low)
         too_high = high is not None and value > high
         if too_low or too_high:
-            bound = " and ".join(b for b in (
-                f"{'>' if low_open else '>='} {low}" if low is not None else "",
-                f"<= {high}" if high is not None else "") if b)
+            bound = " and ".join(
+                b
+                for b in (
+                    f"{'>' if low_open else '>='} {low}" if low is not None else "",
+                    f"<= {high}" if high is not None else "",
+                )
+                if b
+            )
             raise argparse.ArgumentTypeError(f"{text} is invalid: must be {bound}")
         return value
 

@@ -60,7 +60,6 @@ def host_name() -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
 
 
-
 def owner_prefix(name: str) -> str:
     """The temporary-name prefix for final name ``name`` owned by this process: ``.<name>.<host>-<pid>.``."""
     return f".{name}.{host_name()}-{os.getpid()}."
@@ -137,8 +136,8 @@ def remove_stale(directory: str | os.PathLike, name: str | None = None) -> list[
 class Lock(enum.Enum):
     """What :func:`lock_nowait` got."""
 
-    HELD = "held"                # this process holds the lock
-    BUSY = "busy"                # another process holds it
+    HELD = "held"  # this process holds the lock
+    BUSY = "busy"  # another process holds it
     UNSUPPORTED = "unsupported"  # this file system has no flock (some network mounts): nothing was locked
 
 
@@ -206,8 +205,9 @@ def check_writable(path: str | os.PathLike, directory: bool = False) -> None:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         if directory and not path.is_dir():
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
-    existing = next((p for p in (path if directory and path.is_dir() else path.parent, *path.parents)
-                     if p.exists()), None)
+    existing = next(
+        (p for p in (path if directory and path.is_dir() else path.parent, *path.parents) if p.exists()), None
+    )
     if existing is None:
         return
     if not existing.is_dir():
@@ -280,8 +280,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], size: in
     except OSError as error:
         if error.errno in FULL_ERRNOS:
             raise DiskFullError(disk_full_message(path, size, free_bytes(path.parent))) from error
-        raise _renamed(error, path if error.filename is None or final_path(error.filename) == path
-                       else Path(error.filename)) from None
+        raise _renamed(
+            error, path if error.filename is None or final_path(error.filename) == path else Path(error.filename)
+        ) from None
     os.close(fd)
     free = free_bytes(path.parent)  # before: what a full disk's message reports as free
     try:
@@ -319,7 +320,7 @@ def append_durably(path: str | os.PathLike, text: str) -> None:
         try:
             view = memoryview(data)
             while view:  # unbuffered: a failed write leaves nothing queued to flush later
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         except OSError as error:
             try:
@@ -369,6 +370,8 @@ def _fsync_dir(directory: Path) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a text file atomically."""
+
     def write(tmp: str) -> None:
         Path(tmp).write_text(text)
+
     atomic_write(path, write)

@@ -40,10 +40,16 @@ def percentile_bounds(x: np.ndarray, level: float = LEVEL) -> list[float | None]
     return [float(np.percentile(x, lo)), float(np.percentile(x, hi))] if x.size else [None, None]
 
 
-def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[float] | None = None,
-                        seconds: Sequence[float] | None = None, base_tokens: Sequence[float] | None = None,
-                        base_seconds: Sequence[float] | None = None,
-                        resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> dict[str, Any]:
+def bootstrap_intervals(
+    histograms: Sequence[Sequence[int]],
+    tokens: Sequence[float] | None = None,
+    seconds: Sequence[float] | None = None,
+    base_tokens: Sequence[float] | None = None,
+    base_seconds: Sequence[float] | None = None,
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Percentile intervals of τ, ``accept_k``, tokens/s and speed-up, resampling prompts.
 
     Args:
@@ -67,31 +73,43 @@ def bootstrap_intervals(histograms: Sequence[Sequence[int]], tokens: Sequence[fl
         raise ValueError("histograms is empty: need at least one prompt")
     weights = resample_weights(n, resamples, seed)
 
-    pooled = weights @ hist                                   # [R, bs]
+    pooled = weights @ hist  # [R, bs]
     full = pooled.sum(1, keepdims=True)
-    tail = np.cumsum(pooled[:, ::-1], axis=1)[:, ::-1]        # tail[:, k] = cycles that accepted >= k
+    tail = np.cumsum(pooled[:, ::-1], axis=1)[:, ::-1]  # tail[:, k] = cycles that accepted >= k
     with np.errstate(invalid="ignore", divide="ignore"):
         accept = np.where(full > 0, tail[:, 1:] / full, np.nan)  # [R, bs-1]
         tau = 1.0 + accept.sum(1)
         timed = tokens is not None and seconds is not None
-        tps = ((weights @ np.asarray(tokens, dtype=np.float64)) / (weights @ np.asarray(seconds, dtype=np.float64))
-               if timed else None)
+        tps = (
+            (weights @ np.asarray(tokens, dtype=np.float64)) / (weights @ np.asarray(seconds, dtype=np.float64))
+            if timed
+            else None
+        )
         speedup = None
         if timed and base_tokens is not None and base_seconds is not None:
-            base = (weights @ np.asarray(base_tokens, dtype=np.float64)) / \
-                (weights @ np.asarray(base_seconds, dtype=np.float64))
+            base = (weights @ np.asarray(base_tokens, dtype=np.float64)) / (
+                weights @ np.asarray(base_seconds, dtype=np.float64)
+            )
             speedup = tps / base
+
     def bounds(x: np.ndarray) -> list[float | None]:
         return percentile_bounds(x, level)
 
-    return {"tau": bounds(tau), "accept": [bounds(accept[:, k]) for k in range(accept.shape[1])],
-            "tokens_per_second": bounds(tps) if tps is not None else None,
-            "speedup": bounds(speedup) if speedup is not None else None,
-            "level": level, "resamples": resamples, "seed": seed, "unit": "prompt"}
+    return {
+        "tau": bounds(tau),
+        "accept": [bounds(accept[:, k]) for k in range(accept.shape[1])],
+        "tokens_per_second": bounds(tps) if tps is not None else None,
+        "speedup": bounds(speedup) if speedup is not None else None,
+        "level": level,
+        "resamples": resamples,
+        "seed": seed,
+        "unit": "prompt",
+    }
 
 
-def paired_ratio_interval(ours: Sequence[float], base: Sequence[float], resamples: int = RESAMPLES,
-                          level: float = LEVEL, seed: int = 0) -> dict[str, Any]:
+def paired_ratio_interval(
+    ours: Sequence[float], base: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0
+) -> dict[str, Any]:
     """``sum(ours) / sum(base)`` over prompts with its percentile interval, prompts resampled *together*.
 
     For two drafts measured on the same prompts (e.g. accepted drafted tokens per prompt): pairing
@@ -100,19 +118,33 @@ def paired_ratio_interval(ours: Sequence[float], base: Sequence[float], resample
     """
     a, b = np.asarray(ours, dtype=np.float64), np.asarray(base, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(f"paired_ratio_interval needs two equal, non-empty per-prompt lists "
-                         f"(got {a.size} and {b.size})")
+        raise ValueError(
+            f"paired_ratio_interval needs two equal, non-empty per-prompt lists (got {a.size} and {b.size})"
+        )
     weights = resample_weights(a.size, resamples, seed)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratios = (weights @ a) / (weights @ b)
-    return {"ratio": float(a.sum() / b.sum()) if b.sum() else None, "interval": percentile_bounds(ratios, level),
-            "prompts_better": int((a > b).sum()), "prompts_worse": int((a < b).sum()),
-            "level": level, "resamples": resamples, "seed": seed, "unit": "prompt"}
+    return {
+        "ratio": float(a.sum() / b.sum()) if b.sum() else None,
+        "interval": percentile_bounds(ratios, level),
+        "prompts_better": int((a > b).sum()),
+        "prompts_worse": int((a < b).sum()),
+        "level": level,
+        "resamples": resamples,
+        "seed": seed,
+        "unit": "prompt",
+    }
 
 
-def paired_tau_ratio_interval(accepted: Sequence[float], cycles: Sequence[float], base_accepted: Sequence[float],
-                              base_cycles: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL,
-                              seed: int = 0) -> dict[str, Any]:
+def paired_tau_ratio_interval(
+    accepted: Sequence[float],
+    cycles: Sequence[float],
+    base_accepted: Sequence[float],
+    base_cycles: Sequence[float],
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> dict[str, Any]:
     """``tau(ours) / tau(base)`` with ``tau = 1 + sum(accepted) / sum(cycles)`` over prompts, and its
     percentile interval, prompts resampled *together* (two drafts on the same prompts and outputs).
 
@@ -120,19 +152,27 @@ def paired_tau_ratio_interval(accepted: Sequence[float], cycles: Sequence[float]
     """
     arrays = [np.asarray(x, dtype=np.float64) for x in (accepted, cycles, base_accepted, base_cycles)]
     if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1 or arrays[0].size == 0:
-        raise ValueError("paired_tau_ratio_interval needs four equal, non-empty per-prompt lists "
-                         f"(got {[a.size for a in arrays]})")
+        raise ValueError(
+            f"paired_tau_ratio_interval needs four equal, non-empty per-prompt lists (got {[a.size for a in arrays]})"
+        )
     a, c, ba, bc = arrays
     weights = resample_weights(a.size, resamples, seed)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratios = (1.0 + (weights @ a) / (weights @ c)) / (1.0 + (weights @ ba) / (weights @ bc))
     ratio = (1.0 + a.sum() / c.sum()) / (1.0 + ba.sum() / bc.sum()) if c.sum() and bc.sum() else None
-    return {"ratio": float(ratio) if ratio is not None else None, "interval": percentile_bounds(ratios, level),
-            "level": level, "resamples": resamples, "seed": seed, "unit": "prompt"}
+    return {
+        "ratio": float(ratio) if ratio is not None else None,
+        "interval": percentile_bounds(ratios, level),
+        "level": level,
+        "resamples": resamples,
+        "seed": seed,
+        "unit": "prompt",
+    }
 
 
-def replay_summary(lengths: Sequence[Sequence[int]], block_size: int, resamples: int = RESAMPLES,
-                   seed: int = 0) -> dict[str, Any]:
+def replay_summary(
+    lengths: Sequence[Sequence[int]], block_size: int, resamples: int = RESAMPLES, seed: int = 0
+) -> dict[str, Any]:
     """τ, per-offset acceptance and their 95% bootstrap intervals (prompts resampled) of replayed cycles.
 
     ``lengths``: per prompt, the accepted drafted tokens of each cycle (``0 .. block_size - 1``).
@@ -142,7 +182,13 @@ def replay_summary(lengths: Sequence[Sequence[int]], block_size: int, resamples:
     cycles = int(pooled.sum())
     accept = [float(pooled[k:].sum() / cycles) if cycles else None for k in range(1, block_size)]
     iv = bootstrap_intervals(hist, resamples=resamples, seed=seed)
-    return {"tau": 1.0 + sum(accept) if cycles else None, "interval": iv["tau"],
-            "accept": accept, "accept_interval": iv["accept"],
-            "accepted": int(sum(sum(x) for x in lengths)), "cycles": cycles,
-            "per_prompt_accepted": [int(sum(x)) for x in lengths], "per_prompt_cycles": [len(x) for x in lengths]}
+    return {
+        "tau": 1.0 + sum(accept) if cycles else None,
+        "interval": iv["tau"],
+        "accept": accept,
+        "accept_interval": iv["accept"],
+        "accepted": int(sum(sum(x) for x in lengths)),
+        "cycles": cycles,
+        "per_prompt_accepted": [int(sum(x)) for x in lengths],
+        "per_prompt_cycles": [len(x) for x in lengths],
+    }

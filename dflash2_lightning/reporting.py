@@ -60,8 +60,19 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 
 _PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
 #: errno values that say something about a path the user gave (when the error names it).
-PATH_ERRNOS = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EEXIST,
-                         errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP})
+PATH_ERRNOS = frozenset(
+    {
+        errno.ENOENT,
+        errno.EISDIR,
+        errno.ENOTDIR,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EEXIST,
+        errno.EROFS,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+    }
+)
 
 
 def _is_network_error(error: BaseException) -> bool:
@@ -146,8 +157,10 @@ def describe_os_error(error: OSError) -> str:
             return f"{path} is a file, where a directory is needed: remove it or choose another path"
         return f"{path} already exists: remove it or choose another path"
     if code == errno.EROFS:
-        return (f"{path} is on a read-only file system: write somewhere writable (the --out / save_dir / "
-                "cache_dir given, or run from a writable directory)")
+        return (
+            f"{path} is on a read-only file system: write somewhere writable (the --out / save_dir / "
+            "cache_dir given, or run from a writable directory)"
+        )
     if code in (errno.EACCES, errno.EPERM) or isinstance(error, PermissionError):
         return f"{path} cannot be accessed (permission denied): check its permissions, or choose another path"
     return f"{path}: {error.strerror or error}"
@@ -159,17 +172,25 @@ def describe_network_error(error: BaseException) -> str:
     import urllib.error
 
     if isinstance(error, urllib.error.HTTPError):
-        return (f"{error.url or error.filename} answered HTTP {error.code} ({error.reason}): check the server's log "
-                "and the URL, then rerun")
+        return (
+            f"{error.url or error.filename} answered HTTP {error.code} ({error.reason}): check the server's log "
+            "and the URL, then rerun"
+        )
     if isinstance(error, http.client.IncompleteRead):
-        return (f"the server's answer was cut off ({len(error.partial)} bytes of "
-                f"{len(error.partial) + (error.expected or 0)} received): check the server's log, then rerun")
+        return (
+            f"the server's answer was cut off ({len(error.partial)} bytes of "
+            f"{len(error.partial) + (error.expected or 0)} received): check the server's log, then rerun"
+        )
     if isinstance(error, http.client.HTTPException) and not isinstance(error, ConnectionError):
-        return (f"the server did not answer with HTTP ({type(error).__name__}: '{printable(str(error), 80)}'): is the "
-                "URL the server's HTTP address (host and port)?")
+        return (
+            f"the server did not answer with HTTP ({type(error).__name__}: '{printable(str(error), 80)}'): is the "
+            "URL the server's HTTP address (host and port)?"
+        )
     reason = getattr(error, "reason", None) or error
-    return (f"cannot reach the server ({printable(str(reason), 200)}): is it running, and is the URL right? Rerun the "
-            "same command once it answers")
+    return (
+        f"cannot reach the server ({printable(str(reason), 200)}): is it running, and is the URL right? Rerun the "
+        "same command once it answers"
+    )
 
 
 def printable(text: str, limit: int | None = None) -> str:
@@ -240,8 +261,12 @@ def split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
     return args, debug
 
 
-def run_command(function: Callable[[list[str]], Any], argv: Sequence[str], prog: str = PROG,
-                formatters: Sequence[Callable[[BaseException], str | None]] = ()) -> int | None:
+def run_command(
+    function: Callable[[list[str]], Any],
+    argv: Sequence[str],
+    prog: str = PROG,
+    formatters: Sequence[Callable[[BaseException], str | None]] = (),
+) -> int | None:
     """Run ``function(argv)`` under the error style of this module; returns its exit status.
 
     ``formatters`` turn an exception the caller knows how to explain (jsonargparse's errors) into a
@@ -268,7 +293,10 @@ def run_command(function: Callable[[list[str]], Any], argv: Sequence[str], prog:
                     print_error(describe(cause), prog)
                 return getattr(cause, "exit_status", USER_EXIT)  # an OS error has none: 2
             traceback.print_exc()
-            print_error(f"internal error ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                        f"this is a bug, please report it with the traceback above (rerun with {DEBUG_FLAG} "
-                        "for the full chain)", prog)
+            print_error(
+                f"internal error ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                f"this is a bug, please report it with the traceback above (rerun with {DEBUG_FLAG} "
+                "for the full chain)",
+                prog,
+            )
             return BUG_EXIT

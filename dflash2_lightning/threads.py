@@ -90,8 +90,9 @@ def auto_threads(available: int, own: float = 0.0, window: float = 1.0) -> int:
     return max(1, available - int(others + 0.25))
 
 
-def timing_warning(threads: int, cores: int, load_start: list[float] | None,
-                   load_end: list[float] | None, own_start: float = 0.0) -> str | None:
+def timing_warning(
+    threads: int, cores: int, load_start: list[float] | None, load_end: list[float] | None, own_start: float = 0.0
+) -> str | None:
     """Why timings taken with ``threads`` torch threads on ``cores`` cores may not hold, or None.
 
     ``load_start`` is the load average before the timed work (``own_start`` of it this process's own,
@@ -101,11 +102,12 @@ def timing_warning(threads: int, cores: int, load_start: list[float] | None,
     """
     if load_start is None and load_end is None:
         return None
-    others = max((load_start[0] - own_start) if load_start else 0.0,
-                 (load_end[0] - threads) if load_end else 0.0, 0.0)
+    others = max((load_start[0] - own_start) if load_start else 0.0, (load_end[0] - threads) if load_end else 0.0, 0.0)
     if threads + others <= cores + 0.5:
         return None
-    return (f"timings may not be trusted: {threads} torch thread(s) on {cores} core(s) while other processes kept "
-            f"about {others:.1f} core(s) busy (load average {load_start} -> {load_end}); speed-ups measured on a "
-            "busy machine can be far off either way, rerun on an idle machine"
-            + (" (or with --threads 1)" if threads > 1 else ""))
+    return (
+        f"timings may not be trusted: {threads} torch thread(s) on {cores} core(s) while other processes kept "
+        f"about {others:.1f} core(s) busy (load average {load_start} -> {load_end}); speed-ups measured on a "
+        "busy machine can be far off either way, rerun on an idle machine"
+        + (" (or with --threads 1)" if threads > 1 else "")
+    )

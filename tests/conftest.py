@@ -20,9 +20,21 @@ from dflash2_lightning.model import DraftModel
 # Small enough for a 2-core CI box, big enough to exercise GQA (4 heads / 2 KV heads), several
 # target features (3 ids) and conv groups (hidden 32 / group 8 = 4 groups).
 TINY_DRAFT: dict[str, Any] = dict(
-    hidden_size=32, vocab_size=96, num_target_layers=6, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, intermediate_size=48, block_size=4, target_layer_ids=[1, 2, 4],
-    mask_token_id=95, rope_theta=10_000.0, conv_kernel_size=2, conv_group_size=8, selector_rank=6,
+    hidden_size=32,
+    vocab_size=96,
+    num_target_layers=6,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    block_size=4,
+    target_layer_ids=[1, 2, 4],
+    mask_token_id=95,
+    rope_theta=10_000.0,
+    conv_kernel_size=2,
+    conv_group_size=8,
+    selector_rank=6,
     selector_top_k=5,
 )
 
@@ -85,10 +97,24 @@ def trained_smollm2_draft(tmp_path_factory) -> Path:
     with open(run / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or its holder dies)
         if not (hf / "model.safetensors").is_file():
-            cmd = [sys.executable, "-m", "dflash2_lightning", "fit", "--config",
-                   str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
-                   "--trainer.max_steps", "60", "--trainer.val_check_interval", "60", "--data.init_args.train_files",
-                   "null", "--data.init_args.mode", "online", "--data.init_args.seq_len", "128"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "dflash2_lightning",
+                "fit",
+                "--config",
+                str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
+                "--trainer.max_steps",
+                "60",
+                "--trainer.val_check_interval",
+                "60",
+                "--data.init_args.train_files",
+                "null",
+                "--data.init_args.mode",
+                "online",
+                "--data.init_args.seq_len",
+                "128",
+            ]
             if not fast_bf16_matmuls():
                 cmd += ["--trainer.precision", "32-true"]
             done = subprocess.run(cmd, cwd=run, capture_output=True, text=True, timeout=3600)
@@ -108,9 +134,13 @@ def one_thread():
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(DRY_RUN_OPTION, action="store_true", default=False,
-                     help="run the GPU check (tests marked gpu_dry_run) on the CPU at a scaled-down geometry, "
-                          "so that it does not rot where no GPU is (tests/test_gpu_check_dry.py runs it)")
+    parser.addoption(
+        DRY_RUN_OPTION,
+        action="store_true",
+        default=False,
+        help="run the GPU check (tests marked gpu_dry_run) on the CPU at a scaled-down geometry, "
+        "so that it does not rot where no GPU is (tests/test_gpu_check_dry.py runs it)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -148,7 +178,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     asked = item.config.option.markexpr or ""
     if any(mark in asked and f"not {mark}" not in asked for mark in ("gpu", "tensorrt")):
-        pytest.fail(f"{item.nodeid} needs {missing}, and `-m {asked}` asked for it on a machine without it",
-                    pytrace=False)
+        pytest.fail(
+            f"{item.nodeid} needs {missing}, and `-m {asked}` asked for it on a machine without it", pytrace=False
+        )
     pytest.skip(f"needs {missing} (run with `pytest -m gpu` where it exists)")
-

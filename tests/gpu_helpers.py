@@ -49,8 +49,11 @@ class CudaDriver:
 
     def __init__(self) -> None:
         self.lib = ctypes.CDLL("libcuda.so.1")
-        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
-            ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        self.lib.cuLaunchKernel.argtypes = (
+            [ctypes.c_void_p]
+            + [ctypes.c_uint] * 7
+            + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        )
 
     def _check(self, code: int, what: str) -> None:
         if code != 0:
@@ -59,17 +62,22 @@ class CudaDriver:
     def launch(self, kernel, grid: tuple, args: list) -> None:
         """Launch an :class:`~dflash2_lightning.ops.triton_aot.AotKernel` with TensorRT's argument order."""
         module, func = ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(self.lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(kernel.ptx.encode())),
-                    "cuModuleLoadData")
-        self._check(self.lib.cuModuleGetFunction(ctypes.byref(func), module, kernel.name.encode()),
-                    "cuModuleGetFunction")
-        storage = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int32(int(a))
-                   for a in args]
+        self._check(
+            self.lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(kernel.ptx.encode())), "cuModuleLoadData"
+        )
+        self._check(
+            self.lib.cuModuleGetFunction(ctypes.byref(func), module, kernel.name.encode()), "cuModuleGetFunction"
+        )
+        storage = [
+            ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int32(int(a)) for a in args
+        ]
         params = (ctypes.c_void_p * len(storage))(*[ctypes.cast(ctypes.byref(s), ctypes.c_void_p) for s in storage])
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         stream = torch.cuda.current_stream().cuda_stream
-        self._check(self.lib.cuLaunchKernel(func, *grid, kernel.block_x, 1, 1, kernel.shared, stream, params, None),
-                    "cuLaunchKernel")
+        self._check(
+            self.lib.cuLaunchKernel(func, *grid, kernel.block_x, 1, 1, kernel.shared, stream, params, None),
+            "cuLaunchKernel",
+        )
         torch.cuda.synchronize()
 
 
@@ -89,18 +97,34 @@ def single_op_graphs(directory: Path, dtype: str = "float32") -> dict[str, Path]
         [helper.make_node("DFlashBlockConv", ["x", "base", "delta"], ["y"], domain="dflash", block_size=BS, **attrs)],
         "block_conv",
         [io("x", ft, ["batch", BS, H]), io("base", ft, [TAPS, H]), io("delta", ft, ["batch", BS, TAPS, GROUPS])],
-        [io("y", ft, ["batch", BS, H])])
+        [io("y", ft, ["batch", BS, H])],
+    )
     walk = helper.make_graph(
-        [helper.make_node("DFlashLatticeWalk", ["cand", "unary", "proj", "anchor", "pred", "succ"], ["tokens"],
-                          domain="dflash", **attrs)],
+        [
+            helper.make_node(
+                "DFlashLatticeWalk",
+                ["cand", "unary", "proj", "anchor", "pred", "succ"],
+                ["tokens"],
+                domain="dflash",
+                **attrs,
+            )
+        ],
         "lattice_walk",
-        [io("cand", i64, ["batch", BS - 1, TOP_K]), io("unary", ft, ["batch", BS - 1, TOP_K]),
-         io("proj", ft, ["batch", BS - 1, RANK]), io("anchor", i64, ["batch"]), io("pred", ft, [V, RANK]),
-         io("succ", ft, [V, RANK])],
-        [io("tokens", i64, ["batch", BS - 1])])
+        [
+            io("cand", i64, ["batch", BS - 1, TOP_K]),
+            io("unary", ft, ["batch", BS - 1, TOP_K]),
+            io("proj", ft, ["batch", BS - 1, RANK]),
+            io("anchor", i64, ["batch"]),
+            io("pred", ft, [V, RANK]),
+            io("succ", ft, [V, RANK]),
+        ],
+        [io("tokens", i64, ["batch", BS - 1])],
+    )
     paths = {}
     for graph in (conv, walk):
-        model = helper.make_model(graph, opset_imports=opsets, ir_version=10)  # torch.onnx's; onnxruntime 1.30 reads <= 13
+        model = helper.make_model(
+            graph, opset_imports=opsets, ir_version=10
+        )  # torch.onnx's; onnxruntime 1.30 reads <= 13
         onnx.checker.check_model(model)
         paths[graph.name] = directory / f"{graph.name}.{dtype}.trt.onnx"
         onnx.save(model, str(paths[graph.name]))

@@ -31,9 +31,14 @@ def _versions() -> dict[str, Any]:
     except ImportError:  # the dry mode runs where triton is missing too
         triton_version = None
     cuda = torch.cuda.is_available()
-    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
-            "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if cuda else None,
-            "device_capability": list(torch.cuda.get_device_capability(0)) if cuda else None}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if cuda else None,
+        "device_capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
+    }
 
 
 class GpuRecord:
@@ -41,8 +46,12 @@ class GpuRecord:
 
     def __init__(self, path: Path, dry_run: bool) -> None:
         self.path = path
-        self.data: dict[str, Any] = {"dry_run": dry_run, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                     **_versions(), "checks": {}}
+        self.data: dict[str, Any] = {
+            "dry_run": dry_run,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **_versions(),
+            "checks": {},
+        }
 
     def check(self, name: str, passed: bool, **figures: Any) -> None:
         self.data["checks"][name] = {"passed": bool(passed), **figures}

@@ -15,10 +15,24 @@ PROVENANCE_KEYS = frozenset({"general.name", "general.size_label"})
 
 # The geometry of the quickstart's SmolLM2-135M draft (one layer, block 4).
 SMOLLM2_DRAFT: dict[str, Any] = dict(
-    hidden_size=576, vocab_size=49152, num_target_layers=30, num_hidden_layers=1, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5,
-    mask_token_id=4, block_size=4, target_layer_ids=[15], conv_kernel_size=2, conv_group_size=16,
-    selector_rank=32, selector_top_k=8, max_position_embeddings=8192,
+    hidden_size=576,
+    vocab_size=49152,
+    num_target_layers=30,
+    num_hidden_layers=1,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    mask_token_id=4,
+    block_size=4,
+    target_layer_ids=[15],
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=32,
+    selector_top_k=8,
+    max_position_embeddings=8192,
 )
 
 

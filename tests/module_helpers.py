@@ -29,8 +29,11 @@ def random_batch(seq: int = 16, batch: int = 2, seed: int = 0) -> dict[str, torc
     """A batch of random token ids of the tiny target's vocabulary, every position trained on."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 500, (batch, seq), generator=gen)
-    return {"input_ids": ids, "loss_mask": torch.ones(batch, seq, dtype=torch.bool),
-            "attention_mask": torch.ones(batch, seq, dtype=torch.bool)}
+    return {
+        "input_ids": ids,
+        "loss_mask": torch.ones(batch, seq, dtype=torch.bool),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.bool),
+    }
 
 
 class Batches(torch.utils.data.Dataset):
@@ -48,5 +51,13 @@ class Batches(torch.utils.data.Dataset):
 
 def quiet_trainer(tmp_path, **kwargs) -> Trainer:
     """A quiet CPU trainer that exports at the end of fit, as `dflash2 fit` does."""
-    return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ExportOnFitEnd()], **kwargs)
+    return Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[ExportOnFitEnd()],
+        **kwargs,
+    )

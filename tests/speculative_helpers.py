@@ -27,8 +27,16 @@ from dflash2_lightning.train.objective import DraftObjective, Teacher
 TARGET_SPEC = {"tiny": {}, "dtype": "float64"}
 BLOCK_SIZE = 4
 NEW_TOKENS = 32
-PROMPT_TEXTS = ("Write a poem about the sea.", "What is 2+3?", "def add(a, b):", "Tell me about Paris.",
-                "List three colors.", "How do I sort a list in Python?", "Explain gravity.", "Hello!")
+PROMPT_TEXTS = (
+    "Write a poem about the sea.",
+    "What is 2+3?",
+    "def add(a, b):",
+    "Tell me about Paris.",
+    "List three colors.",
+    "How do I sort a list in Python?",
+    "Explain gravity.",
+    "Hello!",
+)
 TRAINED_ON = 4  # the drafts see the first 4 prompts' continuations, not the last 4
 
 
@@ -50,9 +58,15 @@ def continuations() -> tuple[tuple[int, ...], ...]:
 
 
 def draft_config(projector: str = "dflash2"):
-    return tiny_target().draft_config(num_hidden_layers=1, block_size=BLOCK_SIZE, intermediate_size=128,
-                                      projector_type=projector, selector_rank=8, selector_top_k=4,
-                                      conv_group_size=16)
+    return tiny_target().draft_config(
+        num_hidden_layers=1,
+        block_size=BLOCK_SIZE,
+        intermediate_size=128,
+        projector_type=projector,
+        selector_rank=8,
+        selector_top_k=4,
+        conv_group_size=16,
+    )
 
 
 @functools.cache
@@ -75,12 +89,21 @@ def trained_draft(projector: str = "dflash2", steps: int = 40) -> DraftModel:
             feats = target_features(out.hidden_states, cfg.target_layer_ids).float()
             loss_mask = torch.arange(ids.shape[1])[None] >= len(p)
             anchors = torch.arange(len(p), ids.shape[1] - 1)[None]
-            batches.append((ids, loss_mask, feats, Teacher(greedy=out.logits.argmax(-1)),
-                            (anchors, torch.ones_like(anchors, dtype=torch.bool))))
+            batches.append(
+                (
+                    ids,
+                    loss_mask,
+                    feats,
+                    Teacher(greedy=out.logits.argmax(-1)),
+                    (anchors, torch.ones_like(anchors, dtype=torch.bool)),
+                )
+            )
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
     for _ in range(steps):
-        loss = sum(objective(draft, embed, head, ids, mask, feats, teacher, anchors=anchors).loss
-                   for ids, mask, feats, teacher, anchors in batches)
+        loss = sum(
+            objective(draft, embed, head, ids, mask, feats, teacher, anchors=anchors).loss
+            for ids, mask, feats, teacher, anchors in batches
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()

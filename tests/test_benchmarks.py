@@ -37,20 +37,33 @@ MARKDOWN_TABLE = r"^\|.*\|\n\|[-:| ]+\|$"  # a markdown header row and its separ
 # Scripts with no tiny run, and why (each keeps its --help case).
 EXCLUDED: dict[str, str] = {
     "bench_gpu_ops.py": "times the Triton kernels against the eager ops with CUDA events: needs a CUDA device and "
-                        "the kernels extra; without a GPU it refuses with exit 2 (test_gpu_ops_refuses_without_cuda)",
+    "the kernels extra; without a GPU it refuses with exit 2 (test_gpu_ops_refuses_without_cuda)",
 }
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "MPLBACKEND": "Agg", **extra}
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MPLBACKEND": "Agg",
+        **extra,
+    }
 
 
-def run_script(name: str, args: list[str], env: dict[str, str] | None = None,
-               timeout: float = 600) -> subprocess.CompletedProcess:
+def run_script(
+    name: str, args: list[str], env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """``python benchmarks/<name> ARGS`` from the repository root, as the docs run it."""
-    return subprocess.run([sys.executable, str(Path("benchmarks") / name), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env or _env())
+    return subprocess.run(
+        [sys.executable, str(Path("benchmarks") / name), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or _env(),
+    )
 
 
 # ----------------------------------------------------------------------------- --help
@@ -84,8 +97,15 @@ def drafts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bench-drafts")
     out = {}
     for projector in ("dflash2", "dflash"):
-        cfg = target.draft_config(num_hidden_layers=1, block_size=4, intermediate_size=128, projector_type=projector,
-                                  selector_rank=8, selector_top_k=4, conv_group_size=16)
+        cfg = target.draft_config(
+            num_hidden_layers=1,
+            block_size=4,
+            intermediate_size=128,
+            projector_type=projector,
+            selector_rank=8,
+            selector_top_k=4,
+            conv_group_size=16,
+        )
         out[projector] = save_draft(randomize_draft_(DraftModel(cfg), seed=1).eval(), root / projector)
     return out
 
@@ -104,8 +124,11 @@ def smollm2_draft(tmp_path: Path) -> Path:
 def variants_with_drafts(tmp_path: Path, drafts: dict[str, Path]) -> Path:
     """bench_recipe's output layout (OUT/<variant>/train/hf) holding the tiny drafts, for a --skip-train run."""
     out = tmp_path / "recipe"
-    for variant, projector in (("shipped", "dflash2"), ("shipped_insert_last", "dflash2"),
-                               ("shipped_dflash", "dflash")):
+    for variant, projector in (
+        ("shipped", "dflash2"),
+        ("shipped_insert_last", "dflash2"),
+        ("shipped_dflash", "dflash"),
+    ):
         shutil.copytree(drafts[projector], out / variant / "train" / "hf")
     return out
 
@@ -140,15 +163,19 @@ class Tiny:
 
 def _rows(n: int, key: str = "rows") -> Callable[[dict[str, Any]], None]:
     """The record's ``key`` holds ``n`` rows."""
+
     def check(record: dict[str, Any]) -> None:
         assert len(record[key]) == n, record[key]
+
     return check
 
 
 def _named(key: str, *names: str) -> Callable[[dict[str, Any]], None]:
     """The record's ``key`` is a mapping of exactly ``names``."""
+
     def check(record: dict[str, Any]) -> None:
         assert set(record[key]) == set(names), record[key]
+
     return check
 
 
@@ -181,63 +208,235 @@ def _check_dflash_vs_dflash2(record: dict[str, Any]) -> None:
 
 TINY_RUNS: dict[str, Tiny] = {
     "bench_attention_mask.py": Tiny(
-        ["--anchors", "2", "--seq-len", "64", "--json", "{json}"], r"^dense_mask: peak .*\n^no_mask   : peak",
-        {"counted", "measured", "machine"}, _named("measured", "dense_mask", "no_mask"), slow=True),
+        ["--anchors", "2", "--seq-len", "64", "--json", "{json}"],
+        r"^dense_mask: peak .*\n^no_mask   : peak",
+        {"counted", "measured", "machine"},
+        _named("measured", "dense_mask", "no_mask"),
+        slow=True,
+    ),
     "bench_cache_verify.py": Tiny(
-        ["--megabytes", "1", "--repeats", "1", "--json", "{json}"], r"^cache of .* full sha256 .* sampled blocks",
-        {"bytes", "read_s", "full_sha256_s", "sampled_s", "machine"}),
+        ["--megabytes", "1", "--repeats", "1", "--json", "{json}"],
+        r"^cache of .* full sha256 .* sampled blocks",
+        {"bytes", "read_s", "full_sha256_s", "sampled_s", "machine"},
+    ),
     "bench_dflash_vs_dflash2.py": Tiny(
-        ["--out", "{variants}", "--skip-train", "--target", "tiny", "--eval-prompts", "1", "--eval-tokens", "4",
-         "--threads", "1", "--json", "{json}"],
+        [
+            "--out",
+            "{variants}",
+            "--skip-train",
+            "--target",
+            "tiny",
+            "--eval-prompts",
+            "1",
+            "--eval-tokens",
+            "4",
+            "--threads",
+            "1",
+            "--json",
+            "{json}",
+        ],
         r"^DFlash2 +selector +tau .*\n(.*\n)*^DFlash +backbone +tau .*\n(.*\n)*^DFlash2 selector / DFlash: tau",
-        {"rows", "dflash2_over_dflash", "eval_commands"}, _check_dflash_vs_dflash2, slow=True,
-        setup=lambda tmp, drafts: {"variants": variants_with_drafts(tmp, drafts)}, also=("{tmp}/record.png",)),
+        {"rows", "dflash2_over_dflash", "eval_commands"},
+        _check_dflash_vs_dflash2,
+        slow=True,
+        setup=lambda tmp, drafts: {"variants": variants_with_drafts(tmp, drafts)},
+        also=("{tmp}/record.png",),
+    ),
     "bench_draft_floor.py": Tiny(
         ["--threads", "1", "--layers", "1", "--context", "16", "--repeats", "2", "--warmup", "1", "--json", "{json}"],
-        MARKDOWN_TABLE, {"command", "rows", "machine", "table"}, _rows(5), slow=True),
+        MARKDOWN_TABLE,
+        {"command", "rows", "machine", "table"},
+        _rows(5),
+        slow=True,
+    ),
     "bench_draft_step.py": Tiny(
-        ["--threads", "1", "--models", "dflash2", "--layers", "1", "--context", "16", "--repeats", "2",
-         "--warmup", "1", "--json", "{json}"],
-        MARKDOWN_TABLE, {"meta", "rows"}, _rows(2), needs=needs_dflash),
+        [
+            "--threads",
+            "1",
+            "--models",
+            "dflash2",
+            "--layers",
+            "1",
+            "--context",
+            "16",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            "{json}",
+        ],
+        MARKDOWN_TABLE,
+        {"meta", "rows"},
+        _rows(2),
+        needs=needs_dflash,
+    ),
     "bench_export.py": Tiny(
-        ["--threads", "1", "--batches", "1", "--contexts", "16", "--layers", "1", "--runs", "2", "--warmup", "1",
-         "--json", "{json}"],
-        MARKDOWN_TABLE, {"command", "geometry", "rows", "machine", "table"}, _rows(2), slow=True),
+        [
+            "--threads",
+            "1",
+            "--batches",
+            "1",
+            "--contexts",
+            "16",
+            "--layers",
+            "1",
+            "--runs",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            "{json}",
+        ],
+        MARKDOWN_TABLE,
+        {"command", "geometry", "rows", "machine", "table"},
+        _rows(2),
+        slow=True,
+    ),
     "bench_llama_cpp.py": Tiny(
-        ["--draft", "{smollm2}", "--outtypes", "q8_0", "--n-max", "1", "--prompts", "1", "--max-new-tokens", "4",
-         "--threads", "1", "--out", "{json}"],
-        MARKDOWN_TABLE, {"draft", "rows", "machine"}, _rows(1), slow=True, needs=needs_llama_cpp,
-        setup=lambda tmp, drafts: {"smollm2": smollm2_draft(tmp)}),
+        [
+            "--draft",
+            "{smollm2}",
+            "--outtypes",
+            "q8_0",
+            "--n-max",
+            "1",
+            "--prompts",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--threads",
+            "1",
+            "--out",
+            "{json}",
+        ],
+        MARKDOWN_TABLE,
+        {"draft", "rows", "machine"},
+        _rows(1),
+        slow=True,
+        needs=needs_llama_cpp,
+        setup=lambda tmp, drafts: {"smollm2": smollm2_draft(tmp)},
+    ),
     "bench_logits_memory.py": Tiny(
         ["--anchors", "2", "--seq-len", "64", "--vocab", "1024", "--json", "{json}"],
-        r"^one_piece: peak .*\n^chunked  : peak", {"results", "machine", "losses_close_rel_1e-6"},
-        _named("results", "one_piece", "chunked"), slow=True),
+        r"^one_piece: peak .*\n^chunked  : peak",
+        {"results", "machine", "losses_close_rel_1e-6"},
+        _named("results", "one_piece", "chunked"),
+        slow=True,
+    ),
     "bench_loop.py": Tiny(
-        ["--draft", "{dflash2}", "--target", "tiny", "--threads", "1", "--prompts", "1", "--max-new-tokens", "8",
-         "--repeats", "1", "--loops", "target,torch,onnxruntime,zlab", "--json", "{json}"],
-        MARKDOWN_TABLE, {"command", "rows", "machine", "table", "identical_outputs"}, _check_loop, slow=True,
-        needs=needs_dflash),
+        [
+            "--draft",
+            "{dflash2}",
+            "--target",
+            "tiny",
+            "--threads",
+            "1",
+            "--prompts",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--loops",
+            "target,torch,onnxruntime,zlab",
+            "--json",
+            "{json}",
+        ],
+        MARKDOWN_TABLE,
+        {"command", "rows", "machine", "table", "identical_outputs"},
+        _check_loop,
+        slow=True,
+        needs=needs_dflash,
+    ),
     "bench_recipe.py": Tiny(
-        ["--out", "{tmp}/recipe", "--variants", "shipped", "--results", "{json}", "--", "--target", "tiny",
-         "--num-prompts", "4", "--max-new-tokens", "8", "--max-steps", "2", "--eval-prompts", "1",
-         "--eval-max-new-tokens", "4", "--no-check-serving", "--threads", "1", "--set", "data.init_args.seq_len=64"],
-        MARKDOWN_TABLE, {"shipped"}, _check_recipe, slow=True, env={"DFLASH2_CACHE": "{tmp}/cache"},
-        also=("{tmp}/recipe/shipped/summary.json", "{tmp}/recipe/shipped.log")),
+        [
+            "--out",
+            "{tmp}/recipe",
+            "--variants",
+            "shipped",
+            "--results",
+            "{json}",
+            "--",
+            "--target",
+            "tiny",
+            "--num-prompts",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--max-steps",
+            "2",
+            "--eval-prompts",
+            "1",
+            "--eval-max-new-tokens",
+            "4",
+            "--no-check-serving",
+            "--threads",
+            "1",
+            "--set",
+            "data.init_args.seq_len=64",
+        ],
+        MARKDOWN_TABLE,
+        {"shipped"},
+        _check_recipe,
+        slow=True,
+        env={"DFLASH2_CACHE": "{tmp}/cache"},
+        also=("{tmp}/recipe/shipped/summary.json", "{tmp}/recipe/shipped.log"),
+    ),
     "bench_regen.py": Tiny(
-        ["--target", "tiny", "--prompts", "2", "--new", "4", "--threads", "1", "--configs",
-         "hf-generate:float32,static:bfloat16", "--json", "{json}"],
-        MARKDOWN_TABLE, {"command", "machine", "matmul_gflop_per_s", "results"}, _rows(2, "results"), slow=True),
+        [
+            "--target",
+            "tiny",
+            "--prompts",
+            "2",
+            "--new",
+            "4",
+            "--threads",
+            "1",
+            "--configs",
+            "hf-generate:float32,static:bfloat16",
+            "--json",
+            "{json}",
+        ],
+        MARKDOWN_TABLE,
+        {"command", "machine", "matmul_gflop_per_s", "results"},
+        _rows(2, "results"),
+        slow=True,
+    ),
     "bench_selector_ceiling.py": Tiny(
-        ["--drafts", "{dflash2}", "--base", "{dflash}", "--target", "tiny", "--prompts", "2", "--max-new-tokens", "8",
-         "--threads", "1", "--results", "{json}"],
+        [
+            "--drafts",
+            "{dflash2}",
+            "--base",
+            "{dflash}",
+            "--target",
+            "tiny",
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--results",
+            "{json}",
+        ],
         r"/dflash2: .*oracle .*\n(.*\n)*.*/dflash2 vs .*/dflash: .*tau ratio",
-        {"rows", "prompts", "target", "generated_tokens"}, _check_ceiling),
+        {"rows", "prompts", "target", "generated_tokens"},
+        _check_ceiling,
+    ),
     "bench_selector_walk.py": Tiny(
         ["--threads", "1", "--repeats", "2", "--warmup", "1", "--batch", "1", "--json", "{json}"],
-        MARKDOWN_TABLE, {"meta", "rows"}, _rows(2 if importlib.util.find_spec("dflash") else 1)),  # z-lab's row
+        MARKDOWN_TABLE,
+        {"meta", "rows"},
+        _rows(2 if importlib.util.find_spec("dflash") else 1),
+    ),  # z-lab's row
     "bench_training.py": Tiny(
         ["--only", "tiny", "--modes", "online", "--steps", "1", "--warmup", "1", "--threads", "1", "--json", "{json}"],
-        MARKDOWN_TABLE, {"command", "machine", "results"}, _rows(1, "results"), slow=True),
+        MARKDOWN_TABLE,
+        {"command", "machine", "results"},
+        _rows(1, "results"),
+        slow=True,
+    ),
 }
 
 
@@ -247,12 +446,14 @@ def test_every_script_is_run_or_excluded_with_a_reason() -> None:
     assert set(TINY_RUNS) | set(EXCLUDED) == set(SCRIPTS), (
         f"give each new benchmark a tiny run in TINY_RUNS or a reason in EXCLUDED: "
         f"{sorted(set(SCRIPTS) - set(TINY_RUNS) - set(EXCLUDED))}; gone: "
-        f"{sorted((set(TINY_RUNS) | set(EXCLUDED)) - set(SCRIPTS))}")
+        f"{sorted((set(TINY_RUNS) | set(EXCLUDED)) - set(SCRIPTS))}"
+    )
     assert all(reason.strip() for reason in EXCLUDED.values())
 
 
-@pytest.mark.parametrize("script", [pytest.param(name, marks=[pytest.mark.slow] if tiny.slow else [])
-                                    for name, tiny in TINY_RUNS.items()])
+@pytest.mark.parametrize(
+    "script", [pytest.param(name, marks=[pytest.mark.slow] if tiny.slow else []) for name, tiny in TINY_RUNS.items()]
+)
 def test_tiny_run(script: str, tmp_path: Path, drafts: dict[str, Path]) -> None:
     tiny = TINY_RUNS[script]
     if tiny.needs is not None:
@@ -275,7 +476,8 @@ def test_tiny_run(script: str, tmp_path: Path, drafts: dict[str, Path]) -> None:
     for name in tiny.also:
         assert Path(name.format(**values)).is_file(), f"{script} did not write {name.format(**values)}"
     assert {p: p.stat().st_mtime_ns for p in (BENCHMARKS / "results").iterdir()} == committed, (
-        "the tiny run touched benchmarks/results/")
+        "the tiny run touched benchmarks/results/"
+    )
 
 
 def test_gpu_ops_refuses_without_cuda() -> None:

@@ -25,8 +25,9 @@ def small_config(tmp_path: Path, name: str = "tiny.yaml", **data_args) -> Path:
     """configs/tiny.yaml shortened for tests: 4 steps, validation and a checkpoint every 2, under tmp_path."""
     config = yaml.safe_load(TINY.read_text())
     trainer = config["trainer"]
-    trainer.update(max_steps=4, val_check_interval=2, limit_val_batches=1, log_every_n_steps=1,
-                   enable_progress_bar=False)
+    trainer.update(
+        max_steps=4, val_check_interval=2, limit_val_batches=1, log_every_n_steps=1, enable_progress_bar=False
+    )
     for logger in trainer["logger"]:
         logger["init_args"]["save_dir"] = str(tmp_path / "runs")
     trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
@@ -57,9 +58,15 @@ def test_fit_end_to_end_in_process(tmp_path, argv, capsys):
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()
     host = files.owner_prefix("x").split(".")[2].rsplit("-", 1)[0]
-    orphans = [d / f".{name}.{host}-{done.pid}.abc123.tmp" for d, name in
-               [(run, "acceptance.png"), (run, "metrics.csv"), (run / "hf", "model.safetensors"),
-                (run / "checkpoints", "last.ckpt")]]
+    orphans = [
+        d / f".{name}.{host}-{done.pid}.abc123.tmp"
+        for d, name in [
+            (run, "acceptance.png"),
+            (run, "metrics.csv"),
+            (run / "hf", "model.safetensors"),
+            (run / "checkpoints", "last.ckpt"),
+        ]
+    ]
     for orphan in orphans:
         orphan.parent.mkdir(parents=True, exist_ok=True)
         orphan.write_bytes(b"partial")
@@ -105,19 +112,36 @@ GPU = REPO / "configs" / "qwen3_8b_online.yaml"
 GPU_OFFLINE = REPO / "configs" / "qwen3_8b_offline.yaml"
 
 
-@pytest.mark.parametrize("config, override, message", [
-    (TINY, ["--model.init_args.target", "null"], "model.init_args.target is missing"),
-    (GPU, [], "model.init_args.target is missing"),  # the GPU recipes leave the target path to the user
-    (GPU_OFFLINE, [], "model.init_args.target is missing"),
-    # Checked from the config alone, before the target is loaded: the recipe's data file is not here.
-    (GPU, ["--model.init_args.target.path", "/nonexistent/Qwen3-8B"], "train_files: data/train.jsonl does not exist"),
-    (GPU, ["--model.init_args.target.path", "/nonexistent/Qwen3-8B", "--data.init_args.train_files", f"[{TINY}]"],
-     "is not a Hugging Face model directory"),
-    (TINY, ["--model.init_args.draft.conv_kernel_size", "9"], "conv_kernel_size=9 is invalid: must satisfy "
-                                                               "1 <= conv_kernel_size <= block_size=8"),
-    (TINY, ["--model.init_args.draft.block_size", "1"], "block_size=1 is invalid"),
-    (TINY, ["--data.init_args.seq_len", "60"], "seq_len=60 is invalid: must be a positive multiple of block_size=8"),
-])
+@pytest.mark.parametrize(
+    "config, override, message",
+    [
+        (TINY, ["--model.init_args.target", "null"], "model.init_args.target is missing"),
+        (GPU, [], "model.init_args.target is missing"),  # the GPU recipes leave the target path to the user
+        (GPU_OFFLINE, [], "model.init_args.target is missing"),
+        # Checked from the config alone, before the target is loaded: the recipe's data file is not here.
+        (
+            GPU,
+            ["--model.init_args.target.path", "/nonexistent/Qwen3-8B"],
+            "train_files: data/train.jsonl does not exist",
+        ),
+        (
+            GPU,
+            ["--model.init_args.target.path", "/nonexistent/Qwen3-8B", "--data.init_args.train_files", f"[{TINY}]"],
+            "is not a Hugging Face model directory",
+        ),
+        (
+            TINY,
+            ["--model.init_args.draft.conv_kernel_size", "9"],
+            "conv_kernel_size=9 is invalid: must satisfy 1 <= conv_kernel_size <= block_size=8",
+        ),
+        (TINY, ["--model.init_args.draft.block_size", "1"], "block_size=1 is invalid"),
+        (
+            TINY,
+            ["--data.init_args.seq_len", "60"],
+            "seq_len=60 is invalid: must be a positive multiple of block_size=8",
+        ),
+    ],
+)
 def test_bad_configs_fail_with_clear_messages(config, override, message, argv, capsys):
     assert cli.main(["fit", "--config", str(config), *override]) == 2  # all fail before training starts
     err = capsys.readouterr().err
@@ -157,8 +181,9 @@ def test_help_lists_every_action_and_an_unknown_action_is_one_line(capsys):
     for name in [*cli.LIGHTNING_ACTIONS, *cli.ACTIONS]:
         assert f"\n  {name} " in listed
     assert cli.main(["evl"]) == 2
-    assert capsys.readouterr().err == ("dflash2: error: 'evl' is not an action; did you mean 'eval'? "
-                                       "`dflash2 --help` lists the actions\n")
+    assert capsys.readouterr().err == (
+        "dflash2: error: 'evl' is not an action; did you mean 'eval'? `dflash2 --help` lists the actions\n"
+    )
 
 
 @pytest.mark.parametrize("action", sorted(cli.ACTIONS))
@@ -181,8 +206,14 @@ def _script(name: str) -> Path:
 def test_dflash2_script_runs_the_tiny_config_as_shipped(tmp_path):
     """`dflash2 fit --config configs/tiny.yaml`: the README quick start, unmodified, from a clean directory."""
     env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1"}  # one thread unless the caller says
-    done = subprocess.run([str(_script("dflash2")), "fit", "--config", str(TINY), "--trainer.enable_progress_bar",
-                           "false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(_script("dflash2")), "fit", "--config", str(TINY), "--trainer.enable_progress_bar", "false"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "tiny" / "default"
     assert (run / "hf" / "config.json").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
@@ -194,8 +225,14 @@ def test_lightning_script_runs_fit(tmp_path):
     """`lightning fit --config ...` is the same CLI (lightning 2.6 ships no script of that name)."""
     config = small_config(tmp_path)
     env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1"}  # one thread unless the caller says
-    done = subprocess.run([str(_script("lightning")), "fit", "--config", str(config)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(_script("lightning")), "fit", "--config", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "runs" / "tiny" / "default" / "hf" / "model.safetensors").is_file()
 
@@ -218,15 +255,25 @@ def test_an_old_flat_config_says_how_to_write_it_now(tmp_path, argv, capsys):
     config.write_text(FLAT_MODEL)
     assert cli.main(["fit", "--config", str(config), "--trainer.max_steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("dflash2: error: model.init_args has the flat settings of an older config") and \
-        err.count("\n") == 1
-    for grouped in ("draft: {block_size: 8, selector_rank: 16}", "objective: {token_loss: 'kd'}",
-                    "optimizer: {lr: 0.005}", "export: {dir: 'runs/hf'}"):
+    assert (
+        err.startswith("dflash2: error: model.init_args has the flat settings of an older config")
+        and err.count("\n") == 1
+    )
+    for grouped in (
+        "draft: {block_size: 8, selector_rank: 16}",
+        "objective: {token_loss: 'kd'}",
+        "optimizer: {lr: 0.005}",
+        "export: {dir: 'runs/hf'}",
+    ):
         assert grouped in err, err
-    config.write_text(FLAT_MODEL.replace("dflash2_lightning.train.DFlash2Module", "dflash2_lightning.module.DFlash2Module"))
+    config.write_text(
+        FLAT_MODEL.replace("dflash2_lightning.train.DFlash2Module", "dflash2_lightning.module.DFlash2Module")
+    )
     assert cli.main(["fit", "--config", str(config)]) == 2
-    assert "class_path dflash2_lightning.module.DFlash2Module is now dflash2_lightning.train.DFlash2Module" in \
-        capsys.readouterr().err
+    assert (
+        "class_path dflash2_lightning.module.DFlash2Module is now dflash2_lightning.train.DFlash2Module"
+        in capsys.readouterr().err
+    )
     assert cli.main(["fit", "--config", str(TINY), "--model.init_args.lr", "0.1"]) == 2
     assert "model.init_args.lr is now optimizer.lr" in capsys.readouterr().err
 
@@ -253,6 +300,8 @@ def test_a_truncated_checkpoint_named_explicitly_is_refused_as_last_refuses_it(t
     shown = {str(trunc): str(trunc), "last": str(checkpoints / "last.ckpt")}
     for (_action, ckpt), line in errors.items():
         assert line.startswith(f"dflash2: error: checkpoint {shown[ckpt]} cannot be read ("), line
-        assert line.endswith("it is truncated or not a Lightning checkpoint; delete it and resume from another "
-                             "checkpoint (--ckpt_path <file>), or start the run again"), line
+        assert line.endswith(
+            "it is truncated or not a Lightning checkpoint; delete it and resume from another "
+            "checkpoint (--ckpt_path <file>), or start the run again"
+        ), line
     assert sorted(p.name for p in checkpoints.parent.iterdir()) == ["checkpoints"]  # nothing written

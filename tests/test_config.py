@@ -76,20 +76,28 @@ def test_check_sequence_length_accepts_whole_blocks_and_names_the_caller_field(t
         cfg.check_sequence_length(10, name="max_length")
 
 
-@pytest.mark.parametrize("num_target, num_draft, expected", [
-    (36, 5, [1, 9, 17, 25, 33]),
-    (64, 5, [1, 16, 31, 46, 61]),
-    (28, 1, [14]),
-    (37, 1, [18]),
-    (24, 1, [12]),
-])
+@pytest.mark.parametrize(
+    "num_target, num_draft, expected",
+    [
+        (36, 5, [1, 9, 17, 25, 33]),
+        (64, 5, [1, 16, 31, 46, 61]),
+        (28, 1, [14]),
+        (37, 1, [18]),
+        (24, 1, [12]),
+    ],
+)
 def test_default_target_layer_ids(num_target, num_draft, expected):
     assert default_target_layer_ids(num_target, num_draft) == expected
 
 
 def test_target_layer_ids_default_and_override(tiny_draft_config):
-    assert tiny_draft_config(target_layer_ids=None, num_target_layers=36,
-                             num_hidden_layers=5).target_layer_ids == [1, 9, 17, 25, 33]
+    assert tiny_draft_config(target_layer_ids=None, num_target_layers=36, num_hidden_layers=5).target_layer_ids == [
+        1,
+        9,
+        17,
+        25,
+        33,
+    ]
     assert tiny_draft_config(target_layer_ids=[0, 4]).target_layer_ids == [0, 4]
 
 
@@ -111,11 +119,30 @@ def test_rope_theta_of_reads_rope_parameters_first():
 
 # Every key DESIGN §5 / the spec's config.json contract names, at the top level and in dflash_config.
 TOP_LEVEL_KEYS = {
-    "architectures", "model_type", "block_size", "dflash_config", "is_causal", "hidden_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-    "hidden_act", "rms_norm_eps", "vocab_size", "max_position_embeddings", "initializer_range",
-    "attention_bias", "attention_dropout", "rope_theta", "rope_scaling", "tie_word_embeddings",
-    "torch_dtype", "num_target_layers", "layer_types",
+    "architectures",
+    "model_type",
+    "block_size",
+    "dflash_config",
+    "is_causal",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "hidden_act",
+    "rms_norm_eps",
+    "vocab_size",
+    "max_position_embeddings",
+    "initializer_range",
+    "attention_bias",
+    "attention_dropout",
+    "rope_theta",
+    "rope_scaling",
+    "tie_word_embeddings",
+    "torch_dtype",
+    "num_target_layers",
+    "layer_types",
 }
 DFLASH2_KEYS = {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
 
@@ -134,12 +161,27 @@ def test_hf_dict_has_every_contract_key(tiny_draft_config):
     assert d["rope_parameters"]["rope_theta"] == 500_000.0
     assert d["num_target_layers"] == 6
     assert d["layer_types"] == ["full_attention"] * 3
-    geometry = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=8, intermediate_size=48, hidden_act="silu", vocab_size=96)
+    geometry = dict(
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        hidden_act="silu",
+        vocab_size=96,
+    )
     assert {k: d[k] for k in geometry} == geometry
-    assert d["dflash_config"] == dict(mask_token_id=95, target_layer_ids=[1, 2, 4], projector_type="dflash2",
-                                      conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=5,
-                                      block_size=4)
+    assert d["dflash_config"] == dict(
+        mask_token_id=95,
+        target_layer_ids=[1, 2, 4],
+        projector_type="dflash2",
+        conv_kernel_size=2,
+        conv_group_size=8,
+        selector_rank=6,
+        selector_top_k=5,
+        block_size=4,
+    )
 
 
 def test_hf_dict_baseline_has_no_dflash2_keys(tiny_draft_config):
@@ -158,13 +200,17 @@ def test_hf_dict_sliding_window_stays_non_causal(tiny_draft_config):
     assert d["dflash_config"]["use_swa"] is True and d["dflash_config"]["swa_window_size"] == 8
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(),
-    # The baseline does not export the DFlash2 fields, so they come back as the class defaults.
-    dict(projector_type="dflash", conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16),
-    dict(sliding_window=8, rope_theta=1e6, torch_dtype="bfloat16"),
-    dict(num_hidden_layers=5, target_layer_ids=None, num_target_layers=36, rms_norm_eps=1e-5),
-], ids=["dflash2", "dflash", "swa-bf16", "default-ids"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        # The baseline does not export the DFlash2 fields, so they come back as the class defaults.
+        dict(projector_type="dflash", conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16),
+        dict(sliding_window=8, rope_theta=1e6, torch_dtype="bfloat16"),
+        dict(num_hidden_layers=5, target_layer_ids=None, num_target_layers=36, rms_norm_eps=1e-5),
+    ],
+    ids=["dflash2", "dflash", "swa-bf16", "default-ids"],
+)
 def test_hf_dict_round_trip(tiny_draft_config, overrides):
     cfg = tiny_draft_config(**overrides)
     d = cfg.to_hf_dict()

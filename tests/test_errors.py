@@ -34,16 +34,25 @@ def test_explain_names_the_key_and_the_closest_valid_one():
     text = explain(NOT_ACCEPTED, ["c.yaml"])
     assert text.startswith("model.init_args.selector_rnak is not a setting of DFlash2Module (on the command line)")
     assert "did you mean draft.selector_rank?" in text and "\n" not in text
-    from_file = explain(NOT_ACCEPTED.replace("jsonargparse._util.NestedArg", "dict").replace(
-        "NestedArg(key='selector_rnak', val='3')", "{'class_path': '...', 'init_args': {'selector_rnak': 3}}"), ["c.yaml"])
+    from_file = explain(
+        NOT_ACCEPTED.replace("jsonargparse._util.NestedArg", "dict").replace(
+            "NestedArg(key='selector_rnak', val='3')", "{'class_path': '...', 'init_args': {'selector_rnak': 3}}"
+        ),
+        ["c.yaml"],
+    )
     assert "(in config c.yaml)" in from_file
     assert "did you mean --trainer.max_steps?" in explain("unrecognized arguments: fit --trainer.max_stepz 3")
-    wrong = NOT_ACCEPTED.replace("Option 'selector_rnak' is not accepted",
-                                 'Parser key "draft.selector_rank":\n          Expected a <class \'int\'>. Got value: sixteen')
-    assert explain(wrong).startswith("model.init_args.draft.selector_rank='sixteen' is invalid (on the command line): "
-                                     "expected int")
-    assert explain('Parser key "config": File does not exist: \'x.yaml\'') == \
-        "config file 'x.yaml' does not exist: check the --config path"
+    wrong = NOT_ACCEPTED.replace(
+        "Option 'selector_rnak' is not accepted",
+        "Parser key \"draft.selector_rank\":\n          Expected a <class 'int'>. Got value: sixteen",
+    )
+    assert explain(wrong).startswith(
+        "model.init_args.draft.selector_rank='sixteen' is invalid (on the command line): expected int"
+    )
+    assert (
+        explain("Parser key \"config\": File does not exist: 'x.yaml'")
+        == "config file 'x.yaml' does not exist: check the --config path"
+    )
 
 
 def test_naming_a_target_kind_replaces_the_configs_target():
@@ -166,9 +175,14 @@ def test_os_and_network_errors_are_one_line_user_errors(tmp_path):
     (tmp_path / "afile").write_text("x")
     cases = [
         (OSError(errno.ENOSPC, "No space left on device"), "disk full (no space left on device)"),
-        (OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x")), f"disk full while writing {tmp_path / 'x'}"),
-        (OSError(errno.EROFS, "Read-only file system", str(tmp_path / ".out.gguf.vm-1.abc.tmp")),
-         f"{tmp_path / 'out.gguf'} is on a read-only file system"),
+        (
+            OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x")),
+            f"disk full while writing {tmp_path / 'x'}",
+        ),
+        (
+            OSError(errno.EROFS, "Read-only file system", str(tmp_path / ".out.gguf.vm-1.abc.tmp")),
+            f"{tmp_path / 'out.gguf'} is on a read-only file system",
+        ),
         (OSError(errno.EACCES, "Permission denied", "/x/y"), "/x/y cannot be accessed (permission denied)"),
         (OSError(errno.ENOTDIR, "Not a directory", str(tmp_path / "afile" / "d")), "afile is a file, not a directory"),
         (OSError(errno.EEXIST, "File exists", str(tmp_path / "afile")), "afile is a file, where a directory is needed"),
@@ -202,9 +216,11 @@ def test_bounded_argparse_values_say_the_bound(capsys):
     p.add_argument("--n", type=bounded(int, 1))
     p.add_argument("--p", type=bounded(float, 0.0, 1.0, low_open=True))
     assert p.parse_args(["--n", "3", "--p", "1"]).n == 3
-    for args, text in ((["--n", "0"], "argument --n: 0 is invalid: must be >= 1"),
-                       (["--p", "0"], "argument --p: 0 is invalid: must be > 0.0 and <= 1.0"),
-                       (["--n", "x"], "argument --n: 'x' is invalid: must be an int")):
+    for args, text in (
+        (["--n", "0"], "argument --n: 0 is invalid: must be >= 1"),
+        (["--p", "0"], "argument --p: 0 is invalid: must be > 0.0 and <= 1.0"),
+        (["--n", "x"], "argument --n: 'x' is invalid: must be an int"),
+    ):
         assert run_command(lambda a: p.parse_args(a), args) == 2
         assert text in capsys.readouterr().err
 
@@ -266,9 +282,15 @@ def test_run_lock_refuses_a_second_holder_and_not_a_dead_one(tmp_path):
     assert not (tmp_path / "run").exists()  # the lock made the directory; released, it leaves none behind
     (tmp_path / "run").mkdir()
     # A killed holder leaves its file behind; the kernel dropped its lock.
-    done = subprocess.run([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
-                           "os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'{\"pid\": 1}'); os._exit(0)",
-                           str(tmp_path / "run" / LOCK_NAME)])
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
+            "os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'{\"pid\": 1}'); os._exit(0)",
+            str(tmp_path / "run" / LOCK_NAME),
+        ]
+    )
     assert done.returncode == 0 and (tmp_path / "run" / LOCK_NAME).exists()
     with RunLock(tmp_path / "run") as lock:
         assert lock.held
@@ -298,8 +320,11 @@ def test_resume_checks_name_both_sides():
     draft = {"hidden_size": 64, "dflash_config": {"selector_rank": 16}, "torch_dtype": "float32"}
     check_resume({TARGET_KEY: ours, "draft_config": {**draft, "torch_dtype": "bfloat16"}}, ours, draft)
     other = {**ours, "spec": {"tiny": {}, "seed": 7}, "fingerprint": "bb"}
-    with pytest.raises(CheckpointError, match=r"last.ckpt was trained against another target: .*fingerprint bb.*"
-                                              r"this run's target is .*fingerprint aa"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"last.ckpt was trained against another target: .*fingerprint bb.*"
+        r"this run's target is .*fingerprint aa",
+    ):
         check_resume({TARGET_KEY: other}, ours, draft, "last.ckpt")
     with pytest.raises(CheckpointError, match=r"dflash_config.selector_rank=8 \(this run: 16\)"):
         check_resume({"draft_config": {**draft, "dflash_config": {"selector_rank": 8}}}, ours, draft)
@@ -314,8 +339,11 @@ def test_prompts_past_the_context_are_refused_or_cut():
 
     prompts = [[1] * 10, [2] * 100, [3] * 5]
     assert fit_to_context(prompts, None, 8).prompts == prompts
-    with pytest.raises(ConfigError, match=r"1 of 3 prompts do not fit the target's context: prompt 2 of p.jsonl has "
-                                          r"100 tokens, .* 64 positions leave room for 56"):
+    with pytest.raises(
+        ConfigError,
+        match=r"1 of 3 prompts do not fit the target's context: prompt 2 of p.jsonl has "
+        r"100 tokens, .* 64 positions leave room for 56",
+    ):
         fit_to_context(prompts, 64, 8, "refuse", "p.jsonl")
     fitted = fit_to_context(prompts, 64, 8, "truncate")
     assert fitted.cut == 1 and fitted.prompts[1] == [2] * 56 and fitted.prompts[0] == prompts[0]
@@ -330,27 +358,36 @@ def test_the_validation_split_says_what_it_did_and_refuses_to_starve_training():
     chat = lambda q, a: {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
     even = [(f"f:{i}", chat(f"q{i // 2}", f"a{i}")) for i in range(40)]
     split = validation_split(even, 0.1)
-    assert len(split.held) == 4 and split.describe() == ("validation split by prompt: 4 of 40 records held out "
-                                                         "(2 of 20 prompts, about 4 asked), 36 train")
+    assert len(split.held) == 4 and split.describe() == (
+        "validation split by prompt: 4 of 40 records held out (2 of 20 prompts, about 4 asked), 36 train"
+    )
     # Two prompts, 30 answers and 1: the fixed order holds out the first prompt seen.
     small_first = [("f:0", chat("other", "b"))] + [(f"f:{i + 1}", chat("same", f"a{i}")) for i in range(30)]
     assert validation_split(small_first, 0.05).held == {0}
-    with pytest.raises(DataError, match=r"hold out 30 of 31 records and train on 1: val_fraction=0.05 asks for about "
-                                        r"2, .* 30 responses; give validation files"):
+    with pytest.raises(
+        DataError,
+        match=r"hold out 30 of 31 records and train on 1: val_fraction=0.05 asks for about "
+        r"2, .* 30 responses; give validation files",
+    ):
         validation_split(small_first[1:] + small_first[:1], 0.05)
 
 
 def test_yaml_typos_of_trainer_and_top_level_keys_name_the_file():
     text = explain("Subcommand 'fit' does not accept option 'trainer.max_stepz'", ["small.yaml"])
     assert text.startswith("trainer.max_stepz is not a setting (in config small.yaml); did you mean trainer.max_steps?")
-    assert "did you mean trainer.accelerator?" in explain("Subcommand 'fit' does not accept option 'trainr.accelerator'")
+    assert "did you mean trainer.accelerator?" in explain(
+        "Subcommand 'fit' does not accept option 'trainr.accelerator'"
+    )
 
 
 def test_a_target_with_an_unknown_field_is_refused_on_the_command_line():
     from dflash2_lightning.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"model.init_args.target.tny is not a field of the target \(on the command "
-                                          r"line\); did you mean tiny\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.init_args.target.tny is not a field of the target \(on the command "
+        r"line\); did you mean tiny\?",
+    ):
         replace_target_overrides(["--model.init_args.target", '{"tny": {}}'])
 
 
@@ -371,8 +408,11 @@ def test_a_float_option_refuses_what_is_not_a_finite_number():
 
     parse = bounded(float, 0.0, low_open=True)
     assert parse("2.5") == 2.5
-    for text, message in (("nan", "nan is invalid: must be a finite number"),
-                          ("inf", "inf is invalid: must be a finite number"), ("0", "0 is invalid: must be > 0.0")):
+    for text, message in (
+        ("nan", "nan is invalid: must be a finite number"),
+        ("inf", "inf is invalid: must be a finite number"),
+        ("0", "0 is invalid: must be > 0.0"),
+    ):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse(text)
 
@@ -380,8 +420,11 @@ def test_a_float_option_refuses_what_is_not_a_finite_number():
 def test_explain_plans_group_typos_missing_values_and_a_missing_config():
     assert explain("Group 'trainer' does not accept option 'max_stepz'", ["c.yaml"], prog="dflash2 plan") == (
         "trainer.max_stepz is not a setting (in config c.yaml); did you mean trainer.max_steps? `dflash2 plan --help` "
-        "lists every setting")
+        "lists every setting"
+    )
     assert explain("the following arguments are required: fit.data, fit.model").startswith(
-        "data, model not given (no config?): pass the run's config, `dflash2 fit --config CONFIG.yaml`")
+        "data, model not given (no config?): pass the run's config, `dflash2 fit --config CONFIG.yaml`"
+    )
     assert explain("argument --trainer.max_steps: expected one argument", prog="dflash2 plan").startswith(
-        "--trainer.max_steps needs a value (on the command line): `--trainer.max_steps VALUE`;")
+        "--trainer.max_steps needs a value (on the command line): `--trainer.max_steps VALUE`;"
+    )

@@ -54,8 +54,16 @@ def test_every_file_of_an_offline_fit_and_an_onnx_export(tmp_path, umask, monkey
     cli.main(["fit", "--config", str(config)])
     run = tmp_path / "runs" / "tiny" / "default"
     written = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
-    for name in ("hf/model.safetensors", "hf/config.json", "hf/SERVING.md", "checkpoints/last.ckpt",
-                 "metrics.csv", "acceptance.png", "hparams.yaml", "config.yaml"):
+    for name in (
+        "hf/model.safetensors",
+        "hf/config.json",
+        "hf/SERVING.md",
+        "checkpoints/last.ckpt",
+        "metrics.csv",
+        "acceptance.png",
+        "hparams.yaml",
+        "config.yaml",
+    ):
         assert name in written, sorted(written)
     assert (tmp_path / "cache" / "manifest.json").is_file()
     assert wrong_modes(tmp_path / "runs", umask) == []

@@ -28,9 +28,25 @@ import gpu_check  # noqa: E402  (tools/ is no package: the script is imported by
 def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: Path) -> None:
     record = tmp_path / "gpu-check.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "run", "--dry-run", "--record",
-                           str(record), "--wheels", str(tmp_path / "no-wheels"), "--site", str(tmp_path / "site")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "gpu_check.py"),
+            "run",
+            "--dry-run",
+            "--record",
+            str(record),
+            "--wheels",
+            str(tmp_path / "no-wheels"),
+            "--site",
+            str(tmp_path / "site"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "3 passed" in done.stdout, done.stdout[-2000:]
     versions = json.loads(re.search(r"^gpu_check: running with (\{.*\})$", done.stdout, re.MULTILINE).group(1))
@@ -64,13 +80,18 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
 
     fit = checks["fit_resume"]
     assert fit["single_device"]["bit_exact"] and fit["single_device"]["global_step"] == [4, 4]
-    assert fit["single_device"]["export"] == {"loads": True, "tensors": fit["single_device"]["export"]["tensors"],
-                                              "equals_last_checkpoint": True}
+    assert fit["single_device"]["export"] == {
+        "loads": True,
+        "tensors": fit["single_device"]["export"]["tensors"],
+        "equals_last_checkpoint": True,
+    }
     assert fit["fsdp"]["ran"] is False and "requires a GPU accelerator" in fit["fsdp"]["reason"]  # said, not silent
 
 
-@pytest.mark.parametrize("dry_run, tensorrt, marker", [(False, False, "gpu and not tensorrt"), (False, True, "gpu"),
-                                                       (True, False, "gpu_dry_run")])
+@pytest.mark.parametrize(
+    "dry_run, tensorrt, marker",
+    [(False, False, "gpu and not tensorrt"), (False, True, "gpu"), (True, False, "gpu_dry_run")],
+)
 def test_the_tensorrt_checks_run_only_where_tensorrt_imports(dry_run: bool, tensorrt: bool, marker: str) -> None:
     cmd = gpu_check.pytest_command(dry_run, tensorrt, ["tests/ops/test_gpu.py"])
     assert cmd[cmd.index("-m", 2) + 1] == marker and cmd[-1] == "tests/ops/test_gpu.py"
@@ -80,8 +101,10 @@ def test_the_tensorrt_checks_run_only_where_tensorrt_imports(dry_run: bool, tens
 def test_the_time_cap_ends_the_whole_process_group_with_124(tmp_path: Path) -> None:
     """A check that outlives the cap is stopped, with every process it started (a fit's ranks, data workers)."""
     child_pid = tmp_path / "child.pid"
-    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-              f"time.sleep(600)']); open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    script = (
+        f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+        f"time.sleep(600)']); open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    )
     code = gpu_check.run_capped([sys.executable, "-c", script], dict(os.environ), time.monotonic() + 3)
     assert code == 124
     pid = int(child_pid.read_text())
@@ -104,13 +127,18 @@ def names(requirements: list[str]) -> set[str]:
 def test_what_is_carried_covers_what_the_gpu_machine_lacks() -> None:
     """Every dependency of the package is on the GPU machine or carried; what is carried is pinned as CI's lock pins it."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    machine = [line.split("#")[0].strip() for line in (REPO / "requirements" / "gpu-machine.txt").read_text().splitlines()]
+    machine = [
+        line.split("#")[0].strip() for line in (REPO / "requirements" / "gpu-machine.txt").read_text().splitlines()
+    ]
     carried = gpu_check.carried_requirements()
     needed = names(project["dependencies"]) | {"docstring-parser", "typeshed-client"}  # jsonargparse[signatures]
     missing = needed - names([m for m in machine if m]) - names(carried)
     assert not missing, f"neither on the GPU machine nor carried: {sorted(missing)} (requirements/gpu-carry.txt)"
-    lock = dict(line.split("==") for line in (REPO / "requirements" / "lock.txt").read_text().splitlines()
-                if "==" in line and not line.startswith(" "))
+    lock = dict(
+        line.split("==")
+        for line in (REPO / "requirements" / "lock.txt").read_text().splitlines()
+        if "==" in line and not line.startswith(" ")
+    )
     for requirement in carried:
         name, version = requirement.split("==")
         assert lock[name] == version, f"{requirement}: the lock pins {name}=={lock[name]}"

@@ -79,13 +79,45 @@ class Geometry:
 
 # Qwen3-8B (its config.json: hidden 4096, 36 layers, 32/8 heads of 128, MLP 12288, vocab 151936, rope 1e6)
 # and the recipe's draft (5 layers, block 16, conv 2/16, selector 256 / top-16, 256 anchors, 3072 tokens).
-REAL = Geometry(hidden=4096, vocab=151936, target_layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
-                rope_theta=1e6, mask_token_id=151669, selector_rank=256, selector_top_k=16, seq_len=3072,
-                anchors=(128, 256), contexts=(256, 4096), batches=(1, 8), iters=3, draft_iters=20)
+REAL = Geometry(
+    hidden=4096,
+    vocab=151936,
+    target_layers=36,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=12288,
+    rope_theta=1e6,
+    mask_token_id=151669,
+    selector_rank=256,
+    selector_top_k=16,
+    seq_len=3072,
+    anchors=(128, 256),
+    contexts=(256, 4096),
+    batches=(1, 8),
+    iters=3,
+    draft_iters=20,
+)
 # The same code paths in seconds on a CPU: the draft keeps 5 layers, block 16 and conv 2/16.
-DRY = Geometry(hidden=64, vocab=512, target_layers=8, heads=4, kv_heads=2, head_dim=16, intermediate=128,
-               rope_theta=10_000.0, mask_token_id=4, selector_rank=16, selector_top_k=4, seq_len=128,
-               anchors=(4, 8), contexts=(32, 64), batches=(1, 2), iters=1, draft_iters=2)
+DRY = Geometry(
+    hidden=64,
+    vocab=512,
+    target_layers=8,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    rope_theta=10_000.0,
+    mask_token_id=4,
+    selector_rank=16,
+    selector_top_k=4,
+    seq_len=128,
+    anchors=(4, 8),
+    contexts=(32, 64),
+    batches=(1, 2),
+    iters=1,
+    draft_iters=2,
+)
 BLOCK = 16
 
 
@@ -105,11 +137,23 @@ def device(dry: bool) -> torch.device:
 
 
 def draft_config(g: Geometry) -> DraftConfig:
-    return DraftConfig(hidden_size=g.hidden, vocab_size=g.vocab, num_target_layers=g.target_layers,
-                       num_hidden_layers=5, num_attention_heads=g.heads, num_key_value_heads=g.kv_heads,
-                       head_dim=g.head_dim, intermediate_size=g.intermediate, rope_theta=g.rope_theta,
-                       mask_token_id=g.mask_token_id, block_size=BLOCK, conv_kernel_size=2, conv_group_size=16,
-                       selector_rank=g.selector_rank, selector_top_k=g.selector_top_k)
+    return DraftConfig(
+        hidden_size=g.hidden,
+        vocab_size=g.vocab,
+        num_target_layers=g.target_layers,
+        num_hidden_layers=5,
+        num_attention_heads=g.heads,
+        num_key_value_heads=g.kv_heads,
+        head_dim=g.head_dim,
+        intermediate_size=g.intermediate,
+        rope_theta=g.rope_theta,
+        mask_token_id=g.mask_token_id,
+        block_size=BLOCK,
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=g.selector_rank,
+        selector_top_k=g.selector_top_k,
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -128,11 +172,18 @@ def target(geo: Geometry, device: torch.device, dry: bool) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     ids = draft_config(geo).target_layer_ids
-    cfg = Qwen3Config(vocab_size=geo.vocab, hidden_size=geo.hidden, intermediate_size=geo.intermediate,
-                      num_hidden_layers=max(ids) + 1, num_attention_heads=geo.heads,
-                      num_key_value_heads=geo.kv_heads, head_dim=geo.head_dim, max_position_embeddings=40960,
-                      rope_parameters={"rope_type": "default", "rope_theta": geo.rope_theta},
-                      tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=geo.vocab,
+        hidden_size=geo.hidden,
+        intermediate_size=geo.intermediate,
+        num_hidden_layers=max(ids) + 1,
+        num_attention_heads=geo.heads,
+        num_key_value_heads=geo.kv_heads,
+        head_dim=geo.head_dim,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": geo.rope_theta},
+        tie_word_embeddings=False,
+    )
     dtype = torch.float32 if dry else torch.bfloat16
     default = torch.get_default_dtype()
     torch.manual_seed(0)
@@ -149,13 +200,28 @@ def target(geo: Geometry, device: torch.device, dry: bool) -> torch.nn.Module:
 def target_config_dir(geo: Geometry, dry: bool, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding only the target's ``config.json`` (all its layers), as ``dflash2 plan`` reads it."""
     directory = tmp_path_factory.mktemp("target-config")
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": geo.hidden,
-        "num_hidden_layers": geo.target_layers, "num_attention_heads": geo.heads,
-        "num_key_value_heads": geo.kv_heads, "head_dim": geo.head_dim, "intermediate_size": geo.intermediate,
-        "vocab_size": geo.vocab, "max_position_embeddings": 40960, "rope_theta": geo.rope_theta,
-        "tie_word_embeddings": False, "torch_dtype": "float32" if dry else "bfloat16", "rms_norm_eps": 1e-6,
-        "hidden_act": "silu", "attention_bias": False}))
+    (directory / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "hidden_size": geo.hidden,
+                "num_hidden_layers": geo.target_layers,
+                "num_attention_heads": geo.heads,
+                "num_key_value_heads": geo.kv_heads,
+                "head_dim": geo.head_dim,
+                "intermediate_size": geo.intermediate,
+                "vocab_size": geo.vocab,
+                "max_position_embeddings": 40960,
+                "rope_theta": geo.rope_theta,
+                "tie_word_embeddings": False,
+                "torch_dtype": "float32" if dry else "bfloat16",
+                "rms_norm_eps": 1e-6,
+                "hidden_act": "silu",
+                "attention_bias": False,
+            }
+        )
+    )
     return directory
 
 
@@ -163,14 +229,35 @@ def planned_step(geo: Geometry, dry: bool, anchors: int, target_config_dir: Path
     """The plan's items (bytes by name) for the recipe on one device at ``anchors``, at this geometry."""
     from dflash2_lightning.train.plan_command import plan_of
 
-    argv = ["--config", str(RECIPE), "--model.init_args.target.path", str(target_config_dir),
-            "--model.init_args.objective.num_anchors", str(anchors), "--trainer.devices", "1",
-            "--data.init_args.seq_len", str(geo.seq_len), "--model.init_args.draft.selector_rank",
-            str(geo.selector_rank), "--model.init_args.draft.selector_top_k", str(geo.selector_top_k),
-            "--model.init_args.draft.mask_token_id", str(geo.mask_token_id), "--plan.device_memory", "141GB"]
+    argv = [
+        "--config",
+        str(RECIPE),
+        "--model.init_args.target.path",
+        str(target_config_dir),
+        "--model.init_args.objective.num_anchors",
+        str(anchors),
+        "--trainer.devices",
+        "1",
+        "--data.init_args.seq_len",
+        str(geo.seq_len),
+        "--model.init_args.draft.selector_rank",
+        str(geo.selector_rank),
+        "--model.init_args.draft.selector_top_k",
+        str(geo.selector_top_k),
+        "--model.init_args.draft.mask_token_id",
+        str(geo.mask_token_id),
+        "--plan.device_memory",
+        "141GB",
+    ]
     if dry:
-        argv += ["--trainer.accelerator", "cpu", "--trainer.precision", "32", "--model.init_args.target.dtype",
-                 "float32"]
+        argv += [
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.precision",
+            "32",
+            "--model.init_args.target.dtype",
+            "float32",
+        ]
     return {item.name: item.bytes for item in plan_of(argv).memory}
 
 
@@ -200,14 +287,25 @@ def step_flops(cfg: DraftConfig, seq: int, anchors: int) -> float:
     h, q, kv = cfg.hidden_size, anchors * cfg.block_size, cfg.num_key_value_heads * cfg.head_dim
     qd = cfg.num_attention_heads * cfg.head_dim
     fwd = 2 * seq * len(cfg.target_layer_ids) * h * h
-    per_layer = (2 * seq * h * 2 * kv + 2 * q * h * (qd + 2 * kv) + 2 * q * qd * h
-                 + 2 * q * 3 * h * cfg.intermediate_size + 2 * 2 * q * (seq / 2 + cfg.block_size) * qd)
+    per_layer = (
+        2 * seq * h * 2 * kv
+        + 2 * q * h * (qd + 2 * kv)
+        + 2 * q * qd * h
+        + 2 * q * 3 * h * cfg.intermediate_size
+        + 2 * 2 * q * (seq / 2 + cfg.block_size) * qd
+    )
     fwd += cfg.num_hidden_layers * per_layer + 2 * anchors * (cfg.block_size - 1) * h * cfg.vocab_size
     return 3.0 * fwd
 
 
-def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, dry: bool, target: torch.nn.Module,
-                                          target_config_dir: Path, gpu_record: GpuRecord) -> None:
+def test_training_step_at_recipe_geometry(
+    geo: Geometry,
+    device: torch.device,
+    dry: bool,
+    target: torch.nn.Module,
+    target_config_dir: Path,
+    gpu_record: GpuRecord,
+) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     cfg = draft_config(geo)
@@ -235,8 +333,14 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
 
     def step(n: int) -> Tensor:
         """One forward + backward of the objective at ``n`` anchors (the same anchors every call)."""
-        objective = DraftObjective(token_loss="ce", position_weighting="decay", decay_gamma=7.0,
-                                   selector_loss_alpha=1.0, gold_outside_topk="insert_last", num_anchors=n)
+        objective = DraftObjective(
+            token_loss="ce",
+            position_weighting="decay",
+            decay_gamma=7.0,
+            selector_loss_alpha=1.0,
+            gold_outside_topk="insert_last",
+            num_anchors=n,
+        )
         anchors = tuple(t.to(device) for t in sample_anchors(mask_cpu, BLOCK, n, torch.Generator().manual_seed(0)))
         draft.zero_grad(set_to_none=True)
         with autocast:
@@ -251,15 +355,28 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
         return bool(gs) and all(bool(torch.isfinite(g).all()) for g in gs.values())
 
     per_anchors: dict[str, Any] = {}
-    geometry = {"seq_len": geo.seq_len, "hidden": geo.hidden, "vocab": geo.vocab, "draft_layers": 5, "block": BLOCK,
-                "target_layers_built": max(cfg.target_layer_ids) + 1, "target_layers_full": geo.target_layers}
+    geometry = {
+        "seq_len": geo.seq_len,
+        "hidden": geo.hidden,
+        "vocab": geo.vocab,
+        "draft_layers": 5,
+        "block": BLOCK,
+        "target_layers_built": max(cfg.target_layer_ids) + 1,
+        "target_layers_full": geo.target_layers,
+    }
 
     def record(passed: bool, **more: Any) -> None:
         """The check's entry as it stands, written at once (a later failure or the time cap keeps it)."""
-        gpu_record.check("training_step", passed=passed, geometry=geometry,
-                         precision="float32" if dry else "bf16 autocast, fp32 weights", anchors=per_anchors,
-                         target_dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
-                         peak_bf16_flops_assumed=None if dry else PEAK_BF16_FLOPS, **more)
+        gpu_record.check(
+            "training_step",
+            passed=passed,
+            geometry=geometry,
+            precision="float32" if dry else "bf16 autocast, fp32 weights",
+            anchors=per_anchors,
+            target_dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
+            peak_bf16_flops_assumed=None if dry else PEAK_BF16_FLOPS,
+            **more,
+        )
 
     ok = True
     for n in geo.anchors:
@@ -276,12 +393,17 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
         flops = step_flops(cfg, geo.seq_len, n)
         allocated_peak = None if dry else torch.cuda.max_memory_allocated()
         entry: dict[str, Any] = {
-            "draft_step_ms": 1e3 * step_s, "target_forward_ms": 1e3 * target_s,
+            "draft_step_ms": 1e3 * step_s,
+            "target_forward_ms": 1e3 * target_s,
             "tokens_per_s_draft_step": geo.seq_len / step_s,
-            "tokens_per_s_online_step": geo.seq_len / (step_s + target_s), "model_tflop_per_step": flops / 1e12,
+            "tokens_per_s_online_step": geo.seq_len / (step_s + target_s),
+            "model_tflop_per_step": flops / 1e12,
             "mfu": None if dry else flops / step_s / PEAK_BF16_FLOPS,
             "peak_memory_gib": None if dry else allocated_peak / 2**30,
-            "loss": float(loss), "grads_finite": finite(gs), "params_with_grad": len(gs)}
+            "loss": float(loss),
+            "grads_finite": finite(gs),
+            "params_with_grad": len(gs),
+        }
         per_anchors[str(n)] = entry
         ok &= entry["grads_finite"] and bool(torch.isfinite(loss))
         record(passed=False, in_progress=True)  # the timings are kept should the plan's comparison fail
@@ -297,16 +419,30 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
             continue
         target_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
         draft_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
-        planned = target_bytes + sum(plan.get(name, 0) for name in (
-            "draft weights", "gradients", "head in the compute dtype", "features for the step", "draft activations",
-            "logits and loss", "draft weights, autocast copies"))
+        planned = target_bytes + sum(
+            plan.get(name, 0)
+            for name in (
+                "draft weights",
+                "gradients",
+                "head in the compute dtype",
+                "features for the step",
+                "draft activations",
+                "logits and loss",
+                "draft weights, autocast copies",
+            )
+        )
         with LiveTensorBytes() as tensors:
             tensors.track(*target.parameters(), *draft.parameters(), features, ids, mask)
             step(n)
-        entry.update({"planned_step_gib": planned / 2**30, "tensor_peak_gib": tensors.peak / 2**30,
-                      "tensor_peak_vs_plan": tensors.peak / planned,
-                      "peak_memory_vs_plan": None if dry else allocated_peak / planned,
-                      "plan_counts_the_drafts_weights": plan["draft weights"] == draft_bytes})
+        entry.update(
+            {
+                "planned_step_gib": planned / 2**30,
+                "tensor_peak_gib": tensors.peak / 2**30,
+                "tensor_peak_vs_plan": tensors.peak / planned,
+                "peak_memory_vs_plan": None if dry else allocated_peak / planned,
+                "plan_counts_the_drafts_weights": plan["draft weights"] == draft_bytes,
+            }
+        )
         # Within 20% of the measured tensor peak, as the plan is held on CPU fits (tests/train/test_plan.py). The dry
         # geometry's step is a few MB, where the plan's fixed terms weigh more (measured: the plan 20% over the
         # tensors at 4 anchors, 11% at 8), so it is held to 25% there.
@@ -320,8 +456,12 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
     step(n)
     default = grads()
     backends: dict[str, Any] = {}
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.MATH):
+    for backend in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ):
         try:
             with sdpa_kernel([backend]):
                 loss = step(n)
@@ -329,9 +469,13 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
             backends[backend.name] = {"ran": False, "error": str(err).strip().splitlines()[0][:300]}
             continue
         gs = grads()
-        backends[backend.name] = {"ran": True, "loss": float(loss), "grads_finite": finite(gs),
-                                  "equals_default": all(torch.equal(gs[k], default[k]) for k in default),
-                                  "_grads": gs}
+        backends[backend.name] = {
+            "ran": True,
+            "loss": float(loss),
+            "grads_finite": finite(gs),
+            "equals_default": all(torch.equal(gs[k], default[k]) for k in default),
+            "_grads": gs,
+        }
     reference = backends["MATH"].get("_grads")
     for b in backends.values():
         gs = b.pop("_grads", None)
@@ -342,15 +486,17 @@ def test_training_step_at_recipe_geometry(geo: Geometry, device: torch.device, d
     chosen = [name for name, b in backends.items() if b.get("equals_default")]
     # bf16 accumulates in another order per backend; 0.1 catches a wrong kernel, not rounding.
     tol = 1e-4 if dry else 0.1
-    agree = all(b["grads_finite"] and b.get("grad_rel_diff_vs_math", float("inf")) < tol
-                for b in backends.values() if b["ran"])
+    agree = all(
+        b["grads_finite"] and b.get("grad_rel_diff_vs_math", float("inf")) < tol for b in backends.values() if b["ran"]
+    )
     ok &= backends["MATH"]["ran"] and agree and finite(default)
     record(passed=ok, in_progress=False, sdpa_backends=backends, sdpa_default_equals=chosen)
     assert ok, {"anchors": per_anchors, "sdpa_backends": backends}
 
 
-def test_drafting_latency_eager_vs_cuda_graph(geo: Geometry, device: torch.device, dry: bool,
-                                              target: torch.nn.Module, gpu_record: GpuRecord) -> None:
+def test_drafting_latency_eager_vs_cuda_graph(
+    geo: Geometry, device: torch.device, dry: bool, target: torch.nn.Module, gpu_record: GpuRecord
+) -> None:
     cfg = draft_config(geo)
     dtype = torch.float32 if dry else torch.bfloat16  # served in the export dtype (bf16)
     torch.manual_seed(2)
@@ -382,8 +528,12 @@ def test_drafting_latency_eager_vs_cuda_graph(geo: Geometry, device: torch.devic
                 for _ in range(geo.draft_iters):
                     step()
                 sync(device)
-                row: dict[str, Any] = {"eager_ms": 1e3 * (time.perf_counter() - t0) / geo.draft_iters,
-                                       "graph_ms": None, "graph_equals_eager": None, "graph_error": None}
+                row: dict[str, Any] = {
+                    "eager_ms": 1e3 * (time.perf_counter() - t0) / geo.draft_iters,
+                    "graph_ms": None,
+                    "graph_equals_eager": None,
+                    "graph_error": None,
+                }
                 if not dry:
                     try:
                         side = torch.cuda.Stream()
@@ -410,8 +560,14 @@ def test_drafting_latency_eager_vs_cuda_graph(geo: Geometry, device: torch.devic
                 ok &= list(eager.shape) == [b, BLOCK - 1]
                 rows[key] = row
                 gpu_record.check("drafting_latency", passed=False, in_progress=True, steps=rows)  # kept if cut short
-    gpu_record.check("drafting_latency", passed=ok, in_progress=False, dtype=str(dtype).removeprefix("torch."),
-                     method=None if dry else "torch.cuda.CUDAGraph capture of draft_block", steps=rows)
+    gpu_record.check(
+        "drafting_latency",
+        passed=ok,
+        in_progress=False,
+        dtype=str(dtype).removeprefix("torch."),
+        method=None if dry else "torch.cuda.CUDAGraph capture of draft_block",
+        steps=rows,
+    )
     assert ok, rows
 
 
@@ -419,8 +575,10 @@ def test_drafting_latency_eager_vs_cuda_graph(geo: Geometry, device: torch.devic
 STEPS, CRASH_AT, EVERY = 4, 2, 2
 # Lightning 2.6.6's own FSDPPrecision.clip_grad_by_norm message: DraftFSDPStrategy must never show it.
 FSDP_REFUSES_CLIPPING = "`gradient_clip_algorithm='norm'` is currently not supported"
-FSDP_ON_CPU = ("not run: DraftFSDPStrategy requires a GPU accelerator (tests/test_gpu_recipes_on_cpu.py pins that "
-               "refusal; tests/train/test_fsdp.py tests its pieces on CPU)")
+FSDP_ON_CPU = (
+    "not run: DraftFSDPStrategy requires a GPU accelerator (tests/test_gpu_recipes_on_cpu.py pins that "
+    "refusal; tests/train/test_fsdp.py tests its pieces on CPU)"
+)
 
 
 def fit_config(directory: Path, dry: bool) -> Path:
@@ -430,11 +588,17 @@ def fit_config(directory: Path, dry: bool) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path, config = rehearsal_config(RECIPE, directory)
     trainer = config["trainer"]
-    trainer.update(accelerator="cpu" if dry else "gpu", devices=1, strategy="auto", max_steps=STEPS,
-                   val_check_interval=EVERY, num_sanity_val_steps=0,  # sanity validation is not what is checked
-                   precision="32-true" if dry else "bf16-mixed",
-                   # bit-exact resume on a GPU needs deterministic kernels (the recipe's commented option)
-                   deterministic=not dry)
+    trainer.update(
+        accelerator="cpu" if dry else "gpu",
+        devices=1,
+        strategy="auto",
+        max_steps=STEPS,
+        val_check_interval=EVERY,
+        num_sanity_val_steps=0,  # sanity validation is not what is checked
+        precision="32-true" if dry else "bf16-mixed",
+        # bit-exact resume on a GPU needs deterministic kernels (the recipe's commented option)
+        deterministic=not dry,
+    )
     trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = EVERY
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -448,8 +612,14 @@ def run_fit(config: Path, *extra: str, crash_at: int | None = None) -> subproces
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])
     if crash_at is not None:
         env["DFLASH2_TEST_CRASH_AT"] = str(crash_at)
-    return subprocess.run([sys.executable, "-m", "dflash2_lightning", "fit", "--config", str(config), *extra],
-                          cwd=config.parent, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash2_lightning", "fit", "--config", str(config), *extra],
+        cwd=config.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def export_check(directory: Path, state: dict[str, Any]) -> dict[str, Any]:
@@ -465,8 +635,9 @@ def export_check(directory: Path, state: dict[str, Any]) -> dict[str, Any]:
         return {"loads": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}
     # fc is left out: the export folds a feature scale into it when features are normalised.
     names = [k for k in state if k.startswith("draft.") and not k.startswith("draft.fc.")]
-    equal = all(torch.equal(exported[k[len("draft."):]], state[k].to(exported[k[len("draft."):]].dtype))
-                for k in names)
+    equal = all(
+        torch.equal(exported[k[len("draft.") :]], state[k].to(exported[k[len("draft.") :]].dtype)) for k in names
+    )
     return {"loads": True, "tensors": len(exported), "equals_last_checkpoint": equal}
 
 
@@ -495,11 +666,21 @@ def resume_check(root: Path, dry: bool, *extra: str) -> dict[str, Any]:
     names = [k for k in a["state_dict"] if k.startswith("draft.")]
     diff = max(float((a["state_dict"][k].float() - b["state_dict"][k].float()).abs().max()) for k in names)
     exact = all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in names) and set(names) == {
-        k for k in b["state_dict"] if k.startswith("draft.")}
+        k for k in b["state_dict"] if k.startswith("draft.")
+    }
     export = export_check(root / "whole", a["state_dict"])
-    return {"passed": exact and a["global_step"] == b["global_step"] == STEPS and export.get("equals_last_checkpoint")
-            is True, "steps": STEPS, "crash_at": CRASH_AT, "global_step": [a["global_step"], b["global_step"]],
-            "tensors": len(names), "max_abs_weight_diff": diff, "bit_exact": exact, "export": export}
+    return {
+        "passed": exact
+        and a["global_step"] == b["global_step"] == STEPS
+        and export.get("equals_last_checkpoint") is True,
+        "steps": STEPS,
+        "crash_at": CRASH_AT,
+        "global_step": [a["global_step"], b["global_step"]],
+        "tensors": len(names),
+        "max_abs_weight_diff": diff,
+        "bit_exact": exact,
+        "export": export,
+    }
 
 
 def test_gpu_fit_resumes_exactly(tmp_path: Path, dry: bool, gpu_record: GpuRecord) -> None:
@@ -514,12 +695,22 @@ def test_gpu_fit_resumes_exactly(tmp_path: Path, dry: bool, gpu_record: GpuRecor
         fsdp = {"override": override, **resume_check(tmp_path / "fsdp", dry, *override)}
         # Were clipping still refused (Lightning's own plugin), the record names it rather than a traceback.
         fsdp["refused_norm_clipping"] = FSDP_REFUSES_CLIPPING in fsdp.get("output", "")
-    gpu_record.check("fit_resume", passed=single["passed"] and fsdp["passed"] is not False, in_progress=False,
-                     accelerator="cpu" if dry else "gpu", precision="32-true" if dry else "bf16-mixed",
-                     deterministic=not dry,
-                     gradient_clip_val=1.0, single_device=single, fsdp=fsdp)
+    gpu_record.check(
+        "fit_resume",
+        passed=single["passed"] and fsdp["passed"] is not False,
+        in_progress=False,
+        accelerator="cpu" if dry else "gpu",
+        precision="32-true" if dry else "bf16-mixed",
+        deterministic=not dry,
+        gradient_clip_val=1.0,
+        single_device=single,
+        fsdp=fsdp,
+    )
     assert single["passed"], single
     if fsdp.get("refused_norm_clipping"):
-        pytest.fail("FSDP refused the recipe's norm clipping (gradient_clip_val 1.0) under Lightning's FSDP "
-                    f"precision plugin: {fsdp['output'][-1500:]}", pytrace=False)
+        pytest.fail(
+            "FSDP refused the recipe's norm clipping (gradient_clip_val 1.0) under Lightning's FSDP "
+            f"precision plugin: {fsdp['output'][-1500:]}",
+            pytrace=False,
+        )
     assert fsdp["passed"] is not False, fsdp

@@ -61,9 +61,15 @@ FIT_TIMEOUT = 600  # seconds; one fit takes ~40 s on 2 busy cores
 def write_data(directory: Path, n: int = 48) -> list[str]:
     """A chat jsonl (the recipe's documented input format) of ``n`` short conversations."""
     path = directory / "train.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {a + 3}?"},
-                          {"role": "assistant", "content": f"{a} plus {a + 3} is {2 * a + 3}. Good."}]}
-            for a in range(n)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {a} plus {a + 3}?"},
+                {"role": "assistant", "content": f"{a} plus {a + 3} is {2 * a + 3}. Good."},
+            ]
+        }
+        for a in range(n)
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return [str(path)]
 
@@ -73,9 +79,14 @@ def rehearsal_config(recipe: Path, directory: Path) -> tuple[Path, dict[str, Any
     config = yaml.safe_load(recipe.read_text())
     trainer = config["trainer"]
     trainer.update(
-        accelerator="cpu", devices=2,
-        max_steps=STEPS, val_check_interval=EVERY, limit_val_batches=2, log_every_n_steps=1,
-        enable_progress_bar=False)
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        val_check_interval=EVERY,
+        limit_val_batches=2,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+    )
     # precision stays the recipe's bf16-mixed (CPU autocast): measured on 2 cores, a 6-step fit took 39 s
     # against 42 s in 32-true (start-up dominates), so nothing is gained by leaving the recipe.
     assert trainer["precision"] == "bf16-mixed"
@@ -109,8 +120,14 @@ def rehearsal_config(recipe: Path, directory: Path) -> tuple[Path, dict[str, Any
 def environment(directory: Path, **extra: str) -> dict[str, str]:
     """One thread per process, no hub, a private cache, the tests' helpers importable by the trainer."""
     env = {k: v for k, v in os.environ.items() if k not in ("DFLASH2_DEBUG", "DFLASH2_TEST_CRASH_AT")}
-    return {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DFLASH2_CACHE": str(directory / "cache"),
-            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), **extra}
+    return {
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "DFLASH2_CACHE": str(directory / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
 
 
 def fit(config: Path, directory: Path, *extra: str, expect: int = 0, **env: str) -> subprocess.CompletedProcess:
@@ -118,19 +135,28 @@ def fit(config: Path, directory: Path, *extra: str, expect: int = 0, **env: str)
         pytest.fail(f"{DFLASH2} not found: install the package first (pip install -e .)")
     # Its own session, with faulthandler on: a fit that hangs is sent SIGABRT with its ranks and data workers, and
     # every thread's Python stack is in the failure's stderr (a hang is a bug to be found, not a slow run).
-    process = subprocess.Popen([str(DFLASH2), "fit", "--config", str(config), *extra], cwd=directory,
-                               env={**environment(directory, **env), "PYTHONFAULTHANDLER": "1"},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [str(DFLASH2), "fit", "--config", str(config), *extra],
+        cwd=directory,
+        env={**environment(directory, **env), "PYTHONFAULTHANDLER": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=FIT_TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGABRT)
         stdout, stderr = process.communicate()
-        pytest.fail(f"dflash2 fit {' '.join(extra)} hung for {FIT_TIMEOUT} s; the stacks of its processes at SIGABRT:\n"
-                    f"{stderr[-40000:]}\nstdout:\n{stdout[-2000:]}")
+        pytest.fail(
+            f"dflash2 fit {' '.join(extra)} hung for {FIT_TIMEOUT} s; the stacks of its processes at SIGABRT:\n"
+            f"{stderr[-40000:]}\nstdout:\n{stdout[-2000:]}"
+        )
     done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-    assert done.returncode == expect, \
+    assert done.returncode == expect, (
         f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
+    )
     return done
 
 
@@ -192,7 +218,7 @@ def test_recipe_runs_under_ddp_on_cpu(recipe: Path, tmp_path: Path) -> None:
     # The recipe's second ModelCheckpoint (best two by val/tau) saw val/tau under DDP. Its files are not
     # counted: the crashed run's step-CRASH_AT one was written after last.ckpt, and the resume's due
     # validation writes that step again as "-v1" beside it.
-    best = {int(p.name[len("step"):].split("-")[0]) for p in (run / "checkpoints").glob("step*-tau*.ckpt")}
+    best = {int(p.name[len("step") :].split("-")[0]) for p in (run / "checkpoints").glob("step*-tau*.ckpt")}
     assert best and best <= set(range(EVERY, STEPS + 1, EVERY)), best
     trained = [k for k in state["state_dict"] if k.startswith("draft.")]
     assert any(not torch.equal(state["state_dict"][k], weights_before[k]) for k in trained)  # it trained on
@@ -206,15 +232,22 @@ def test_recipe_runs_under_ddp_on_cpu(recipe: Path, tmp_path: Path) -> None:
     recipe_draft = settings["model"]["init_args"]["draft"]
     cfg = draft.config
     assert cfg.architecture == "DFlash2DraftModel"
-    for key in ("num_hidden_layers", "block_size", "conv_kernel_size", "conv_group_size", "selector_rank",
-                "selector_top_k", "mask_token_id"):
+    for key in (
+        "num_hidden_layers",
+        "block_size",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "mask_token_id",
+    ):
         assert getattr(cfg, key) == recipe_draft[key], key
     assert cfg.target_layer_ids == [1, 2, 3, 4, 5]
     assert cfg.torch_dtype == "bfloat16"
     exported = draft.state_dict()
     for name, value in state["state_dict"].items():
         if name.startswith("draft.") and not name.startswith("draft.fc."):  # fc has the feature scale folded in
-            assert torch.equal(exported[name[len("draft."):]], value.to(torch.bfloat16)), name
+            assert torch.equal(exported[name[len("draft.") :]], value.to(torch.bfloat16)), name
 
 
 FSDP_ON_CPU = "requires a GPU accelerator"  # DraftFSDPStrategy refusing accelerator='cpu'
@@ -238,8 +271,14 @@ def test_fsdp_cannot_be_rehearsed_on_cpu(recipe: Path, tmp_path: Path) -> None:
     tests/train/test_fsdp.py. This pins the refusal (a one-line error, exit 2) and that the override parses.
     """
     config, _ = rehearsal_config(recipe, tmp_path)
-    done = subprocess.run([str(DFLASH2), "fit", "--config", str(config), *fsdp_override(recipe)],
-                          cwd=tmp_path, env=environment(tmp_path), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [str(DFLASH2), "fit", "--config", str(config), *fsdp_override(recipe)],
+        cwd=tmp_path,
+        env=environment(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, f"exit {done.returncode}; stderr:\n{done.stderr[-3000:]}"
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("dflash2: error: ")]

@@ -68,7 +68,7 @@ def imports(path: Path) -> Iterator[tuple[int, str, list[str]]]:
             base = node.module or ""
             if node.level:  # relative: from the importing module's package
                 parts = here.split(".") if path.name == "__init__.py" else here.split(".")[:-1]
-                parts = parts[:len(parts) - node.level + 1]
+                parts = parts[: len(parts) - node.level + 1]
                 base = ".".join([*parts, base] if base else parts)
             if base.split(".")[0] != NAME:
                 continue
@@ -88,8 +88,10 @@ def test_the_docstring_lists_every_stage_once() -> None:
     order = stages()
     found = {stage_of(module_name(p)) for p in package_files()}
     assert len(order) == len(set(order)), f"a stage is listed twice: {order}"
-    assert set(order) == found, (f"the package docstring's stages {order} are not the package's "
-                                 f"{sorted(found)}: list every stage (and only those) in order")
+    assert set(order) == found, (
+        f"the package docstring's stages {order} are not the package's "
+        f"{sorted(found)}: list every stage (and only those) in order"
+    )
 
 
 def test_imports_point_one_way() -> None:
@@ -101,8 +103,7 @@ def test_imports_point_one_way() -> None:
         for line, module, _ in imports(path):
             target = stage_of(module)
             if rank[target] > rank[source]:
-                upward.append(f"{path.relative_to(ROOT)}:{line}: {source} imports {module} ({target}), "
-                              f"a later stage")
+                upward.append(f"{path.relative_to(ROOT)}:{line}: {source} imports {module} ({target}), a later stage")
     assert not upward, "imports that point up the data path:\n" + "\n".join(upward)
 
 
@@ -116,8 +117,13 @@ def test_no_import_cycle_between_stages() -> None:
             if target != source:
                 edges[source][target].append(f"{path.relative_to(ROOT)}:{line}")
     cycles = [c for c in strongly_connected(edges) if len(c) > 1]
-    lines = [f"{a} -> {b}: {', '.join(where)}" for cycle in cycles for a in sorted(cycle)
-             for b, where in sorted(edges[a].items()) if b in cycle]
+    lines = [
+        f"{a} -> {b}: {', '.join(where)}"
+        for cycle in cycles
+        for a in sorted(cycle)
+        for b, where in sorted(edges[a].items())
+        if b in cycle
+    ]
     assert not cycles, "import cycles between stages:\n" + "\n".join(lines)
 
 
@@ -171,8 +177,9 @@ def error_types() -> dict[str, str]:
             if name in errors:
                 continue
             builtin = [getattr(builtins, b, None) for b in bases]
-            if any(b in errors for b in bases) or any(isinstance(b, type) and issubclass(b, BaseException)
-                                                      for b in builtin):
+            if any(b in errors for b in bases) or any(
+                isinstance(b, type) and issubclass(b, BaseException) for b in builtin
+            ):
                 errors[name] = module
                 changed = True
     return errors
@@ -188,6 +195,5 @@ def test_each_error_type_has_one_import_path() -> None:
         for line, module, names in imports(path):
             for name in names:
                 if name in errors and errors[name] != module:
-                    wrong.append(f"{path.relative_to(ROOT)}:{line}: {name} imported from {module}, "
-                                 f"not {errors[name]}")
+                    wrong.append(f"{path.relative_to(ROOT)}:{line}: {name} imported from {module}, not {errors[name]}")
     assert not wrong, "error types imported through another module:\n" + "\n".join(wrong)

@@ -28,8 +28,24 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(out), str(REPO)], check=True, capture_output=True, text=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(out),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     (built,) = out.glob("dflash2_lightning-*.whl")
     return built
 
@@ -40,11 +56,21 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     env_dir = tmp_path_factory.mktemp("fresh-env")
     venv.create(env_dir, with_pip=True)  # its own pip installs the console scripts into its own bin/
     python = env_dir / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # Without PYTHONPATH: a checkout on it (its .egg-info) would look like the package already installed.
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     # The dependencies: every folder on this test's path that does not hold the package's source.
     deps = [p for p in sys.path if p and Path(p).is_dir() and not (Path(p) / "dflash2_lightning").exists()]
     Path(site, "test-dependencies.pth").write_text("\n".join(deps) + "\n")
@@ -53,8 +79,9 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run(bin_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    return subprocess.run([str(bin_dir / "dflash2"), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=900)
+    return subprocess.run(
+        [str(bin_dir / "dflash2"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 def test_the_wheel_carries_prompts_recipes_and_license(wheel: Path) -> None:
@@ -70,26 +97,50 @@ def test_the_wheel_carries_prompts_recipes_and_license(wheel: Path) -> None:
     assert requires and not any("==" in line for line in requires), requires  # ranges, never exact pins
 
 
-def test_the_installed_wheel_runs_help_version_and_a_tiny_fit_from_its_own_recipe(installed: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_the_installed_wheel_runs_help_version_and_a_tiny_fit_from_its_own_recipe(
+    installed: Path, tmp_path: Path
+) -> None:
     done = run(installed, tmp_path, "--help")
     assert done.returncode == 0 and "actions:" in done.stdout and "qwen3_8b_online" in done.stdout, done.stderr
     done = run(installed, tmp_path, "--version")
     assert done.returncode == 0 and done.stdout.strip() == f"dflash2-lightning {__version__}"
-    where = subprocess.run([str(installed / "python"), "-c", "import dflash2_lightning; print(dflash2_lightning.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": ""})
+    where = subprocess.run(
+        [str(installed / "python"), "-c", "import dflash2_lightning; print(dflash2_lightning.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert str(REPO) not in where.stdout  # the wheel's code, not this checkout's
-    done = run(installed, tmp_path, "fit", "--config", "tiny", "--trainer.max_steps", "4",
-               "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-               "--model.init_args.export.acceptance_prompts", "1")
+    done = run(
+        installed,
+        tmp_path,
+        "fit",
+        "--config",
+        "tiny",
+        "--trainer.max_steps",
+        "4",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--model.init_args.export.acceptance_prompts",
+        "1",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     hf = tmp_path / "runs" / "tiny" / "default" / "hf"
     assert (hf / "model.safetensors").is_file() and (hf / "config.json").is_file() and (hf / "SERVING.md").is_file()
 
 
 def test_lightning_entry_point_is_the_same_command(installed: Path, tmp_path: Path) -> None:
-    done = subprocess.run([str(installed / "lightning"), "--version"], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ""})
+    done = subprocess.run(
+        [str(installed / "lightning"), "--version"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert done.returncode == 0 and done.stdout.strip() == f"dflash2-lightning {__version__}"
 
 
@@ -104,13 +155,19 @@ def test_recipes_are_reached_by_name_and_paths_stay_paths(tmp_path: Path, monkey
     assert recipe_path("elsewhere/tiny.yaml") == "elsewhere/tiny.yaml"  # a path that names no recipe stays
     assert recipe_path("nope") == "nope"  # and so does an unknown name (the parser then says it is missing)
     assert with_recipe_paths(["fit", "--config", "qwen3_8b_online", "--config=tiny"]) == [
-        "fit", "--config", str(RECIPES / "qwen3_8b_online.yaml"), f"--config={RECIPES / 'tiny.yaml'}"]
+        "fit",
+        "--config",
+        str(RECIPES / "qwen3_8b_online.yaml"),
+        f"--config={RECIPES / 'tiny.yaml'}",
+    ]
 
 
 def test_the_metadata_admits_the_pythons_it_is_tested_on() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["requires-python"] == ">=3.11"
-    tested = {c.rsplit(":: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")}
+    tested = {
+        c.rsplit(":: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
+    }
     assert tested == {"3.11", "3.12", "3.13"}
     assert not [d for d in project["dependencies"] if "==" in d]
 

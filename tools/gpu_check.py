@@ -39,8 +39,20 @@ CARRY_LIMIT = 8 * 2**20
 #: The device machine allows 10 minutes a command: the checks stop at 9, leaving a minute to hand back the record.
 DEFAULT_CAP_S = 540
 #: Distributions whose versions are printed (and recorded by the checks themselves).
-SHOWN = ("torch", "triton", "transformers", "lightning", "torchmetrics", "jsonargparse", "onnx", "onnxruntime",
-         "onnxscript", "numpy", "tensorrt", "pytest")
+SHOWN = (
+    "torch",
+    "triton",
+    "transformers",
+    "lightning",
+    "torchmetrics",
+    "jsonargparse",
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "numpy",
+    "tensorrt",
+    "pytest",
+)
 
 
 def carried_requirements() -> list[str]:
@@ -54,16 +66,31 @@ def download_wheels(dest: Path) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.whl"):
         old.unlink()
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", PYTHON_VERSION, "--implementation", "cp", "--dest", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
+        "--dest",
+        str(dest),
+    ]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     subprocess.run([*cmd, *carried_requirements()], check=True)
     wheels = sorted(dest.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels)
     if size > CARRY_LIMIT:
-        raise SystemExit(f"gpu_check: error: the carried wheels take {size / 2**20:.1f} MiB, over the "
-                         f"{CARRY_LIMIT / 2**20:.0f} MiB this check allows them, in {dest}; carry fewer")
+        raise SystemExit(
+            f"gpu_check: error: the carried wheels take {size / 2**20:.1f} MiB, over the "
+            f"{CARRY_LIMIT / 2**20:.0f} MiB this check allows them, in {dest}; carry fewer"
+        )
     return wheels
 
 
@@ -72,17 +99,38 @@ def install_wheels(wheels: Path, site: Path) -> list[str]:
     found = sorted(wheels.glob("*.whl"))
     if not found:
         return []
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--disable-pip-version-check", "--target", str(site),
-                    *map(str, found)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            *map(str, found),
+        ],
+        check=True,
+    )
     return [w.name for w in found]
 
 
 def check_environment(site: Path, record: Path) -> dict[str, str]:
     """The environment the checks run in: the source tree and the carried wheels first on the path, no hub."""
     path = [str(REPO), str(site), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "DFLASH2_GPU_RECORD": str(record),
-            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in path if p),
+        "DFLASH2_GPU_RECORD": str(record),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 VERSIONS_SCRIPT = """
@@ -124,8 +172,9 @@ def run_capped(cmd: list[str], env: dict[str, str], deadline: float) -> int:
     try:
         return process.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        print("gpu_check: the time cap is reached: stopping the checks (the record keeps every finished one)",
-              flush=True)
+        print(
+            "gpu_check: the time cap is reached: stopping the checks (the record keeps every finished one)", flush=True
+        )
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=20)
@@ -140,8 +189,10 @@ def summary(record: Path) -> str:
     if not record.is_file():
         return f"no record at {record}: no check finished"
     data = json.loads(record.read_text())
-    lines = [f"record {record}: dry_run={data.get('dry_run')} device={data.get('device')} "
-             f"finished={data.get('finished', False)}"]
+    lines = [
+        f"record {record}: dry_run={data.get('dry_run')} device={data.get('device')} "
+        f"finished={data.get('finished', False)}"
+    ]
     lines += [f"  {name}: {'passed' if c.get('passed') else 'FAILED'}" for name, c in data.get("checks", {}).items()]
     return "\n".join(lines)
 
@@ -169,12 +220,24 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("--dest", type=Path, default=WHEELS, help="where (default .gpu-wheels/, ignored by git)")
     go = sub.add_parser("run", help="install the carried wheels into a folder and run the GPU checks (there)")
     go.add_argument("--wheels", type=Path, default=WHEELS, help="the carried wheels (default .gpu-wheels/)")
-    go.add_argument("--site", type=Path, default=SITE,
-                    help="where the wheels are installed and put on PYTHONPATH (default .gpu-site/, ignored by git)")
-    go.add_argument("--record", type=Path, default=REPO / "gpu-check.json",
-                    help="the JSON record, rewritten after every check (default gpu-check.json here)")
-    go.add_argument("--cap", type=float, default=DEFAULT_CAP_S,
-                    help=f"seconds for the whole run, wheels included (default {DEFAULT_CAP_S}: a minute spare of 10)")
+    go.add_argument(
+        "--site",
+        type=Path,
+        default=SITE,
+        help="where the wheels are installed and put on PYTHONPATH (default .gpu-site/, ignored by git)",
+    )
+    go.add_argument(
+        "--record",
+        type=Path,
+        default=REPO / "gpu-check.json",
+        help="the JSON record, rewritten after every check (default gpu-check.json here)",
+    )
+    go.add_argument(
+        "--cap",
+        type=float,
+        default=DEFAULT_CAP_S,
+        help=f"seconds for the whole run, wheels included (default {DEFAULT_CAP_S}: a minute spare of 10)",
+    )
     go.add_argument("--dry-run", action="store_true", help="the CPU dry mode: the gpu_dry_run checks at a tiny size")
     go.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -- tests/ops/test_gpu.py")
     args = parser.parse_args(argv)

@@ -107,10 +107,11 @@ class BuildLock:
             return
         os.close(fd)
         if state is files.Lock.BUSY:
-            raise DataError(f"the offline feature cache {cache} is being built by another process (it holds "
-                            f"{self.path}): wait for it to finish, or set data cache_dir to another directory")
-        log.warning("%s: this file system has no flock; nothing stops a second job building the same cache",
-                    self.path)
+            raise DataError(
+                f"the offline feature cache {cache} is being built by another process (it holds "
+                f"{self.path}): wait for it to finish, or set data cache_dir to another directory"
+            )
+        log.warning("%s: this file system has no flock; nothing stops a second job building the same cache", self.path)
 
     def release(self) -> None:
         fd, self.fd = self.fd, None
@@ -118,8 +119,15 @@ class BuildLock:
             os.close(fd)
 
 
-def prepare_build(path: Path, state: dict[str, Any], encoded: dict[str, dict[str, np.ndarray]], width: int,
-                  spec: FeatureSpec, needed: int, lock: BuildLock) -> list[Batch] | None:
+def prepare_build(
+    path: Path,
+    state: dict[str, Any],
+    encoded: dict[str, dict[str, np.ndarray]],
+    width: int,
+    spec: FeatureSpec,
+    needed: int,
+    lock: BuildLock,
+) -> list[Batch] | None:
     """Rank 0: make the build directory ready (fresh, or resumed when it was for these settings and tokens)
     and return the batches still to compute, in order (None: another job completed the cache meanwhile)."""
     build = build_dir_of(path)
@@ -159,13 +167,18 @@ def prepare_build(path: Path, state: dict[str, Any], encoded: dict[str, dict[str
                 batches.append(Batch(split, start, stop))
     total = sum(-(-int(a["input_ids"].shape[0]) // spec.batch_size) for a in encoded.values())
     if batches and len(batches) < total:
-        log.info("offline feature cache %s: resuming a killed build, %d of %d batches already done",
-                 path, total - len(batches), total)
+        log.info(
+            "offline feature cache %s: resuming a killed build, %d of %d batches already done",
+            path,
+            total - len(batches),
+            total,
+        )
     return batches
 
 
-def _resumable(build: Path, state: dict[str, Any], encoded: dict[str, dict[str, np.ndarray]], width: int,
-               spec: FeatureSpec) -> bool:
+def _resumable(
+    build: Path, state: dict[str, Any], encoded: dict[str, dict[str, np.ndarray]], width: int, spec: FeatureSpec
+) -> bool:
     """Whether ``build`` holds a build of exactly these settings and token arrays, every file at its size."""
     try:
         if json.loads((build / STATE).read_text()) != json.loads(json.dumps(state)):
@@ -196,8 +209,10 @@ def _create(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> None:
 def finish_build(path: Path, manifest: dict[str, Any], lock: BuildLock) -> None:
     """Rank 0, every batch done: hash the files, write the manifest (last) and rename the build into place."""
     build = build_dir_of(path)
-    manifest = {**manifest, "files": {str(f.relative_to(build)): file_checksums(f)
-                                      for f in sorted(build.glob("*/*.npy"))}}
+    manifest = {
+        **manifest,
+        "files": {str(f.relative_to(build)): file_checksums(f) for f in sorted(build.glob("*/*.npy"))},
+    }
     shutil.rmtree(build / DONE)
     (build / STATE).unlink()
     (build / LOCK).unlink(missing_ok=True)  # still held through the open descriptor until the rename
@@ -274,8 +289,9 @@ class RowWriter:
             ready.synchronize()
         finite, amax = bool(host.pop("finite")), float(host.pop("amax"))
         if not finite:
-            raise DataError(f"target features overflow {self.feature_dtype} (max |x| = {amax:.3g}); "
-                            "set feature_dtype='float32'")
+            raise DataError(
+                f"target features overflow {self.feature_dtype} (max |x| = {amax:.3g}); set feature_dtype='float32'"
+            )
         touched = []
         for name, tensor in host.items():
             fd, offset, row = self._file(batch.split, name)
@@ -308,7 +324,7 @@ def compute_shard(tgt: Target, build: Path, batches: list[Batch], spec: FeatureS
     """
     from tqdm.auto import tqdm
 
-    mine = batches[ranks.rank::ranks.world]
+    mine = batches[ranks.rank :: ranks.world]
     steps = -(-len(batches) // ranks.world)
     device = torch.device(spec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokens: dict[str, dict[str, np.ndarray]] = {}
@@ -321,8 +337,9 @@ def compute_shard(tgt: Target, build: Path, batches: list[Batch], spec: FeatureS
         writer = RowWriter(build, spec.feature_dtype)
         tgt.to(device)
         for split in {b.split for b in mine}:
-            tokens[split] = {name: np.load(build / split / f"{name}.npy", mmap_mode="r")
-                             for name in ("input_ids", "attention_mask")}
+            tokens[split] = {
+                name: np.load(build / split / f"{name}.npy", mmap_mode="r") for name in ("input_ids", "attention_mask")
+            }
 
     def step(i: int) -> None:
         assert writer is not None
@@ -358,19 +375,22 @@ def _close_quietly(writer: RowWriter) -> None:
 
 
 @torch.no_grad()
-def _compute(tgt: Target, tokens: dict[str, np.ndarray], batch: Batch, spec: FeatureSpec, device: torch.device,
-             copier: Any) -> tuple[int, dict[str, torch.Tensor], Any]:
+def _compute(
+    tgt: Target, tokens: dict[str, np.ndarray], batch: Batch, spec: FeatureSpec, device: torch.device, copier: Any
+) -> tuple[int, dict[str, torch.Tensor], Any]:
     """One batch through the target: its longest sample's length, the arrays to write, a copy-done event."""
-    attn = np.asarray(tokens["attention_mask"][batch.start:batch.stop])
+    attn = np.asarray(tokens["attention_mask"][batch.start : batch.stop])
     length = max(int(attn.sum(1).max()), 1)  # right padding: positions past it never matter
-    ids = torch.from_numpy(np.array(tokens["input_ids"][batch.start:batch.stop, :length])).long()
+    ids = torch.from_numpy(np.array(tokens["input_ids"][batch.start : batch.stop, :length])).long()
     am = torch.from_numpy(np.array(attn[:, :length])).to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.autocast == "bf16"):
         res = tgt.features(ids.to(device), am, spec.layer_ids)
     # Converted on the device, so the host only copies and writes. Multiplying by the mask (not masked_fill)
     # keeps the one-process build's bytes, signed zeros included.
-    out = {"features": (res.features * am.unsqueeze(-1)).to(getattr(torch, spec.feature_dtype)),
-           "target_next": (res.logits.max(-1).indices * am).to(torch.int32)}  # = argmax (first max), faster on CPU
+    out = {
+        "features": (res.features * am.unsqueeze(-1)).to(getattr(torch, spec.feature_dtype)),
+        "target_next": (res.logits.max(-1).indices * am).to(torch.int32),
+    }  # = argmax (first max), faster on CPU
     if spec.teacher_top_k:
         values, indices = res.logits.float().topk(spec.teacher_top_k, dim=-1)
         out["teacher_topk_values"], out["teacher_topk_indices"] = values, indices.to(torch.int32)
@@ -392,11 +412,16 @@ def _compute(tgt: Target, tokens: dict[str, np.ndarray], batch: Batch, spec: Fea
 
 
 # ----------------------------------------------------------------------------- the whole build
-def build_feature_cache(path: Path, manifest: dict[str, Any], tgt: Target, spec: FeatureSpec,
-                        encode: Callable[[], dict[str, dict[str, np.ndarray]]],
-                        needed: Callable[[dict[str, dict[str, np.ndarray]]], int],
-                        stats: Callable[[dict[str, dict[str, np.ndarray]]], dict[str, Any]],
-                        ranks: Ranks | None = None) -> bool:
+def build_feature_cache(
+    path: Path,
+    manifest: dict[str, Any],
+    tgt: Target,
+    spec: FeatureSpec,
+    encode: Callable[[], dict[str, dict[str, np.ndarray]]],
+    needed: Callable[[dict[str, dict[str, np.ndarray]]], int],
+    stats: Callable[[dict[str, dict[str, np.ndarray]]], dict[str, Any]],
+    ranks: Ranks | None = None,
+) -> bool:
     """Build the cache at ``path`` on every rank of the job (collective); True once it is complete.
 
     Rank 0 tokenises (``encode``), checks the disk has ``needed(encoded)`` bytes, prepares the build directory and
@@ -413,8 +438,10 @@ def build_feature_cache(path: Path, manifest: dict[str, Any], tgt: Target, spec:
         if (path / MANIFEST).is_file():
             return {"complete": True}
         if path.exists() and any(path.iterdir()):
-            raise DataError(f"cache_dir={str(path)!r} exists, is not empty and has no {MANIFEST}: "
-                            "not a feature cache (a complete cache always has one); choose another directory")
+            raise DataError(
+                f"cache_dir={str(path)!r} exists, is not empty and has no {MANIFEST}: "
+                "not a feature cache (a complete cache always has one); choose another directory"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         files.remove_stale(path.parent, path.name)  # what an older version's killed build left behind
         encoded = encode()
@@ -440,6 +467,7 @@ def build_feature_cache(path: Path, manifest: dict[str, Any], tgt: Target, spec:
         def visible() -> None:  # every rank writes into the same files: they must see the same directory
             if json.loads((build / STATE).read_text()) != json.loads(json.dumps(plan["state"])):
                 raise FileNotFoundError
+
         ranks.agree(_named(visible, build))
         compute_shard(tgt, build, plan["batches"], spec, ranks)
         ranks.agree(lambda: finish_build(path, manifest, lock) if ranks.rank == 0 else None)
@@ -451,10 +479,14 @@ def build_feature_cache(path: Path, manifest: dict[str, Any], tgt: Target, spec:
 
 def _named(check: Callable[[], None], build: Path) -> Callable[[], None]:
     """``check``, with a missing build directory reported as a shared-file-system problem."""
+
     def run() -> None:
         try:
             check()
         except (OSError, ValueError):
-            raise DataError(f"this rank cannot see {build}, which rank 0 created: the offline feature cache must "
-                            "be on a file system every rank sees (set data cache_dir to a shared disk)") from None
+            raise DataError(
+                f"this rank cannot see {build}, which rank 0 created: the offline feature cache must "
+                "be on a file system every rank sees (set data cache_dir to a shared disk)"
+            ) from None
+
     return run

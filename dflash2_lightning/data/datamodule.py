@@ -148,12 +148,20 @@ class DraftDataModule(pl.LightningDataModule):
         super().__init__()
         if hasattr(target, "as_dict"):  # a jsonargparse Namespace, e.g. through a linked argument
             target = target.as_dict()
-        check(isinstance(target, (TargetSpec, dict)), "target", target,
-               "a TargetSpec (path, gguf or tiny); the data needs the target's tokenizer")
+        check(
+            isinstance(target, (TargetSpec, dict)),
+            "target",
+            target,
+            "a TargetSpec (path, gguf or tiny); the data needs the target's tokenizer",
+        )
         self.target = target if isinstance(target, TargetSpec) else TargetSpec(**target)
         check(block_size >= 1, "block_size", block_size, ">= 1")
-        check(seq_len >= 1 and seq_len % block_size == 0, "seq_len", seq_len,
-               f"a positive multiple of block_size={block_size}")
+        check(
+            seq_len >= 1 and seq_len % block_size == 0,
+            "seq_len",
+            seq_len,
+            f"a positive multiple of block_size={block_size}",
+        )
         check(0.0 <= val_fraction < 1.0, "val_fraction", val_fraction, "0 <= val_fraction < 1")
         check(batch_size >= 1, "batch_size", batch_size, ">= 1")
         check(mode in ("online", "offline"), "mode", mode, "'online' or 'offline'")
@@ -165,10 +173,19 @@ class DraftDataModule(pl.LightningDataModule):
         check(feature_autocast in ("none", "bf16"), "feature_autocast", feature_autocast, "'none' or 'bf16'")
         self.feature_autocast = feature_autocast
         for name, paths in (("train_files", train_files), ("val_files", val_files)):
-            check(paths is None or (isinstance(paths, list) and len(paths) > 0), name, paths,
-                  "None or a non-empty list of jsonl paths")
+            check(
+                paths is None or (isinstance(paths, list) and len(paths) > 0),
+                name,
+                paths,
+                "None or a non-empty list of jsonl paths",
+            )
         self.train_files, self.val_files = train_files, val_files
-        self.val_fraction, self.seq_len, self.block_size, self.batch_size = val_fraction, seq_len, block_size, batch_size
+        self.val_fraction, self.seq_len, self.block_size, self.batch_size = (
+            val_fraction,
+            seq_len,
+            block_size,
+            batch_size,
+        )
         self.mode, self.cache_dir, self.target_layer_ids = mode, cache_dir, target_layer_ids
         self.num_draft_layers, self.teacher_top_k, self.num_workers = num_draft_layers, teacher_top_k, num_workers
         self.max_samples, self.feature_dtype, self.feature_device = max_samples, feature_dtype, feature_device
@@ -198,7 +215,9 @@ class DraftDataModule(pl.LightningDataModule):
     def layer_ids(self) -> list[int]:
         """The feature layer ids in use: ``target_layer_ids`` or the DFlash default for ``num_draft_layers``."""
         tgt = self.target_model
-        ids = self.target_layer_ids if self.target_layer_ids is not None else tgt.default_layer_ids(self.num_draft_layers)
+        ids = (
+            self.target_layer_ids if self.target_layer_ids is not None else tgt.default_layer_ids(self.num_draft_layers)
+        )
         return tgt.check_layer_ids(ids)
 
     # ------------------------------------------------------------------ records
@@ -222,14 +241,20 @@ class DraftDataModule(pl.LightningDataModule):
             return {"train": train, "val": read(self.val_files)}
         self.split = validation_split(train, self.val_fraction)
         held = self.split.held
-        return {"train": [r for i, r in enumerate(train) if i not in held],
-                "val": [r for i, r in enumerate(train) if i in held]}
+        return {
+            "train": [r for i, r in enumerate(train) if i not in held],
+            "val": [r for i, r in enumerate(train) if i in held],
+        }
 
     def _encode(self) -> dict[str, dict[str, np.ndarray]]:
         tok = self.target_model.tokenizer
         max_pos = getattr(self.target_model.config, "max_position_embeddings", None)
-        check(max_pos is None or self.seq_len <= max_pos, "seq_len", self.seq_len,
-               f"<= the target's max_position_embeddings={max_pos}")
+        check(
+            max_pos is None or self.seq_len <= max_pos,
+            "seq_len",
+            self.seq_len,
+            f"<= the target's max_position_embeddings={max_pos}",
+        )
         out, skipped, total, cut = {}, [], 0, 0
         self.split_records = {}
         for split, records in self._records().items():
@@ -247,11 +272,15 @@ class DraftDataModule(pl.LightningDataModule):
     def describe_data(self, encoded: dict[str, dict[str, np.ndarray]]) -> str:
         """The one line saying what the data came to: samples per split, the split, samples cut to ``seq_len``."""
         sizes = {split: int(arrays["input_ids"].shape[0]) for split, arrays in encoded.items()}
-        text = (f"data: {sizes.get('train', 0)} training and {sizes.get('val', 0)} validation samples from "
-                f"{self.total_records} records")
+        text = (
+            f"data: {sizes.get('train', 0)} training and {sizes.get('val', 0)} validation samples from "
+            f"{self.total_records} records"
+        )
         if self.split is not None and self.split.requested:
-            text += (f"; validation split by prompt: {len(self.split.held)} of {self.split.records} records held out "
-                     f"({self.split.held_prompts} of {self.split.prompts} prompts)")
+            text += (
+                f"; validation split by prompt: {len(self.split.held)} of {self.split.records} records held out "
+                f"({self.split.held_prompts} of {self.split.prompts} prompts)"
+            )
         if self.cut_samples:
             text += f"; {self.cut_samples} samples longer than seq_len={self.seq_len} tokens were cut to it"
         return text
@@ -261,8 +290,13 @@ class DraftDataModule(pl.LightningDataModule):
         self.cut_samples = cut
         if skipped:
             first = f": {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}" if where else ""
-            log.warning("skipped %d of %d samples with no supervised token (no assistant tokens within "
-                        "seq_len=%d, or empty)%s", skipped, total, self.seq_len, first)
+            log.warning(
+                "skipped %d of %d samples with no supervised token (no assistant tokens within seq_len=%d, or empty)%s",
+                skipped,
+                total,
+                self.seq_len,
+                first,
+            )
 
     # ------------------------------------------------------------------ offline cache
     def _data_fingerprint(self) -> dict[str, Any]:
@@ -271,10 +305,13 @@ class DraftDataModule(pl.LightningDataModule):
                 return None
             return [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
 
-        return {"train": digests(self.train_files) if self.train_files is not None else f"builtin:{builtin_fingerprint()}",
-                "val": digests(self.val_files), "val_fraction": self.val_fraction if self.val_files is None else None,
-                **({"split": SPLIT_RULE} if self.val_files is None and self.val_fraction > 0 else {}),
-                "max_samples": self.max_samples}
+        return {
+            "train": digests(self.train_files) if self.train_files is not None else f"builtin:{builtin_fingerprint()}",
+            "val": digests(self.val_files),
+            "val_fraction": self.val_fraction if self.val_files is None else None,
+            **({"split": SPLIT_RULE} if self.val_files is None and self.val_fraction > 0 else {}),
+            "max_samples": self.max_samples,
+        }
 
     def manifest(self) -> dict[str, Any]:
         """The fields an offline cache must match (plus ``info``, which is recorded but not compared)."""
@@ -290,8 +327,11 @@ class DraftDataModule(pl.LightningDataModule):
             # only when set: caches built before the option keep their names
             **({"feature_autocast": self.feature_autocast} if self.feature_autocast != "none" else {}),
             "data": self._data_fingerprint(),
-            "info": {"target": dataclasses.asdict(self.target), "train_files": self.train_files,
-                     "val_files": self.val_files},
+            "info": {
+                "target": dataclasses.asdict(self.target),
+                "train_files": self.train_files,
+                "val_files": self.val_files,
+            },
         }
 
     def cache_path(self, manifest: dict[str, Any] | None = None) -> Path:
@@ -305,12 +345,17 @@ class DraftDataModule(pl.LightningDataModule):
 
     def _check_manifest(self, path: Path, want: dict[str, Any]) -> dict[str, Any]:
         have = read_manifest(path)
-        diffs = [f"{k}: cache has {have.get(k)!r}, this run has {v!r}"
-                 for k, v in want.items() if k not in ("info", "files") and have.get(k) != v]
+        diffs = [
+            f"{k}: cache has {have.get(k)!r}, this run has {v!r}"
+            for k, v in want.items()
+            if k not in ("info", "files") and have.get(k) != v
+        ]
         if diffs:
-            raise DataError(f"offline feature cache {path} was built for different settings — "
-                            + "; ".join(diffs)
-                            + f". Delete {path} to rebuild it, or set data cache_dir to another directory.")
+            raise DataError(
+                f"offline feature cache {path} was built for different settings — "
+                + "; ".join(diffs)
+                + f". Delete {path} to rebuild it, or set data cache_dir to another directory."
+            )
         return have
 
     def build_cache(self) -> Path:
@@ -322,17 +367,26 @@ class DraftDataModule(pl.LightningDataModule):
         """
         want = self.manifest()
         path = self.cache_path(want)
-        spec = FeatureSpec(self.layer_ids, self.teacher_top_k, self.feature_dtype, self.cache_batch_size,
-                           self.feature_device, self.feature_autocast)
+        spec = FeatureSpec(
+            self.layer_ids,
+            self.teacher_top_k,
+            self.feature_dtype,
+            self.cache_batch_size,
+            self.feature_device,
+            self.feature_autocast,
+        )
         width = len(spec.layer_ids) * self.target_model.hidden_size
 
         def needed(encoded: dict[str, dict[str, np.ndarray]]) -> int:
             return sum(cache_bytes(a, width, self.teacher_top_k, self.feature_dtype) for a in encoded.values())
 
         def stats(encoded: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
-            return {**{f"{split}_samples": int(a["input_ids"].shape[0]) for split, a in encoded.items()},
-                    "skipped_samples": self.skipped_samples, "cut_samples": self.cut_samples,
-                    "total_records": self.total_records}
+            return {
+                **{f"{split}_samples": int(a["input_ids"].shape[0]) for split, a in encoded.items()},
+                "skipped_samples": self.skipped_samples,
+                "cut_samples": self.cut_samples,
+                "total_records": self.total_records,
+            }
 
         build_feature_cache(path, want, self.target_model, spec, self._encode, needed, stats)
         self._check_manifest(path, want)
@@ -342,11 +396,16 @@ class DraftDataModule(pl.LightningDataModule):
         manifest = read_manifest(path)
         verify_cache(path, manifest, self.cache_verify)
         stats = manifest.get("info", {}).get("stats", {})
-        self._set_skipped(int(stats.get("skipped_samples", 0)), int(stats.get("total_records", 0)),
-                          cut=int(stats.get("cut_samples", 0)))
+        self._set_skipped(
+            int(stats.get("skipped_samples", 0)),
+            int(stats.get("total_records", 0)),
+            cut=int(stats.get("cut_samples", 0)),
+        )
         dtype = self.target_model.dtype
-        return {split: ArrayDataset({f.stem: f for f in sorted((path / split).glob("*.npy"))}, dtype)
-                for split in ("train", "val")}
+        return {
+            split: ArrayDataset({f.stem: f for f in sorted((path / split).glob("*.npy"))}, dtype)
+            for split in ("train", "val")
+        }
 
     # ------------------------------------------------------------------ Lightning hooks
     def prepare_data(self) -> None:
@@ -377,8 +436,10 @@ class DraftDataModule(pl.LightningDataModule):
         """Why no training sample is left: what was read, held out and skipped, and what to do."""
         where = ", ".join(map(str, self.train_files)) if self.train_files is not None else "the built-in corpus"
         if not self.split_records:  # opened from an offline cache: only its recorded counts are known
-            return (f"no training samples in the offline feature cache ({self.total_records} records when it was "
-                    f"built, {self.skipped_samples} skipped); rebuild it from data with usable training records")
+            return (
+                f"no training samples in the offline feature cache ({self.total_records} records when it was "
+                f"built, {self.skipped_samples} skipped); rebuild it from data with usable training records"
+            )
         records, skipped = self.split_records.get("train", (0, 0))
         held = len(self.split.held) if self.split is not None else 0
         if records + held == 0:
@@ -387,30 +448,47 @@ class DraftDataModule(pl.LightningDataModule):
         if held:
             parts.append(f"{held} held out for validation")
         if skipped:
-            parts.append(f"{skipped} of the remaining {records} skipped: no supervised token within "
-                         f"seq_len={self.seq_len} (no assistant turn, or it starts after seq_len tokens)")
-        return ("no training samples left: " + ", ".join(parts) + "; give more data, raise seq_len, or set "
-                "val_fraction=0 / val_files")
+            parts.append(
+                f"{skipped} of the remaining {records} skipped: no supervised token within "
+                f"seq_len={self.seq_len} (no assistant turn, or it starts after seq_len tokens)"
+            )
+        return (
+            "no training samples left: " + ", ".join(parts) + "; give more data, raise seq_len, or set "
+            "val_fraction=0 / val_files"
+        )
 
     def _loader(self, dataset: ArrayDataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("DraftDataModule.setup() has not run")
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         """Training batches in a seeded per-epoch order that a resumed run continues exactly."""
         if self.train_dataset is None:
             raise RuntimeError("DraftDataModule.setup() has not run")
         trainer = self.trainer
-        order = ResumableOrder(len(self.train_dataset), self.shuffle_seed,
-                               num_replicas=trainer.world_size if trainer else 1,
-                               rank=trainer.global_rank if trainer else 0)
+        order = ResumableOrder(
+            len(self.train_dataset),
+            self.shuffle_seed,
+            num_replicas=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+        )
         if self._resume_position is not None:
             order.resume(*self._resume_position, batch_size=self.batch_size)
             self._resume_position = None
-        return ResumableLoader(self.train_dataset, batch_size=self.batch_size, sampler=order,
-                               num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return ResumableLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=order,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def state_dict(self) -> dict[str, int]:
         """Where training stands in the data (saved in every Lightning checkpoint)."""
@@ -418,8 +496,10 @@ class DraftDataModule(pl.LightningDataModule):
         if trainer is None:
             return {}
         loop = trainer.fit_loop
-        return {"epoch": loop.epoch_progress.current.processed,
-                "batches": loop.epoch_loop.batch_progress.current.processed}
+        return {
+            "epoch": loop.epoch_progress.current.processed,
+            "batches": loop.epoch_loop.batch_progress.current.processed,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume the training order after the batches a checkpoint already trained on."""

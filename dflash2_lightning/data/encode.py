@@ -39,8 +39,9 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]], where: str = "<c
     if not template:
         raise DataError(f"{where}: chat sample but the target's tokenizer has no chat template")
     if "{% generation %}" in str(template).replace("{%-", "{%").replace("-%}", "%}"):
-        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        enc = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         return list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]
     full = render_chat(tokenizer, messages, False)
     spans = _prefix_spans(tokenizer, messages, full)
@@ -80,8 +81,10 @@ def _content_spans(tokenizer: Any, messages: list[dict[str, str]], full: str, wh
             content = content.strip()
             pos = full.find(content, cursor)
         if pos < 0:
-            raise DataError(f"{where}: cannot locate assistant tokens: turn {k}'s content is not rendered "
-                            "verbatim by the chat template and it has no {% generation %} markers")
+            raise DataError(
+                f"{where}: cannot locate assistant tokens: turn {k}'s content is not rendered "
+                "verbatim by the chat template and it has no {% generation %} markers"
+            )
         end = pos + len(content)
         if msg["role"] == "assistant":
             closer = next((t for t in enders if full.startswith(t, end)), "")
@@ -123,9 +126,11 @@ def encode_split(tokenizer: Any, records: list[tuple[str, Any]], seq_len: int) -
         rows_mask.append(mask)
         rows_len.append(len(ids))
     n = len(rows_ids)
-    arrays = {"input_ids": np.full((n, seq_len), pad, dtype=np.int32),
-              "loss_mask": np.zeros((n, seq_len), dtype=bool),
-              "attention_mask": np.zeros((n, seq_len), dtype=bool)}
+    arrays = {
+        "input_ids": np.full((n, seq_len), pad, dtype=np.int32),
+        "loss_mask": np.zeros((n, seq_len), dtype=bool),
+        "attention_mask": np.zeros((n, seq_len), dtype=bool),
+    }
     for r, (ids, mask, length) in enumerate(zip(rows_ids, rows_mask, rows_len)):
         arrays["input_ids"][r, :length] = ids
         arrays["loss_mask"][r, :length] = mask

@@ -68,8 +68,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"offline feature cache manifest {file} is damaged ({e}); delete {path} to rebuild "
-                        "the cache") from None
+        raise DataError(
+            f"offline feature cache manifest {file} is damaged ({e}); delete {path} to rebuild the cache"
+        ) from None
     if not isinstance(manifest, dict):
         raise DataError(f"offline feature cache manifest {file} is not a JSON object; delete {path} to rebuild it")
     return manifest
@@ -112,8 +113,10 @@ def verify_cache(path: Path, manifest: dict[str, Any], mode: str = "auto") -> st
     """
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
-        raise DataError(f"offline feature cache {path}: {MANIFEST} records no file checksums (damaged, or written "
-                        "by another version); delete the directory to rebuild it")
+        raise DataError(
+            f"offline feature cache {path}: {MANIFEST} records no file checksums (damaged, or written "
+            "by another version); delete the directory to rebuild it"
+        )
     total = 0
     for name, want in files.items():
         file = path / name
@@ -121,13 +124,19 @@ def verify_cache(path: Path, manifest: dict[str, Any], mode: str = "auto") -> st
             raise DataError(f"offline feature cache file {file} is missing; delete {path} to rebuild the cache")
         size = file.stat().st_size
         if size != want.get("bytes"):
-            raise DataError(f"offline feature cache file {file} is damaged: {size} bytes, the manifest recorded "
-                            f"{want.get('bytes')} (truncated or overwritten); delete {path} to rebuild the cache")
+            raise DataError(
+                f"offline feature cache file {file} is damaged: {size} bytes, the manifest recorded "
+                f"{want.get('bytes')} (truncated or overwritten); delete {path} to rebuild the cache"
+            )
         total += size
     full = mode == "full" or (mode == "auto" and total <= FULL_VERIFY_BYTES)
     if not full:
-        log.info("offline feature cache %s: %.1f GB, checked by size and sampled blocks (cache_verify='full' "
-                 "hashes every byte)", path, total / 1e9)
+        log.info(
+            "offline feature cache %s: %.1f GB, checked by size and sampled blocks (cache_verify='full' "
+            "hashes every byte)",
+            path,
+            total / 1e9,
+        )
     for name, want in files.items():
         file = path / name
         st = file.stat()
@@ -139,8 +148,10 @@ def verify_cache(path: Path, manifest: dict[str, Any], mode: str = "auto") -> st
         else:
             ok = _sampled_digest(file, st.st_size) == want.get("sampled_sha256")
         if not ok:
-            raise DataError(f"offline feature cache file {file} is damaged: its checksum differs from the one "
-                            f"recorded when the cache was built; delete {path} to rebuild the cache")
+            raise DataError(
+                f"offline feature cache file {file} is damaged: its checksum differs from the one "
+                f"recorded when the cache was built; delete {path} to rebuild the cache"
+            )
         if full:
             _VERIFIED.add(key)
     return "full" if full else "sampled"

@@ -52,7 +52,7 @@ class ResumableOrder(DistributedSampler):
         order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
         order += order[: self.total_size - len(order)]  # pad so every rank gets the same count
         skip, self._skip = self._skip, 0
-        return iter(order[skip:][self.rank:: self.num_replicas])
+        return iter(order[skip:][self.rank :: self.num_replicas])
 
 
 class ResumableLoader(DataLoader):

@@ -56,8 +56,10 @@ class Failure:
         """The exception a peer raises for this failure."""
         if self.user:
             return PeerFailedError(self.message)
-        return RuntimeError(f"rank {self.rank} failed while building the offline feature cache "
-                            f"({self.kind}: {self.message}); see that rank's traceback")
+        return RuntimeError(
+            f"rank {self.rank} failed while building the offline feature cache "
+            f"({self.kind}: {self.message}); see that rank's traceback"
+        )
 
 
 class Ranks:
@@ -91,8 +93,10 @@ class Ranks:
             if error is not None:
                 raise error
             return result
-        mine = (Failure.of(self.rank, error) if error is not None else None,
-                result if share and self.rank == 0 and error is None else None)
+        mine = (
+            Failure.of(self.rank, error) if error is not None else None,
+            result if share and self.rank == 0 and error is None else None,
+        )
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine, group=self.group)
         failures = [f for f, _ in gathered if f is not None]

@@ -29,9 +29,18 @@ from dflash2_lightning.errors import UserError
 
 log = logging.getLogger(__name__)
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "model": "assistant", "system": "system", "tool": "tool",
-                  "function": "tool", "observation": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
 #: roles of a ``messages`` turn (OpenAI / HF chat conventions); anything else is a data error naming it
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 SPLIT_SEED = 0  # the held-out validation split is a fixed permutation of the training records' prompts
@@ -51,7 +60,9 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         f = open(path, "rb")
     except FileNotFoundError:
-        raise DataError(f"data file {path} does not exist; check the path (train_files / val_files / --prompts)") from None
+        raise DataError(
+            f"data file {path} does not exist; check the path (train_files / val_files / --prompts)"
+        ) from None
     except IsADirectoryError:
         raise DataError(f"data file {path} is a directory: give jsonl files (one JSON object per line)") from None
     except PermissionError:
@@ -62,8 +73,10 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                "save the file as UTF-8") from None
+                raise DataError(
+                    f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
             line = line.rstrip("\r\n")
             if not line.strip():
                 continue
@@ -78,8 +91,9 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, dict[str, Any]]]:
 def parse_record(record: Any, where: str) -> str | list[dict[str, str]]:
     """A record's text (``str``) or its chat messages (``[{"role", "content"}]``), validated."""
     if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object with 'text', 'messages' or 'conversations', "
-                        f"got {type(record).__name__}")
+        raise DataError(
+            f"{where}: expected a JSON object with 'text', 'messages' or 'conversations', got {type(record).__name__}"
+        )
     if "text" in record:
         if not isinstance(record["text"], str):
             raise DataError(f"{where}: 'text' must be a string, got {type(record['text']).__name__}")
@@ -94,18 +108,24 @@ def parse_record(record: Any, where: str) -> str | list[dict[str, str]]:
         raise DataError(f"{where}: '{'messages' if role_key == 'role' else 'conversations'}' must be a non-empty list")
     messages = []
     for k, turn in enumerate(turns):
-        if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str) \
-                or not isinstance(turn.get(content_key), str):
+        if (
+            not isinstance(turn, dict)
+            or not isinstance(turn.get(role_key), str)
+            or not isinstance(turn.get(content_key), str)
+        ):
             raise DataError(f"{where}: turn {k} must be an object with string '{role_key}' and '{content_key}'")
         role = turn[role_key]
         if role_key == "from":
             if role.lower() not in SHAREGPT_ROLES:
-                raise DataError(f"{where}: turn {k} has unknown ShareGPT role from={role!r} "
-                                f"(known: {sorted(SHAREGPT_ROLES)})")
+                raise DataError(
+                    f"{where}: turn {k} has unknown ShareGPT role from={role!r} (known: {sorted(SHAREGPT_ROLES)})"
+                )
             role = SHAREGPT_ROLES[role.lower()]
         elif role not in CHAT_ROLES:
-            raise DataError(f"{where}: turn {k} has unknown role {role!r} (known: {', '.join(CHAT_ROLES)}); "
-                            "fix the role (a misspelt 'assistant' turn would never be trained on) or remove the turn")
+            raise DataError(
+                f"{where}: turn {k} has unknown role {role!r} (known: {', '.join(CHAT_ROLES)}); "
+                "fix the role (a misspelt 'assistant' turn would never be trained on) or remove the turn"
+            )
         messages.append({"role": role, "content": turn[content_key]})
     return messages
 
@@ -133,8 +153,12 @@ def held_out_by_prompt(records: list[tuple[str, Any]], n_val: int) -> set[int]:
         groups.setdefault(prompt_key(parse_record(record, where)), []).append(i)
     rng = np.random.default_rng(SPLIT_SEED)
     if len(groups) < 2:
-        log.warning("all %d training records answer one prompt: validation holds out %d of its responses, "
-                    "so it measures that prompt again", len(records), n_val)
+        log.warning(
+            "all %d training records answer one prompt: validation holds out %d of its responses, "
+            "so it measures that prompt again",
+            len(records),
+            n_val,
+        )
         return set(rng.permutation(len(records))[:n_val].tolist())
     members = list(groups.values())
     held: set[int] = set()
@@ -156,9 +180,11 @@ class Split(NamedTuple):
 
     def describe(self) -> str:
         """One line saying what the split did."""
-        return (f"validation split by prompt: {len(self.held)} of {self.records} records held out "
-                f"({self.held_prompts} of {self.prompts} prompts, about {self.requested} asked), "
-                f"{self.records - len(self.held)} train")
+        return (
+            f"validation split by prompt: {len(self.held)} of {self.records} records held out "
+            f"({self.held_prompts} of {self.prompts} prompts, about {self.requested} asked), "
+            f"{self.records - len(self.held)} train"
+        )
 
 
 #: a split must leave training at least this share of what ``val_fraction`` alone would leave it
@@ -186,5 +212,6 @@ def validation_split(records: list[tuple[str, Any]], val_fraction: float) -> Spl
             f"the validation split by prompt would hold out {len(held)} of {n} records and train on {train}: "
             f"val_fraction={val_fraction} asks for about {n_val}, but whole prompts are held out and a held-out "
             f"prompt has {largest} responses; give validation files (data val_files), or set data val_fraction=0 "
-            "to train on every record")
+            "to train on every record"
+        )
     return split

@@ -47,8 +47,14 @@ from dflash2_lightning.target.arguments import add_target_arguments, target_spec
 LOG_EVERY = 16  # finished responses per write to the log: a kill loses at most these and those in flight
 
 
-def generate_responses(target: Any, prompts: list[list[int]], max_new_tokens: int, sampling: Any = None,
-                       seeds: list[int | None] | None = None, slots: int = 64) -> Iterator[tuple[int, list[int]]]:
+def generate_responses(
+    target: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: Any = None,
+    seeds: list[int | None] | None = None,
+    slots: int = 64,
+) -> Iterator[tuple[int, list[int]]]:
     """``(index into prompts, response token ids)`` as each response ends, ``slots`` generated together.
 
     Greedy unless ``sampling`` (a :class:`~dflash2_lightning.model.sampling.Sampling`) samples; then ``seeds``
@@ -60,8 +66,16 @@ def generate_responses(target: Any, prompts: list[list[int]], max_new_tokens: in
 
     eos = list(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
-    return generate_stream(target.hf, prompts, max_new_tokens, eos, eos[0] if pad is None else pad,
-                           sampling or Sampling(), seeds, slots=slots)
+    return generate_stream(
+        target.hf,
+        prompts,
+        max_new_tokens,
+        eos,
+        eos[0] if pad is None else pad,
+        sampling or Sampling(),
+        seeds,
+        slots=slots,
+    )
 
 
 def response_text(tokenizer: Any, tokens: list[int]) -> str:
@@ -71,8 +85,11 @@ def response_text(tokenizer: Any, tokens: list[int]) -> str:
 
 def _settings(target: Any, max_new_tokens: int, sampled: int, sampling: Any, seed: int) -> dict[str, Any]:
     spec = getattr(target, "spec", None)
-    settings: dict[str, Any] = {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
-                                "max_new_tokens": max_new_tokens}
+    settings: dict[str, Any] = {
+        "format": LOG_FORMAT,
+        "target": json.loads(spec.key()) if spec is not None else None,
+        "max_new_tokens": max_new_tokens,
+    }
     if sampled:  # greedy-only logs keep their original header
         settings.update(sampled=sampled, seed=seed, sampling=dataclasses.asdict(sampling))
     return settings
@@ -84,10 +101,20 @@ def sample_seed(seed: int, prompt_digest: str, sample: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: str | os.PathLike,
-          max_new_tokens: int = 256, batch_size: int = 8, max_prompts: int | None = None,
-          overwrite: bool = False, progress: bool = True, sampled: int = 0, sampling: Any = None,
-          seed: int = 0, prompt_overflow: str = "refuse") -> Path:
+def regen(
+    target_spec: Any,
+    prompts_file: str | os.PathLike | None,
+    out_file: str | os.PathLike,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    max_prompts: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    sampled: int = 0,
+    sampling: Any = None,
+    seed: int = 0,
+    prompt_overflow: str = "refuse",
+) -> Path:
     """Generate the target's responses to every prompt and write them as chat jsonl to ``out_file``.
 
     Every prompt gets its greedy response, then ``sampled`` sampled ones (several answers per prompt:
@@ -145,12 +172,16 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
         settings["prompt_overflow"] = prompt_overflow
     # Tokenised (and checked against the target's context) before the log is opened or anything generated.
     encoded = [encode_prompt(target.tokenizer, m) for m in chats]
-    fitted = fit_to_context(encoded, target.context_length, max_new_tokens, prompt_overflow,
-                            prompts_file or SEED_PROMPTS)
+    fitted = fit_to_context(
+        encoded, target.context_length, max_new_tokens, prompt_overflow, prompts_file or SEED_PROMPTS
+    )
     done = open_log(log, settings, hashes, per_prompt)
 
-    tokenised = {i: fitted.prompts[i] for i in range(len(chats))
-                 if any(i * per_prompt + s not in done for s in range(per_prompt))}
+    tokenised = {
+        i: fitted.prompts[i]
+        for i in range(len(chats))
+        if any(i * per_prompt + s not in done for s in range(per_prompt))
+    }
     todo = [j for j in range(jobs) if j not in done and j // per_prompt in tokenised]
     # Similar prompt lengths start together, so a refill of the batch pads little. Greedy and sampled
     # responses share the batch (a None seed is greedy).
@@ -158,8 +189,9 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
     seeds = [sample_seed(seed, hashes[j // per_prompt], j % per_prompt) if j % per_prompt else None for j in todo]
     bar = tqdm(total=jobs, initial=len(done), desc="regen", unit="response", disable=not progress)
     lines: list[str] = []
-    for k, tokens in generate_responses(target, [tokenised[j // per_prompt] for j in todo], max_new_tokens,
-                                        sampling, seeds, slots=batch_size):
+    for k, tokens in generate_responses(
+        target, [tokenised[j // per_prompt] for j in todo], max_new_tokens, sampling, seeds, slots=batch_size
+    ):
         j = todo[k]
         i = j // per_prompt
         messages = chats[i] + [{"role": "assistant", "content": response_text(target.tokenizer, tokens)}]
@@ -187,14 +219,26 @@ def regen(target_spec: Any, prompts_file: str | os.PathLike | None, out_file: st
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """``--server`` and its sampling options (see :mod:`dflash2_lightning.data.regen_server`)."""
     group = parser.add_argument_group("OpenAI-compatible server (vLLM, SGLang, llama-server)")
-    group.add_argument("--server", default=None, metavar="URL",
-                       help="generate through this server's completions endpoint, e.g. http://127.0.0.1:8080/v1 "
-                            "(prompts rendered with the target's chat template here, sent as token ids)")
+    group.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="generate through this server's completions endpoint, e.g. http://127.0.0.1:8080/v1 "
+        "(prompts rendered with the target's chat template here, sent as token ids)",
+    )
     group.add_argument("--concurrency", type=bounded(int, 1), default=8, help="requests in flight (default 8)")
-    group.add_argument("--server-temperature", type=bounded(float, 0.0), default=0.0,
-                       help="0 = greedy (default); > 0 samples on the server with --top-p, prompt i with seed + i")
-    group.add_argument("--timeout", type=bounded(float, 0.0, low_open=True), default=600.0,
-                       help="seconds one request may take before the server counts as stuck (default 600)")
+    group.add_argument(
+        "--server-temperature",
+        type=bounded(float, 0.0),
+        default=0.0,
+        help="0 = greedy (default); > 0 samples on the server with --top-p, prompt i with seed + i",
+    )
+    group.add_argument(
+        "--timeout",
+        type=bounded(float, 0.0, low_open=True),
+        default=600.0,
+        help="seconds one request may take before the server counts as stuck (default 600)",
+    )
 
 
 def regen_main(argv: Sequence[str] | None = None) -> int:
@@ -202,29 +246,48 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash2 regen",
         description="Generate the target's own responses to a prompts file (chat jsonl): the greedy one and "
-                    "optionally --sampled more per prompt, batched with left padding and the chat template. Resumable: rerun the same command after an interruption "
-                    "and it continues from OUT.partial. OUT is written atomically at the end.")
+        "optionally --sampled more per prompt, batched with left padding and the chat template. Resumable: rerun the same command after an interruption "
+        "and it continues from OUT.partial. OUT is written atomically at the end.",
+    )
     add_target_arguments(parser)
-    parser.add_argument("--prompts", default=None,
-                        help="prompts, chat jsonl {'messages': [...]} (default: the shipped seed prompts)")
+    parser.add_argument(
+        "--prompts", default=None, help="prompts, chat jsonl {'messages': [...]} (default: the shipped seed prompts)"
+    )
     parser.add_argument("--out", required=True, help="output chat jsonl (responses appended as assistant turns)")
-    parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=256,
-                        help="response budget in tokens (default 256)")
-    parser.add_argument("--batch-size", type=bounded(int, 1), default=8,
-                        help="responses generated together; a finished one makes room for the next prompt (default 8)")
+    parser.add_argument(
+        "--max-new-tokens", type=bounded(int, 1), default=256, help="response budget in tokens (default 256)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=bounded(int, 1),
+        default=8,
+        help="responses generated together; a finished one makes room for the next prompt (default 8)",
+    )
     parser.add_argument("--max-prompts", type=bounded(int, 1), default=None, help="use only the first N prompts")
-    parser.add_argument("--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP)
+    parser.add_argument(
+        "--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP
+    )
     parser.add_argument("--overwrite", action="store_true", help="start over even if OUT or OUT.partial exists")
-    parser.add_argument("--sampled", type=bounded(int, 0), default=0,
-                        help="sampled responses per prompt besides the greedy one (default 0)")
-    parser.add_argument("--temperature", type=bounded(float, 0.0), default=0.8,
-                        help="temperature of sampled responses (default 0.8)")
-    parser.add_argument("--top-p", type=bounded(float, 0.0, 1.0, low_open=True), default=0.95,
-                        help="top-p of sampled responses, in (0, 1] (default 0.95)")
+    parser.add_argument(
+        "--sampled",
+        type=bounded(int, 0),
+        default=0,
+        help="sampled responses per prompt besides the greedy one (default 0)",
+    )
+    parser.add_argument(
+        "--temperature", type=bounded(float, 0.0), default=0.8, help="temperature of sampled responses (default 0.8)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=bounded(float, 0.0, 1.0, low_open=True),
+        default=0.95,
+        help="top-p of sampled responses, in (0, 1] (default 0.95)",
+    )
     parser.add_argument("--top-k", type=bounded(int, 0), default=0, help="top-k of sampled responses (default 0: off)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled responses (default 0)")
-    parser.add_argument("--threads", type=bounded(int, 1), default=None,
-                        help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", type=bounded(int, 1), default=None, help="torch CPU threads (default: torch's choice)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_server_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -239,17 +302,42 @@ def regen_main(argv: Sequence[str] | None = None) -> int:
         from dflash2_lightning.data.regen_server import regen_server
 
         if args.sampled:
-            parser.error("--sampled is not supported with --server: give --server-temperature for sampled "
-                         "responses from the server (with --top-p and --seed)")
-        path = regen_server(args.server, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
-                            args.concurrency, args.server_temperature, args.top_p if args.server_temperature else 1.0,
-                            args.seed, args.max_prompts, args.overwrite, not args.no_progress,
-                            timeout=args.timeout, prompt_overflow=args.prompt_overflow)
+            parser.error(
+                "--sampled is not supported with --server: give --server-temperature for sampled "
+                "responses from the server (with --top-p and --seed)"
+            )
+        path = regen_server(
+            args.server,
+            target_spec_from_args(args),
+            args.prompts,
+            args.out,
+            args.max_new_tokens,
+            args.concurrency,
+            args.server_temperature,
+            args.top_p if args.server_temperature else 1.0,
+            args.seed,
+            args.max_prompts,
+            args.overwrite,
+            not args.no_progress,
+            timeout=args.timeout,
+            prompt_overflow=args.prompt_overflow,
+        )
     else:
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        path = regen(target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens, args.batch_size,
-                     args.max_prompts, args.overwrite, not args.no_progress, sampled=args.sampled, sampling=sampling,
-                     seed=args.seed, prompt_overflow=args.prompt_overflow)
+        path = regen(
+            target_spec_from_args(args),
+            args.prompts,
+            args.out,
+            args.max_new_tokens,
+            args.batch_size,
+            args.max_prompts,
+            args.overwrite,
+            not args.no_progress,
+            sampled=args.sampled,
+            sampling=sampling,
+            seed=args.seed,
+            prompt_overflow=args.prompt_overflow,
+        )
     with open(path, encoding="utf-8") as f:
         count = sum(1 for line in f if line.strip())
     print(f"{count} responses in {path}")

@@ -99,11 +99,15 @@ def open_log(log: Path, settings: dict[str, Any], hashes: list[str], per_prompt:
         append_lines(log, [json.dumps({"regen": settings})])
         return {}
     if header != settings:
-        raise RegenError(f"{log} was started with other settings ({header}), not {settings}: finish it with "
-                         "the same settings, or pass --overwrite to start over")
+        raise RegenError(
+            f"{log} was started with other settings ({header}), not {settings}: finish it with "
+            "the same settings, or pass --overwrite to start over"
+        )
     for j, rec in done.items():
         if j >= len(hashes) * per_prompt or rec["hash"] != hashes[j // per_prompt]:
-            raise RegenError(f"{log}: prompt {j // per_prompt} differs from the one already generated, or is not "
-                             f"among the {len(hashes)} prompts of this run (the prompts file or --max-prompts "
-                             "changed since the interrupted run); pass --overwrite to start over")
+            raise RegenError(
+                f"{log}: prompt {j // per_prompt} differs from the one already generated, or is not "
+                f"among the {len(hashes)} prompts of this run (the prompts file or --max-prompts "
+                "changed since the interrupted run); pass --overwrite to start over"
+            )
     return done

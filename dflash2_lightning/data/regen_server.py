@@ -52,11 +52,22 @@ def _tokenizer(target_spec: Any) -> tuple[Any, Any]:
     return AutoTokenizer.from_pretrained(str(hf_dir_of(spec)), local_files_only=True), spec
 
 
-def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathLike | None,
-                 out_file: str | os.PathLike, max_new_tokens: int = 256, concurrency: int = 8,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_prompts: int | None = None,
-                 overwrite: bool = False, progress: bool = True, timeout: float = 600.0,
-                 prompt_overflow: str = "refuse") -> Path:
+def regen_server(
+    server_url: str,
+    target_spec: Any,
+    prompts_file: str | os.PathLike | None,
+    out_file: str | os.PathLike,
+    max_new_tokens: int = 256,
+    concurrency: int = 8,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_prompts: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    timeout: float = 600.0,
+    prompt_overflow: str = "refuse",
+) -> Path:
     """Generate every prompt's response through an OpenAI-compatible server; chat jsonl to ``out_file``.
 
     Args:
@@ -89,13 +100,25 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
 
     tokenizer, spec = _tokenizer(target_spec)
     chats = read_prompts(prompts_file or SEED_PROMPTS, max_prompts)  # a bad file fails before the server is asked
-    fitted = fit_to_context([encode_prompt(tokenizer, m) for m in chats], _context_length(target_spec, spec),
-                            max_new_tokens, prompt_overflow, prompts_file or SEED_PROMPTS)
+    fitted = fit_to_context(
+        [encode_prompt(tokenizer, m) for m in chats],
+        _context_length(target_spec, spec),
+        max_new_tokens,
+        prompt_overflow,
+        prompts_file or SEED_PROMPTS,
+    )
     model = served_model(server_url, timeout)
     hashes = [prompt_hash(m) for m in chats]
-    settings = {"format": LOG_FORMAT, "target": json.loads(spec.key()) if spec is not None else None,
-                "max_new_tokens": max_new_tokens, "engine": "openai-completions", "served_model": model,
-                "temperature": temperature, "top_p": top_p, "seed": seed}
+    settings = {
+        "format": LOG_FORMAT,
+        "target": json.loads(spec.key()) if spec is not None else None,
+        "max_new_tokens": max_new_tokens,
+        "engine": "openai-completions",
+        "served_model": model,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+    }
     if prompt_overflow != "refuse":
         settings["prompt_overflow"] = prompt_overflow
     done = open_log(log, settings, hashes)
@@ -104,8 +127,16 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
     bar = tqdm(total=len(chats), initial=len(done), desc="regen (server)", unit="prompt", disable=not progress)
 
     def one(i: int) -> tuple[int, str]:
-        choice = complete(server_url, model, fitted.prompts[i], max_new_tokens, temperature,
-                          top_p, None if temperature == 0.0 else seed + i, timeout)
+        choice = complete(
+            server_url,
+            model,
+            fitted.prompts[i],
+            max_new_tokens,
+            temperature,
+            top_p,
+            None if temperature == 0.0 else seed + i,
+            timeout,
+        )
         return i, choice["text"]
 
     def keep(futures: set[Future]) -> BaseException | None:
@@ -137,14 +168,15 @@ def regen_server(server_url: str, target_spec: Any, prompts_file: str | os.PathL
                     f.cancel()  # not started yet: never sent
                 finished, _ = wait(pending)  # already sent: their answers are kept too
                 keep(finished)
-                raise ServerError(f"{error}; {len(done)} of {len(chats)} responses are kept in {log}: rerun the "
-                                  "same command once the server is back to resume") from None
+                raise ServerError(
+                    f"{error}; {len(done)} of {len(chats)} responses are kept in {log}: rerun the "
+                    "same command once the server is back to resume"
+                ) from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
 
-    text = "".join(json.dumps({"messages": done[i]["messages"]}, ensure_ascii=False) + "\n"
-                   for i in range(len(chats)))
+    text = "".join(json.dumps({"messages": done[i]["messages"]}, ensure_ascii=False) + "\n" for i in range(len(chats)))
     atomic_write_text(out, text)
     log.unlink(missing_ok=True)
     note = fitted.note()

@@ -33,10 +33,13 @@ def fork_deadlock_risk(version: tuple[int, ...] | None = None, start_method: str
             return None
         version = tuple(sys.version_info[:3])
     # Not get_start_method() unset: it would fix the default for the whole process as a side effect.
-    method = (start_method or multiprocessing.get_start_method(allow_none=True)
-              or multiprocessing.get_all_start_methods()[0])
+    method = (
+        start_method or multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    )
     if method != "fork" or tuple(version[:3]) >= FIXED_IN:
         return None
     shown = platform.python_version() if version == tuple(sys.version_info[:3]) else ".".join(map(str, version))
-    return (f"Python {shown} can deadlock a DataLoader worker as it forks (CPython gh-112275, fixed in 3.11.8), "
-            "which hangs the fit without an error; use Python >= 3.11.8, or data num_workers 0")
+    return (
+        f"Python {shown} can deadlock a DataLoader worker as it forks (CPython gh-112275, fixed in 3.11.8), "
+        "which hangs the fit without an error; use Python >= 3.11.8, or data num_workers 0"
+    )

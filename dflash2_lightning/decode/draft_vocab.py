@@ -63,15 +63,17 @@ def hot_tokens(counts: collections.Counter[int], size: int = DEFAULT_SIZE, alway
     return sorted({t for t, _ in counts.most_common(size)} | {int(t) for t in always})
 
 
-def write_draft_vocab(draft_dir: str | os.PathLike, token_ids: Sequence[int], vocab_size: int,
-                      source: str) -> Path:
+def write_draft_vocab(draft_dir: str | os.PathLike, token_ids: Sequence[int], vocab_size: int, source: str) -> Path:
     """Write ``draft_dir/draft_vocab.json`` atomically (readable by other users); returns its path."""
     from dflash2_lightning.files import atomic_write_text
 
     ids = _checked_ids(token_ids, vocab_size, "token_ids")
     path = Path(draft_dir) / DRAFT_VOCAB_FILE
-    atomic_write_text(path, json.dumps({"format": FORMAT, "vocab_size": vocab_size, "source": source,
-                                        "size": len(ids), "token_ids": ids}) + "\n")
+    atomic_write_text(
+        path,
+        json.dumps({"format": FORMAT, "vocab_size": vocab_size, "source": source, "size": len(ids), "token_ids": ids})
+        + "\n",
+    )
     return path
 
 
@@ -85,11 +87,15 @@ def read_draft_vocab(path: str | os.PathLike, vocab_size: int) -> list[int]:
     except (OSError, json.JSONDecodeError) as e:
         raise DraftVocabError(f"draft vocabulary {path} cannot be read: {e}") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise DraftVocabError(f"draft vocabulary {path}: format={data.get('format') if isinstance(data, dict) else None!r} "
-                              f"is invalid: must be {FORMAT!r}")
+        raise DraftVocabError(
+            f"draft vocabulary {path}: format={data.get('format') if isinstance(data, dict) else None!r} "
+            f"is invalid: must be {FORMAT!r}"
+        )
     if data.get("vocab_size") != vocab_size:
-        raise DraftVocabError(f"draft vocabulary {path}: vocab_size={data.get('vocab_size')} is invalid: the "
-                              f"target's vocabulary has {vocab_size} tokens (the file was made for another target)")
+        raise DraftVocabError(
+            f"draft vocabulary {path}: vocab_size={data.get('vocab_size')} is invalid: the "
+            f"target's vocabulary has {vocab_size} tokens (the file was made for another target)"
+        )
     return _checked_ids(data.get("token_ids"), vocab_size, f"{path}: token_ids")
 
 
@@ -122,8 +128,9 @@ class DraftVocabHead:
     def __init__(self, lm_head: nn.Module, token_ids: Sequence[int]) -> None:
         weight = getattr(lm_head, "weight", None)
         if not isinstance(weight, Tensor) or weight.dim() != 2:
-            raise DraftVocabError(f"DraftVocabHead needs a linear lm_head with a [V, H] weight, not "
-                                  f"{type(lm_head).__name__}")
+            raise DraftVocabError(
+                f"DraftVocabHead needs a linear lm_head with a [V, H] weight, not {type(lm_head).__name__}"
+            )
         self.vocab_size = weight.shape[0]
         ids = _checked_ids(list(token_ids), self.vocab_size, "token_ids")
         self.token_ids = torch.tensor(ids, dtype=torch.long, device=weight.device)
@@ -157,8 +164,9 @@ def find_draft_vocab(draft_dir: str | os.PathLike) -> Path | None:
     return path if path.is_file() else None
 
 
-def make_draft_vocab(draft_dir: str | os.PathLike, responses: str | os.PathLike, target: Any,
-                     size: int = DEFAULT_SIZE) -> Path:
+def make_draft_vocab(
+    draft_dir: str | os.PathLike, responses: str | os.PathLike, target: Any, size: int = DEFAULT_SIZE
+) -> Path:
     """Count ``responses``' tokens with ``target``'s tokenizer and write the drafting vocabulary beside the
     checkpoint in ``draft_dir``: the ``size`` most frequent tokens and the target's stop tokens."""
     hf = getattr(target, "hf", target)
@@ -167,9 +175,13 @@ def make_draft_vocab(draft_dir: str | os.PathLike, responses: str | os.PathLike,
     ids = hot_tokens(counts, size, getattr(target, "eos_token_ids", []))
     kept = set(ids)
     covered = sum(c for t, c in counts.items() if t in kept) / max(1, sum(counts.values()))
-    return write_draft_vocab(draft_dir, ids, vocab_size,
-                             f"{size} most frequent of {len(counts)} distinct tokens in {Path(responses).name} "
-                             f"({sum(counts.values())} tokens, {covered:.4f} covered) + stop tokens")
+    return write_draft_vocab(
+        draft_dir,
+        ids,
+        vocab_size,
+        f"{size} most frequent of {len(counts)} distinct tokens in {Path(responses).name} "
+        f"({sum(counts.values())} tokens, {covered:.4f} covered) + stop tokens",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,9 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dflash2 draft-vocab",
         description="Write DRAFT/draft_vocab.json: the tokens the draft step's head covers (the most frequent "
-                    "tokens of the target's responses, and its stop tokens). `dflash2 eval` drafts through those "
-                    "rows of the target head when the file is there; lossless (the target verifies with its full "
-                    "head), serving engines ignore the file.")
+        "tokens of the target's responses, and its stop tokens). `dflash2 eval` drafts through those "
+        "rows of the target head when the file is there; lossless (the target verifies with its full "
+        "head), serving engines ignore the file.",
+    )
     p.add_argument("--draft", required=True, help="the draft checkpoint directory (the file is written there)")
     p.add_argument("--responses", required=True, help="chat jsonl of the target's responses (the training data)")
     add_target_arguments(p)

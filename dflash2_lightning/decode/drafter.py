@@ -43,8 +43,7 @@ class Drafter(Protocol):
 
     def context_kv(self, features: Tensor, positions: Tensor) -> ContextCache: ...
 
-    def draft_block(self, anchor: Tensor, context: ContextCache, embed: Head, head: Head,
-                    start: int) -> Tensor: ...
+    def draft_block(self, anchor: Tensor, context: ContextCache, embed: Head, head: Head, start: int) -> Tensor: ...
 
     # Optional, for temperature > 0 (a drafter without it is greedy-only):
     # def sample_block(self, anchor, context, embed, head, start, sampling, generator) -> Proposal: ...
@@ -68,8 +67,10 @@ class TorchDrafter:
         if path not in ("selector", "backbone"):
             raise ValueError(f"path={path!r} is invalid: must be 'selector' or 'backbone'")
         if path == "selector" and model.candidate_selector is None:
-            raise ValueError("path='selector' is invalid for a DFlash draft (projector_type='dflash' "
-                             "has no candidate selector): use path='backbone'")
+            raise ValueError(
+                "path='selector' is invalid for a DFlash draft (projector_type='dflash' "
+                "has no candidate selector): use path='backbone'"
+            )
         self.model, self.path, self.head = model.eval(), path, head
         self.block_size = model.config.block_size
         self.target_layer_ids = list(model.config.target_layer_ids or [])
@@ -83,12 +84,14 @@ class TorchDrafter:
         """An empty preallocated cache of ``capacity`` context positions (the draft's dtype and device)."""
         return DraftCache.for_model(self.model, batch, capacity)
 
-    def _block_hidden(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head,
-                      start: int) -> tuple[Tensor, Head]:
+    def _block_hidden(
+        self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head, start: int
+    ) -> tuple[Tensor, Head]:
         """The draft hidden of the block's mask slots ``[B, bs-1, H]`` and the head to apply to it."""
         cfg = self.model.config
-        tokens = torch.full((anchor.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long,
-                            device=anchor.device)
+        tokens = torch.full(
+            (anchor.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=anchor.device
+        )
         tokens[:, 0] = anchor
         positions = (start + torch.arange(cfg.block_size, device=anchor.device)).expand_as(tokens)
         embeds = embed(tokens)
@@ -97,16 +100,25 @@ class TorchDrafter:
         return hidden, lambda h: head(h.to(embeds.dtype))
 
     @torch.inference_mode()
-    def draft_block(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head,
-                    start: int) -> Tensor:
+    def draft_block(
+        self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head, start: int
+    ) -> Tensor:
         hidden, target_head = self._block_hidden(anchor, context, embed, head, start)
         if self.path == "selector":
             return self.model.propose(hidden, anchor, target_head)
         return target_head(hidden).argmax(-1)
 
     @torch.inference_mode()
-    def sample_block(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head, start: int,
-                     sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+    def sample_block(
+        self,
+        anchor: Tensor,
+        context: ContextKV | DraftCache,
+        embed: Head,
+        head: Head,
+        start: int,
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
         """A sampled block and the distributions it was drawn from (see :mod:`dflash2_lightning.model.sampling`)."""
         hidden, target_head = self._block_hidden(anchor, context, embed, head, start)
         logits = target_head(hidden.contiguous())

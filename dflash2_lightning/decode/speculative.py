@@ -108,8 +108,14 @@ def _crop(cache: Any, length: int) -> None:
 def _forward(hf: nn.Module, ids: Tensor, start: int, cache: Any, hidden: bool, last_only: bool = False) -> Any:
     """One cached target forward of ``ids`` at positions ``start..``; ``last_only`` keeps only the last logits."""
     positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
-    return hf(input_ids=ids, position_ids=positions, **with_cache(hf, cache), use_cache=True,
-              output_hidden_states=hidden, logits_to_keep=1 if last_only else 0)
+    return hf(
+        input_ids=ids,
+        position_ids=positions,
+        **with_cache(hf, cache),
+        use_cache=True,
+        output_hidden_states=hidden,
+        logits_to_keep=1 if last_only else 0,
+    )
 
 
 def target_features(hidden_states: Sequence[Tensor], layer_ids: Iterable[int]) -> Tensor:
@@ -201,9 +207,15 @@ class AcceptanceStats:
                 truncated += cut
                 if not cut:
                     hist[a] += 1
-        return cls(bs, hist, sum(len(r.accepted) for r in results), truncated,
-                   sum(sum(r.emitted) for r in results), sum(len(r.tokens) for r in results),
-                   sum(r.seconds for r in results))
+        return cls(
+            bs,
+            hist,
+            sum(len(r.accepted) for r in results),
+            truncated,
+            sum(sum(r.emitted) for r in results),
+            sum(len(r.tokens) for r in results),
+            sum(r.seconds for r in results),
+        )
 
     @property
     def full_cycles(self) -> int:
@@ -226,16 +238,24 @@ class AcceptanceStats:
         return self.cycle_tokens / self.cycles if self.cycles else 0.0
 
     def summary(self) -> dict[str, Any]:
-        return {"tau": self.tau, "tokens_per_cycle": self.tokens_per_cycle, "accept": self.accept,
-                "histogram": self.histogram, "cycles": self.cycles, "truncated_cycles": self.truncated_cycles,
-                "tokens": self.tokens, "seconds": self.seconds,
-                "tokens_per_second": self.tokens / self.seconds if self.seconds > 0 else None}
+        return {
+            "tau": self.tau,
+            "tokens_per_cycle": self.tokens_per_cycle,
+            "accept": self.accept,
+            "histogram": self.histogram,
+            "cycles": self.cycles,
+            "truncated_cycles": self.truncated_cycles,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens / self.seconds if self.seconds > 0 else None,
+        }
 
 
 # ----------------------------------------------------------------------------- decoding
 @torch.inference_mode()
-def target_greedy(target: Any, input_ids: Tensor | Sequence[int], max_new_tokens: int,
-                  stop_token_ids: Iterable[int] = ()) -> GreedyResult:
+def target_greedy(
+    target: Any, input_ids: Tensor | Sequence[int], max_new_tokens: int, stop_token_ids: Iterable[int] = ()
+) -> GreedyResult:
     """Plain greedy decoding with the target's KV cache: one token per forward pass.
 
     Emits up to and including the first stop token, at most ``max_new_tokens`` tokens. This is the
@@ -258,10 +278,18 @@ def target_greedy(target: Any, input_ids: Tensor | Sequence[int], max_new_tokens
 
 
 @torch.inference_mode()
-def target_sample(target: Any, input_ids: Tensor | Sequence[int], max_new_tokens: int,
-                  stop_token_ids: Iterable[int] = (), *, temperature: float = 0.0, top_p: float = 1.0,
-                  top_k: int = 0, seed: int | None = None,
-                  generator: torch.Generator | None = None) -> GreedyResult:
+def target_sample(
+    target: Any,
+    input_ids: Tensor | Sequence[int],
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> GreedyResult:
     """Plain decoding with the target, sampled at ``temperature`` (with ``top_p``/``top_k``).
 
     What sampled speculative decoding must be distributed as, and its tokens/s baseline.
@@ -304,11 +332,20 @@ def _next_token(logits: Tensor, sampling: Sampling, generator: torch.Generator |
 
 
 @torch.inference_mode()
-def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Tensor | Sequence[int],
-                         max_new_tokens: int, stop_token_ids: Iterable[int] = (),
-                         path: DraftPath | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
-                         top_k: int = 0, seed: int | None = None,
-                         generator: torch.Generator | None = None) -> SpecResult:
+def speculative_generate(
+    target: Any,
+    draft: DraftModel | Drafter,
+    input_ids: Tensor | Sequence[int],
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+    path: DraftPath | None = None,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> SpecResult:
     """Speculative decoding of one prompt, greedy or sampled, always lossless.
 
     ``target`` is a project ``Target`` or an HF causal LM; ``draft`` a :class:`DraftModel` (decoded with
@@ -333,9 +370,11 @@ def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Te
     gen = None
     if not sampling.greedy:
         if not callable(getattr(drafter, "sample_block", None)):
-            raise ValueError(f"temperature={temperature} is invalid for {type(drafter).__name__}: it drafts "
-                             "greedily only (no sample_block: it returns tokens, not the distributions a lossless "
-                             "sampled proposal needs); use temperature=0, or the torch draft to sample")
+            raise ValueError(
+                f"temperature={temperature} is invalid for {type(drafter).__name__}: it drafts "
+                "greedily only (no sample_block: it returns tokens, not the distributions a lossless "
+                "sampled proposal needs); use temperature=0, or the torch draft to sample"
+            )
         gen = _generator(seed, generator, ids.device)
 
     t0 = time.perf_counter()
@@ -366,7 +405,7 @@ def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Te
             bonus = int(greedy[a])
         else:  # accept by rejection sampling against the target's processed distributions
             a, bonus = verify(block[0, 1:], proposal.probs[0], probabilities(out.logits[0], sampling), gen)
-        new = block[0, 1:a + 1].tolist() + [bonus]
+        new = block[0, 1 : a + 1].tolist() + [bonus]
         # Cut exactly where greedy decoding would: after the first stop token or at the budget.
         cut = _stop_index(new, stop)
         keep = min(len(new) if cut is None else cut + 1, max_new_tokens - len(tokens))
@@ -377,9 +416,10 @@ def speculative_generate(target: Any, draft: DraftModel | Drafter, input_ids: Te
         done = keep < len(new) or tokens[-1] in stop or len(tokens) >= max_new_tokens
         if not done:
             # The anchor and the accepted drafts are verified: their features join the draft's context.
-            verified = torch.cat([out.hidden_states[i + 1][:, :a + 1] for i in layer_ids], dim=-1)
-            context = context.append(drafter.context_kv(verified, positions[:, start:start + a + 1]))
+            verified = torch.cat([out.hidden_states[i + 1][:, : a + 1] for i in layer_ids], dim=-1)
+            context = context.append(drafter.context_kv(verified, positions[:, start : start + a + 1]))
             _crop(cache, start + a + 1)
             anchor = new[-1]
-    return SpecResult(tokens, prompt_len, bs, accepted, emitted, anchors, tokens[-1] in stop,
-                      time.perf_counter() - t0, context)
+    return SpecResult(
+        tokens, prompt_len, bs, accepted, emitted, anchors, tokens[-1] in stop, time.perf_counter() - t0, context
+    )

@@ -73,13 +73,23 @@ def expected(record: dict[str, Any], count: int | None = None) -> dict[str, Any]
 
     prompts = record["prompts"][:count] if count is not None else record["prompts"]
     boot = record.get("bootstrap") or {}
-    summary = replay_summary([p["accepted_per_step"] for p in prompts], int(record["draft"]["block_size"]),
-                             **({"resamples": boot["resamples"]} if "resamples" in boot else {}),
-                             seed=int(boot.get("seed", 0)))
-    return {"prompts": len(prompts), "tau": summary["tau"], "interval": summary["interval"],
-            "level": boot.get("level", 0.95), "accept": summary["accept"], "accepted": summary["accepted"],
-            "steps": summary["cycles"], "per_prompt_accepted": summary["per_prompt_accepted"],
-            "per_prompt_steps": summary["per_prompt_cycles"]}
+    summary = replay_summary(
+        [p["accepted_per_step"] for p in prompts],
+        int(record["draft"]["block_size"]),
+        **({"resamples": boot["resamples"]} if "resamples" in boot else {}),
+        seed=int(boot.get("seed", 0)),
+    )
+    return {
+        "prompts": len(prompts),
+        "tau": summary["tau"],
+        "interval": summary["interval"],
+        "level": boot.get("level", 0.95),
+        "accept": summary["accept"],
+        "accepted": summary["accepted"],
+        "steps": summary["cycles"],
+        "per_prompt_accepted": summary["per_prompt_accepted"],
+        "per_prompt_steps": summary["per_prompt_cycles"],
+    }
 
 
 def write_record(record: dict[str, Any], path: str | os.PathLike) -> Path:
@@ -106,17 +116,21 @@ def read_record(where: str | os.PathLike) -> dict[str, Any]:
     """
     path = record_path(where)
     if not path.is_file():
-        raise RecordError(f"no acceptance record at {path}: write one with `dflash2 acceptance-record --draft "
-                          f"{path.parent if path.name == RECORD_NAME else 'DIR'} --target TARGET` (or `dflash2 eval "
-                          "--replay-prompts N`, which writes it into the draft directory)")
+        raise RecordError(
+            f"no acceptance record at {path}: write one with `dflash2 acceptance-record --draft "
+            f"{path.parent if path.name == RECORD_NAME else 'DIR'} --target TARGET` (or `dflash2 eval "
+            "--replay-prompts N`, which writes it into the draft directory)"
+        )
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RecordError(f"{path} is not valid JSON ({error}): truncated? write it again") from None
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
         found = record.get("format") if isinstance(record, dict) else type(record).__name__
-        raise RecordError(f"{path} has format {found!r}, not {RECORD_FORMAT!r}: write it again with this version "
-                          "(`dflash2 acceptance-record`)")
+        raise RecordError(
+            f"{path} has format {found!r}, not {RECORD_FORMAT!r}: write it again with this version "
+            "(`dflash2 acceptance-record`)"
+        )
     for key in ("draft", "prompts", "max_new_tokens", "stop_token_ids", "path"):
         if key not in record:
             raise RecordError(f"{path} lacks {key!r}: write it again (`dflash2 acceptance-record`)")
@@ -124,8 +138,9 @@ def read_record(where: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(prompts, list) or not prompts:
         raise RecordError(f"{path} holds no prompts: write it again with --num-prompts >= 1")
     for i, p in enumerate(prompts):
-        missing = [k for k in ("prompt_ids", "continuation_ids", "continuation_text", "accepted_per_step")
-                   if k not in p]
+        missing = [
+            k for k in ("prompt_ids", "continuation_ids", "continuation_text", "accepted_per_step") if k not in p
+        ]
         if missing:
             raise RecordError(f"{path}: prompt {i} lacks {missing}: write the record again")
     return record
@@ -142,16 +157,20 @@ def stale_weights(record: dict[str, Any], draft_dir: str | os.PathLike) -> str |
     recorded, actual = (record.get("draft") or {}).get("weights_sha256"), weights_digest(draft_dir)
     if recorded == actual:
         return None
-    return (f"the acceptance record was made for other weights than {weights} (its weights_sha256 "
-            f"{str(recorded)[:12]}..., the file's {actual[:12]}...)")
+    return (
+        f"the acceptance record was made for other weights than {weights} (its weights_sha256 "
+        f"{str(recorded)[:12]}..., the file's {actual[:12]}...)"
+    )
 
 
 def check_record_weights(record: dict[str, Any], draft_dir: str | os.PathLike) -> None:
     """Refuse (:class:`RecordError`) a record of other weights than ``draft_dir``'s (see :func:`stale_weights`)."""
     why = stale_weights(record, draft_dir)
     if why is not None:
-        raise RecordError(f"{why}: write it again for these weights (`dflash2 acceptance-record --draft {draft_dir} "
-                          "--target TARGET`), or pass --allow-stale-record to check against it anyway")
+        raise RecordError(
+            f"{why}: write it again for these weights (`dflash2 acceptance-record --draft {draft_dir} "
+            "--target TARGET`), or pass --allow-stale-record to check against it anyway"
+        )
 
 
 def remove_stale_record(draft_dir: str | os.PathLike) -> Path | None:
@@ -201,5 +220,7 @@ def summary_line(record: dict[str, Any], path: str | os.PathLike | None = None) 
     lo, hi = e["interval"]
     tokens = sum(len(p["continuation_ids"]) for p in record["prompts"])
     iv = f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""
-    return (f"acceptance record: expected tau {e['tau']:.2f}{iv} ({record['path']}, T=0) on {e['prompts']} prompts, "
-            f"{tokens} tokens" + (f" -> {path}" if path is not None else ""))
+    return (
+        f"acceptance record: expected tau {e['tau']:.2f}{iv} ({record['path']}, T=0) on {e['prompts']} prompts, "
+        f"{tokens} tokens" + (f" -> {path}" if path is not None else "")
+    )

@@ -110,18 +110,33 @@ class Verdict:
     def to_json(self) -> dict[str, Any]:
         """The verdict as a JSON-ready dict (for reports)."""
         c = self.counts
-        return {"engine": self.engine, "url": self.url, "status": self.status, "agree": self.status == AGREE,
-                "problems": [{"code": p.code, "message": p.message} for p in self.problems],
-                "served": None if c is None else {
-                    "tau": c.tau, "drafted": c.drafted, "accepted": c.accepted, "steps": c.steps, "width": c.width,
-                    "steps_estimated": c.steps_estimated,
-                    "accept": [a / c.steps for a in c.accepted_per_position] if c.steps else [],
-                    "per_prompt_accepted": self.per_prompt_accepted},
-                "expected": {k: self.expected[k] for k in ("prompts", "tau", "interval", "accept", "accepted",
-                                                           "steps", "per_prompt_accepted")},
-                "allowed": list(self.allowed) if self.allowed is not None else None,
-                "outputs_equal": len(self.served) - len(self.mismatched),
-                "mismatched": [{"prompt": i, "where": w} for i, w in self.mismatched], "notes": self.notes}
+        return {
+            "engine": self.engine,
+            "url": self.url,
+            "status": self.status,
+            "agree": self.status == AGREE,
+            "problems": [{"code": p.code, "message": p.message} for p in self.problems],
+            "served": None
+            if c is None
+            else {
+                "tau": c.tau,
+                "drafted": c.drafted,
+                "accepted": c.accepted,
+                "steps": c.steps,
+                "width": c.width,
+                "steps_estimated": c.steps_estimated,
+                "accept": [a / c.steps for a in c.accepted_per_position] if c.steps else [],
+                "per_prompt_accepted": self.per_prompt_accepted,
+            },
+            "expected": {
+                k: self.expected[k]
+                for k in ("prompts", "tau", "interval", "accept", "accepted", "steps", "per_prompt_accepted")
+            },
+            "allowed": list(self.allowed) if self.allowed is not None else None,
+            "outputs_equal": len(self.served) - len(self.mismatched),
+            "mismatched": [{"prompt": i, "where": w} for i, w in self.mismatched],
+            "notes": self.notes,
+        }
 
 
 def _strip_stop(ids: Sequence[int], stop: Sequence[int]) -> list[int]:
@@ -139,18 +154,26 @@ def compare_output(served: Served, prompt: dict[str, Any], stop: Sequence[int]) 
         if got == want:
             return None
         i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        return f"token {i} of {len(want)}" + (" (the engine stopped early)" if i == len(got) else
-                                              " (the engine went on)" if i == len(want) else "")
+        return f"token {i} of {len(want)}" + (
+            " (the engine stopped early)" if i == len(got) else " (the engine went on)" if i == len(want) else ""
+        )
     got, want = served.text, prompt["continuation_text"]
     if got == want:
         return None
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    return f"character {i} of {len(want)}" + (" (the engine stopped early)" if i == len(got) else
-                                              " (the engine went on)" if i == len(want) else "")
+    return f"character {i} of {len(want)}" + (
+        " (the engine stopped early)" if i == len(got) else " (the engine went on)" if i == len(want) else ""
+    )
 
 
-def check_serving(url: str, record: dict[str, Any], engine: str | None = None, max_prompts: int | None = None,
-                  timeout: float = 600.0, progress: Callable[[int, int], None] | None = None) -> Verdict:
+def check_serving(
+    url: str,
+    record: dict[str, Any],
+    engine: str | None = None,
+    max_prompts: int | None = None,
+    timeout: float = 600.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> Verdict:
     """Send the record's prompts to the engine at ``url`` and compare (see the module docstring).
 
     Args:
@@ -182,8 +205,9 @@ def check_serving(url: str, record: dict[str, Any], engine: str | None = None, m
             after = client.metrics()
             if metrics_exact(after):
                 delta = after - before  # type: ignore[operator]
-                s.counts = Counts(s.counts.drafted, s.counts.accepted, delta.steps, delta.width,
-                                  delta.accepted_per_position)
+                s.counts = Counts(
+                    s.counts.drafted, s.counts.accepted, delta.steps, delta.width, delta.accepted_per_position
+                )
         served.append(s)
         if progress is not None:
             progress(i + 1, count)
@@ -193,18 +217,23 @@ def check_serving(url: str, record: dict[str, Any], engine: str | None = None, m
     elif client.engine == VLLM and before_all is not None:
         after_all = client.settled_metrics()
         verdict.counts = after_all - before_all if after_all is not None else None
-        verdict.notes.append("vLLM counts from its Prometheus /metrics before and after all requests (other "
-                             "traffic counts too; --per-request-spec-decode-metrics summary gives per-request counts)")
+        verdict.notes.append(
+            "vLLM counts from its Prometheus /metrics before and after all requests (other "
+            "traffic counts too; --per-request-spec-decode-metrics summary gives per-request counts)"
+        )
     elif client.engine == VLLM:
-        raise EngineError(f"vLLM at {client.root} reports no speculative-decoding counters (no "
-                          "metrics.speculative_decoding in its responses, no vllm:spec_decode_* in /metrics): it runs "
-                          "without a speculative config, or with --disable-log-stats; start it with "
-                          "--per-request-spec-decode-metrics summary to check")
+        raise EngineError(
+            f"vLLM at {client.root} reports no speculative-decoding counters (no "
+            "metrics.speculative_decoding in its responses, no vllm:spec_decode_* in /metrics): it runs "
+            "without a speculative config, or with --disable-log-stats; start it with "
+            "--per-request-spec-decode-metrics summary to check"
+        )
     else:
         verdict.counts = total(s.counts for s in served if s.counts is not None)
     if verdict.counts is not None and verdict.counts.steps_estimated:
-        verdict.notes.append("verify steps estimated from the responses' timings: start llama-server with --metrics "
-                             "for exact counts")
+        verdict.notes.append(
+            "verify steps estimated from the responses' timings: start llama-server with --metrics for exact counts"
+        )
     _judge(verdict, stop, width)
     return verdict
 
@@ -217,27 +246,51 @@ def _judge(v: Verdict, stop: Sequence[int], width: int) -> None:
             v.mismatched.append((i, where))
     c = v.counts
     if c is None or c.drafted <= 0:
-        v.problems.append(Problem("no_drafts", f"{v.engine} drafted no token on {len(v.served)} prompts: it does "
-                                  "not speculate with this draft"))
+        v.problems.append(
+            Problem(
+                "no_drafts",
+                f"{v.engine} drafted no token on {len(v.served)} prompts: it does not speculate with this draft",
+            )
+        )
         return
     if v.mismatched:
         first = ", ".join(f"prompt {i} from {w}" for i, w in v.mismatched[:3])
-        v.problems.append(Problem("outputs", f"served outputs differ from the target's greedy continuation on "
-                                  f"{len(v.mismatched)} of {len(v.served)} prompts ({first}"
-                                  f"{', ...' if len(v.mismatched) > 3 else ''}): the engine serves another target, "
-                                  "tokenizer or sampling than the record's"))
+        v.problems.append(
+            Problem(
+                "outputs",
+                f"served outputs differ from the target's greedy continuation on "
+                f"{len(v.mismatched)} of {len(v.served)} prompts ({first}"
+                f"{', ...' if len(v.mismatched) > 3 else ''}): the engine serves another target, "
+                "tokenizer or sampling than the record's",
+            )
+        )
     per_step = c.drafted_per_step
     if c.width is not None and c.width != width:
-        v.problems.append(Problem("width", f"{v.engine} drafts {c.width} token{'s' if c.width != 1 else ''} per "
-                                  f"verify step; this draft's block drafts {width} (block_size {width + 1} - 1)"))
+        v.problems.append(
+            Problem(
+                "width",
+                f"{v.engine} drafts {c.width} token{'s' if c.width != 1 else ''} per "
+                f"verify step; this draft's block drafts {width} (block_size {width + 1} - 1)",
+            )
+        )
     elif c.width is None and per_step is not None and per_step < _ESTIMATED_WIDTH_SHARE * width:
-        v.problems.append(Problem("width", f"{v.engine} drafts {per_step:.2f} tokens per verify step on average; "
-                                  f"this draft's block drafts {width} (block_size {width + 1} - 1)"))
+        v.problems.append(
+            Problem(
+                "width",
+                f"{v.engine} drafts {per_step:.2f} tokens per verify step on average; "
+                f"this draft's block drafts {width} (block_size {width + 1} - 1)",
+            )
+        )
     allowed, tau = v.allowed, c.tau
     if allowed is not None and tau is not None and not allowed[0] - 1e-9 <= tau <= allowed[1] + 1e-9:
         lo, hi = v.interval
-        v.problems.append(Problem("tau", f"served tau {tau:.3f} is {'below' if tau < allowed[0] else 'above'} the "
-                                  f"expected {v.expected['tau']:.3f} [{lo:.3f}, {hi:.3f}]"))
+        v.problems.append(
+            Problem(
+                "tau",
+                f"served tau {tau:.3f} is {'below' if tau < allowed[0] else 'above'} the "
+                f"expected {v.expected['tau']:.3f} [{lo:.3f}, {hi:.3f}]",
+            )
+        )
 
 
 # ----------------------------------------------------------------------------- causes
@@ -251,49 +304,71 @@ def likely_causes(engine: str, code: str, block_size: int, dtype: str | None, wi
     ]
     table: dict[str, dict[str, list[str]]] = {
         LLAMA_CPP: {
-            "no_drafts": ["llama-server runs without the draft: start it with "
-                          "`-md draft.gguf --spec-type draft-dflash`"],
-            "outputs": ["the target GGUF is quantised (Q4/Q8 kernels change greedy picks) or converted from other "
-                        "weights: serve the target converted from the very weights the draft was trained against "
-                        "(`convert_hf_to_gguf.py TARGET --outtype f32`)", *common_outputs],
-            "width": [f"`--spec-draft-n-max` is {width if width is not None else 'smaller'}; the block needs {n} "
-                      "(llama.cpp's default is 3)"],
-            "tau": ["the GGUF is not this draft's (another draft, or an earlier checkpoint of it): export it again "
-                    "from this directory with `dflash2 export-gguf`",
-                    "the draft GGUF is quantised (`--outtype q8_0`) or the target is: export f32 (or bf16)",
-                    "`--spec-draft-p-min` above 0 stops each step's drafts early",
-                    "`--spec-type` is not `draft-dflash`"],
+            "no_drafts": [
+                "llama-server runs without the draft: start it with `-md draft.gguf --spec-type draft-dflash`"
+            ],
+            "outputs": [
+                "the target GGUF is quantised (Q4/Q8 kernels change greedy picks) or converted from other "
+                "weights: serve the target converted from the very weights the draft was trained against "
+                "(`convert_hf_to_gguf.py TARGET --outtype f32`)",
+                *common_outputs,
+            ],
+            "width": [
+                f"`--spec-draft-n-max` is {width if width is not None else 'smaller'}; the block needs {n} "
+                "(llama.cpp's default is 3)"
+            ],
+            "tau": [
+                "the GGUF is not this draft's (another draft, or an earlier checkpoint of it): export it again "
+                "from this directory with `dflash2 export-gguf`",
+                "the draft GGUF is quantised (`--outtype q8_0`) or the target is: export f32 (or bf16)",
+                "`--spec-draft-p-min` above 0 stops each step's drafts early",
+                "`--spec-type` is not `draft-dflash`",
+            ],
         },
         VLLM: {
-            "no_drafts": ["vLLM runs without `--speculative-config` (or with another method than \"dflash\")"],
-            "outputs": [f"the target runs in another dtype than the record's ({served}) or quantised "
-                        "(`--quantization`): greedy picks flip at near ties; compare where the outputs first "
-                        "differ", *common_outputs],
-            "width": [f"`num_speculative_tokens` is {width if width is not None else f'not {n}'}: it must be {n} "
-                      "= block_size - 1 (vLLM never reads block_size and sizes the block and the convolution from "
-                      "it)"],
-            "tau": ["`\"method\": \"dflash\"` is missing (guessed only from a path containing \"dflash\") or "
-                    "`\"model\"` points to another draft",
-                    f"the draft runs in the target's dtype ({served}), not the dtype it was recorded in: near-tie "
-                    "picks differ; export the draft in the target's dtype",
-                    "DFlash2 tensors missing from the checkpoint load as uninitialised memory (vLLM does not "
-                    "check): run `dflash2 check --draft DIR`",
-                    "Model Runner V1 (`VLLM_USE_V2_MODEL_RUNNER=0`) or a CUDA-graph mode: retry with "
-                    "`--enforce-eager` to rule it out"],
+            "no_drafts": ['vLLM runs without `--speculative-config` (or with another method than "dflash")'],
+            "outputs": [
+                f"the target runs in another dtype than the record's ({served}) or quantised "
+                "(`--quantization`): greedy picks flip at near ties; compare where the outputs first "
+                "differ",
+                *common_outputs,
+            ],
+            "width": [
+                f"`num_speculative_tokens` is {width if width is not None else f'not {n}'}: it must be {n} "
+                "= block_size - 1 (vLLM never reads block_size and sizes the block and the convolution from "
+                "it)"
+            ],
+            "tau": [
+                '`"method": "dflash"` is missing (guessed only from a path containing "dflash") or '
+                '`"model"` points to another draft',
+                f"the draft runs in the target's dtype ({served}), not the dtype it was recorded in: near-tie "
+                "picks differ; export the draft in the target's dtype",
+                "DFlash2 tensors missing from the checkpoint load as uninitialised memory (vLLM does not "
+                "check): run `dflash2 check --draft DIR`",
+                "Model Runner V1 (`VLLM_USE_V2_MODEL_RUNNER=0`) or a CUDA-graph mode: retry with "
+                "`--enforce-eager` to rule it out",
+            ],
         },
         SGLANG: {
             "no_drafts": ["SGLang runs without `--speculative-algorithm DFLASH --speculative-draft-model-path DRAFT`"],
-            "outputs": [f"the target runs in another dtype than the record's ({served}) or quantised: greedy "
-                        "picks flip at near ties; compare where the outputs first differ", *common_outputs],
-            "width": [f"`--speculative-num-draft-tokens` is {width + 1 if width is not None else f'not {block_size}'}: "
-                      f"the block needs {block_size} (SGLang counts the anchor; omit the flag to read it from the "
-                      "checkpoint)"],
-            "tau": [f"`--dtype auto` serves a float32 draft as float16 and feeds it bf16 hidden states: pass "
-                    f"`--dtype {served}`",
-                    "unknown tensor names are skipped silently (a renamed or missing DFlash2 tensor): run "
-                    "`dflash2 check --draft DIR`",
-                    "`--speculative-draft-model-path` points to another draft",
-                    "a CUDA-graph mode: retry with `--disable-cuda-graph` to rule it out"],
+            "outputs": [
+                f"the target runs in another dtype than the record's ({served}) or quantised: greedy "
+                "picks flip at near ties; compare where the outputs first differ",
+                *common_outputs,
+            ],
+            "width": [
+                f"`--speculative-num-draft-tokens` is {width + 1 if width is not None else f'not {block_size}'}: "
+                f"the block needs {block_size} (SGLang counts the anchor; omit the flag to read it from the "
+                "checkpoint)"
+            ],
+            "tau": [
+                f"`--dtype auto` serves a float32 draft as float16 and feeds it bf16 hidden states: pass "
+                f"`--dtype {served}`",
+                "unknown tensor names are skipped silently (a renamed or missing DFlash2 tensor): run "
+                "`dflash2 check --draft DIR`",
+                "`--speculative-draft-model-path` points to another draft",
+                "a CUDA-graph mode: retry with `--disable-cuda-graph` to rule it out",
+            ],
         },
     }
     return table.get(engine, {}).get(code, [])
@@ -303,29 +378,38 @@ def verdict_lines(v: Verdict, commands: dict[str, list[str]] | None = None) -> l
     """The human-readable verdict: served vs expected, then (on disagreement) one block of likely causes."""
     rec, exp, c = v.record, v.expected, v.counts
     bs = int(rec["draft"]["block_size"])
-    lines = [f"check-serving: {v.engine} at {v.url}; {exp['prompts']} prompts of the acceptance record "
-             f"({rec['draft'].get('architecture', 'draft')}, block_size {bs}, {rec['path']} path, T=0, "
-             f"up to {rec['max_new_tokens']} tokens)"]
-    lines.append(f"  outputs: {len(v.served) - len(v.mismatched)}/{len(v.served)} equal to the target's greedy "
-                 "continuation" + (" (token ids)" if all(s.token_ids is not None for s in v.served) else " (text)"))
+    lines = [
+        f"check-serving: {v.engine} at {v.url}; {exp['prompts']} prompts of the acceptance record "
+        f"({rec['draft'].get('architecture', 'draft')}, block_size {bs}, {rec['path']} path, T=0, "
+        f"up to {rec['max_new_tokens']} tokens)"
+    ]
+    lines.append(
+        f"  outputs: {len(v.served) - len(v.mismatched)}/{len(v.served)} equal to the target's greedy "
+        "continuation" + (" (token ids)" if all(s.token_ids is not None for s in v.served) else " (text)")
+    )
     if c is not None and c.steps > 0:
         width = f"{c.width}" if c.width is not None else "not reported"
-        lines.append(f"  drafting: {c.drafted_per_step:.2f} drafted tokens per verify step (configured: {width}; "
-                     f"the block drafts {bs - 1}), {int(c.steps)} verify steps"
-                     + (" (estimated)" if c.steps_estimated else ""))
+        lines.append(
+            f"  drafting: {c.drafted_per_step:.2f} drafted tokens per verify step (configured: {width}; "
+            f"the block drafts {bs - 1}), {int(c.steps)} verify steps" + (" (estimated)" if c.steps_estimated else "")
+        )
     lo, hi = exp["interval"]
     iv = f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""
     if v.served_tau is not None:
-        where = "" if v.allowed is None else (" (within)" if not any(p.code == "tau" for p in v.problems)
-                                              else " (outside)")
-        lines.append(f"  tau: served {v.served_tau:.2f} vs expected {exp['tau']:.2f}{iv} (95% interval over "
-                     f"prompts){where}")
+        where = (
+            "" if v.allowed is None else (" (within)" if not any(p.code == "tau" for p in v.problems) else " (outside)")
+        )
+        lines.append(
+            f"  tau: served {v.served_tau:.2f} vs expected {exp['tau']:.2f}{iv} (95% interval over prompts){where}"
+        )
     ours = v.per_prompt_accepted
     if ours is not None:
         same = sum(a == b for a, b in zip(ours, exp["per_prompt_accepted"]))
         diff = max((abs(a - b) for a, b in zip(ours, exp["per_prompt_accepted"])), default=0)
-        lines.append(f"  accepted drafts per prompt: served {ours} vs expected {exp['per_prompt_accepted']} "
-                     f"(equal on {same}/{len(ours)}, max difference {diff})")
+        lines.append(
+            f"  accepted drafts per prompt: served {ours} vs expected {exp['per_prompt_accepted']} "
+            f"(equal on {same}/{len(ours)}, max difference {diff})"
+        )
     lines += [f"  note: {n}" for n in v.notes]
     if not v.problems:
         lines.append("verdict: AGREE (the engine serves the target's outputs and the acceptance this draft earns)")
@@ -333,8 +417,9 @@ def verdict_lines(v: Verdict, commands: dict[str, list[str]] | None = None) -> l
     lines.append(f"verdict: DISAGREE — {v.problems[0].message}")
     lines += [f"  also: {p.message}" for p in v.problems[1:]]
     first = v.problems[0]
-    causes = likely_causes(v.engine, first.code, bs, (rec.get("target") or {}).get("serving_dtype"),
-                           c.width if c is not None else None)
+    causes = likely_causes(
+        v.engine, first.code, bs, (rec.get("target") or {}).get("serving_dtype"), c.width if c is not None else None
+    )
     if causes:
         lines.append(f"likely causes ({v.engine}):")
         lines += [f"  - {cause}" for cause in causes]
@@ -353,8 +438,9 @@ def recommended_commands(record: dict[str, Any], draft_dir: str | os.PathLike | 
     draft = draft_dir or record["draft"].get("dir") or "DRAFT"
     from dflash2_lightning.engines import rules
 
-    commands = serving_commands(int(record["draft"]["block_size"]), record["draft"].get("torch_dtype") or "float32",
-                                draft, target)
+    commands = serving_commands(
+        int(record["draft"]["block_size"]), record["draft"].get("torch_dtype") or "float32", draft, target
+    )
     return {VLLM: commands[rules.VLLM], SGLANG: commands[rules.SGLANG], LLAMA_CPP: commands[rules.LLAMA_CPP]}
 
 
@@ -371,8 +457,9 @@ def _stale_record_note(record: dict[str, Any], draft: str | None, record_file: s
         return None
     why = stale_weights(record, directory)
     if why is not None:
-        print(f"dflash2: warning: {why} (--allow-stale-record: checking against it anyway)", file=sys.stderr,
-              flush=True)
+        print(
+            f"dflash2: warning: {why} (--allow-stale-record: checking against it anyway)", file=sys.stderr, flush=True
+        )
     return why
 
 
@@ -381,36 +468,53 @@ def check_serving_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash2 check-serving",
         description="Check a running engine (llama-server, vLLM or SGLang) against the acceptance this draft earns. "
-                    "Needs the draft's acceptance record (DRAFT/acceptance.json, written by `dflash2 eval "
-                    "--replay-prompts N`, the quickstart or `dflash2 acceptance-record`; or the "
-                    "<name>.acceptance.json beside a GGUF) and the engine's address. Sends the record's prompts as "
-                    "token ids at T=0 to its /v1/completions, one at a time, reads the engine's own counters "
-                    "(llama-server: response timings and, with --metrics, /metrics; vLLM: "
-                    "--per-request-spec-decode-metrics summary, else its Prometheus /metrics; SGLang: per-request "
-                    "spec_tokens_details) and checks that it drafts at all, that every served output equals the "
-                    "target's greedy continuation, that it drafts block_size - 1 tokens per step, and that the "
-                    "served tau lies within the expected 95% interval. On a disagreement it names the failed "
-                    "check, the likely causes for that engine and SERVING.md's command. Exit 0: agree, 1: "
-                    "disagree, 2: could not check.")
+        "Needs the draft's acceptance record (DRAFT/acceptance.json, written by `dflash2 eval "
+        "--replay-prompts N`, the quickstart or `dflash2 acceptance-record`; or the "
+        "<name>.acceptance.json beside a GGUF) and the engine's address. Sends the record's prompts as "
+        "token ids at T=0 to its /v1/completions, one at a time, reads the engine's own counters "
+        "(llama-server: response timings and, with --metrics, /metrics; vLLM: "
+        "--per-request-spec-decode-metrics summary, else its Prometheus /metrics; SGLang: per-request "
+        "spec_tokens_details) and checks that it drafts at all, that every served output equals the "
+        "target's greedy continuation, that it drafts block_size - 1 tokens per step, and that the "
+        "served tau lies within the expected 95% interval. On a disagreement it names the failed "
+        "check, the likely causes for that engine and SERVING.md's command. Exit 0: agree, 1: "
+        "disagree, 2: could not check.",
+    )
     parser.add_argument("--server", required=True, help="the engine's address, e.g. http://127.0.0.1:8080 (or .../v1)")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--draft", help="the draft checkpoint directory holding acceptance.json")
     where.add_argument("--record", help="an acceptance record file (e.g. draft.acceptance.json beside a GGUF)")
-    parser.add_argument("--engine", choices=sorted(ENGINE_CHOICES), default=None,
-                        help="the engine (default: detected from /metrics, /props, /server_info, /version)")
-    parser.add_argument("--max-prompts", type=bounded(int, 1), default=None,
-                        help="check only the record's first N prompts (default: all; the interval is theirs)")
-    parser.add_argument("--timeout", type=bounded(float, 0.0, low_open=True), default=600.0,
-                        help="seconds any one request may take, the engine's detection included (default 600)")
-    parser.add_argument("--allow-stale-record", action="store_true",
-                        help="check against a record made for other weights than the draft's model.safetensors "
-                             "(a warning instead of the refusal; the verdict then says little about these weights)")
+    parser.add_argument(
+        "--engine",
+        choices=sorted(ENGINE_CHOICES),
+        default=None,
+        help="the engine (default: detected from /metrics, /props, /server_info, /version)",
+    )
+    parser.add_argument(
+        "--max-prompts",
+        type=bounded(int, 1),
+        default=None,
+        help="check only the record's first N prompts (default: all; the interval is theirs)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=bounded(float, 0.0, low_open=True),
+        default=600.0,
+        help="seconds any one request may take, the engine's detection included (default 600)",
+    )
+    parser.add_argument(
+        "--allow-stale-record",
+        action="store_true",
+        help="check against a record made for other weights than the draft's model.safetensors "
+        "(a warning instead of the refusal; the verdict then says little about these weights)",
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the verdict as JSON to FILE")
     args = parser.parse_args(list(argv) if argv is not None else None)
     record = read_record(args.draft if args.draft is not None else args.record)
     stale = _stale_record_note(record, args.draft, args.record, args.allow_stale_record)
-    verdict = check_serving(args.server, record, ENGINE_CHOICES[args.engine] if args.engine else None,
-                            args.max_prompts, args.timeout)
+    verdict = check_serving(
+        args.server, record, ENGINE_CHOICES[args.engine] if args.engine else None, args.max_prompts, args.timeout
+    )
     if stale is not None:
         verdict.notes.append(stale)
     print("\n".join(verdict_lines(verdict, recommended_commands(record, args.draft))))

@@ -59,8 +59,11 @@ ENGINE_CHOICES = {"llama.cpp": LLAMA_CPP, "vllm": VLLM, "sglang": SGLANG}
 
 # Prometheus metric prefixes and names, as the engines write them.
 _PREFIX = {LLAMA_CPP: "llamacpp:", VLLM: "vllm:", SGLANG: "sglang:"}
-_STEPS, _DRAFTED, _ACCEPTED = "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", \
-    "spec_decode_num_accepted_tokens_total"
+_STEPS, _DRAFTED, _ACCEPTED = (
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+)
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
 # llama.cpp prints its counters with a C++ stream's default 6 significant digits: above this they are rounded.
 _EXACT_BELOW = 1e6
@@ -87,11 +90,18 @@ class Counts:
     steps_estimated: bool = False
 
     def __sub__(self, before: Counts) -> Counts:
-        pos = tuple(a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0.0)
-                    for i, a in enumerate(self.accepted_per_position))
-        return Counts(self.drafted - before.drafted, self.accepted - before.accepted, self.steps - before.steps,
-                      self.width if self.width is not None else before.width, pos,
-                      self.steps_estimated or before.steps_estimated)
+        pos = tuple(
+            a - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0.0)
+            for i, a in enumerate(self.accepted_per_position)
+        )
+        return Counts(
+            self.drafted - before.drafted,
+            self.accepted - before.accepted,
+            self.steps - before.steps,
+            self.width if self.width is not None else before.width,
+            pos,
+            self.steps_estimated or before.steps_estimated,
+        )
 
     @property
     def tau(self) -> float | None:
@@ -109,8 +119,14 @@ def total(counts: Iterable[Counts]) -> Counts:
     widths = [c.width for c in items if c.width is not None]
     n = max((len(c.accepted_per_position) for c in items), default=0)
     pos = tuple(sum(c.accepted_per_position[k] for c in items if k < len(c.accepted_per_position)) for k in range(n))
-    return Counts(sum(c.drafted for c in items), sum(c.accepted for c in items), sum(c.steps for c in items),
-                  max(widths) if widths else None, pos, any(c.steps_estimated for c in items))
+    return Counts(
+        sum(c.drafted for c in items),
+        sum(c.accepted for c in items),
+        sum(c.steps for c in items),
+        max(widths) if widths else None,
+        pos,
+        any(c.steps_estimated for c in items),
+    )
 
 
 @dataclass
@@ -125,7 +141,7 @@ class Served:
 
 
 # ----------------------------------------------------------------------------- Prometheus text
-_SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -157,7 +173,7 @@ def metrics_counts(engine: str, text: str) -> Counts | None:
     for name, labels, value in parse_prometheus(text):
         if not name.startswith(prefix):
             continue
-        short = name[len(prefix):]
+        short = name[len(prefix) :]
         if short in (_STEPS, _DRAFTED, _ACCEPTED):
             sums[short] = sums.get(short, 0.0) + value
             found = True
@@ -166,8 +182,13 @@ def metrics_counts(engine: str, text: str) -> Counts | None:
             per_pos[k] = per_pos.get(k, 0.0) + value
     if not found:
         return None
-    return Counts(sums.get(_DRAFTED, 0.0), sums.get(_ACCEPTED, 0.0), sums.get(_STEPS, 0.0),
-                  len(per_pos) or None, tuple(per_pos[k] for k in sorted(per_pos)))
+    return Counts(
+        sums.get(_DRAFTED, 0.0),
+        sums.get(_ACCEPTED, 0.0),
+        sums.get(_STEPS, 0.0),
+        len(per_pos) or None,
+        tuple(per_pos[k] for k in sorted(per_pos)),
+    )
 
 
 def metrics_exact(counts: Counts | None) -> bool:
@@ -179,8 +200,15 @@ def metrics_exact(counts: Counts | None) -> bool:
 def completion_payload(engine: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """A greedy ``/v1/completions`` request with a token-id prompt, asking ``engine`` for its per-request
     statistics and the output token ids where it can return them."""
-    payload: dict[str, Any] = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
-                               "temperature": 0.0, "top_p": 1.0, "top_k": 1, "stream": False}
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 1,
+        "stream": False,
+    }
     if engine == LLAMA_CPP:
         payload["cache_prompt"] = False  # every request decodes its prompt afresh, as the record's replay does
     elif engine == VLLM:
@@ -198,9 +226,10 @@ def read_completion(engine: str, body: dict[str, Any], url: str = "/v1/completio
     choice = first_choice(body, url, EngineError)
     ids = choice.get("token_ids")
     if ids is not None:
-        ids = [_number(i, url, f"choices[0].token_ids[{k}]", int)
-               for k, i in enumerate(expect(ids, list, url, "choices[0].token_ids", "a list of token ids",
-                                            EngineError))]
+        ids = [
+            _number(i, url, f"choices[0].token_ids[{k}]", int)
+            for k, i in enumerate(expect(ids, list, url, "choices[0].token_ids", "a list of token ids", EngineError))
+        ]
     served = Served(text=choice["text"], token_ids=ids, finish_reason=choice.get("finish_reason"), raw=body)
     if engine == LLAMA_CPP:
         served.counts = _llama_cpp_timings(_object(body, "timings", url), url)
@@ -212,8 +241,9 @@ def read_completion(engine: str, body: dict[str, Any], url: str = "/v1/completio
         details = sglext.get("spec_tokens_details")
         if isinstance(details, list):
             details = details[0] if details else None
-        served.counts = _sglang_details(expect(details, (dict, type(None)), url, "sglext.spec_tokens_details",
-                                               "an object", EngineError), url)
+        served.counts = _sglang_details(
+            expect(details, (dict, type(None)), url, "sglext.spec_tokens_details", "an object", EngineError), url
+        )
     return served
 
 
@@ -232,17 +262,20 @@ def _llama_cpp_timings(timings: dict[str, Any] | None, url: str = "llama-server"
     steps estimated as ``predicted_n - 1 - accepted`` (replaced by the ``/metrics`` count when it is read)."""
     if not timings:
         return None
-    drafted, accepted, predicted = (_number(timings.get(k, 0), url, f"timings.{k}", int)
-                                    for k in ("draft_n", "draft_n_accepted", "predicted_n"))
+    drafted, accepted, predicted = (
+        _number(timings.get(k, 0), url, f"timings.{k}", int) for k in ("draft_n", "draft_n_accepted", "predicted_n")
+    )
     steps = max(predicted - 1 - accepted, 0) if drafted else 0
     return Counts(drafted, accepted, steps, steps_estimated=True)
 
 
 def _histogram(values: Any, url: str, field: str) -> tuple[float, ...]:
     """Per position k, the steps that accepted more than k drafts, from a histogram of accepted drafts per step."""
-    hist = [_number(x, url, f"{field}[{k}]", int)
-            for k, x in enumerate(expect(values or [], list, url, field, "a list of counts", EngineError))]
-    return tuple(float(sum(hist[k + 1:])) for k in range(max(len(hist) - 1, 0)))
+    hist = [
+        _number(x, url, f"{field}[{k}]", int)
+        for k, x in enumerate(expect(values or [], list, url, field, "a list of counts", EngineError))
+    ]
+    return tuple(float(sum(hist[k + 1 :])) for k in range(max(len(hist) - 1, 0)))
 
 
 def _vllm_request_metrics(spec: dict[str, Any] | None, url: str = "vLLM") -> Counts | None:
@@ -252,10 +285,15 @@ def _vllm_request_metrics(spec: dict[str, Any] | None, url: str = "vLLM") -> Cou
         return None
     field = "metrics.speculative_decoding."
     per_pos = _histogram(spec.get("acceptance_histogram"), url, field + "acceptance_histogram")
-    width = _number(spec["num_spec_tokens"], url, field + "num_spec_tokens", int) if "num_spec_tokens" in spec \
-        else None
-    return Counts(*(_number(spec.get(k, 0), url, field + k, int)
-                    for k in ("num_draft_tokens", "num_accepted_draft_tokens", "num_spec_steps")), width, per_pos)
+    width = _number(spec["num_spec_tokens"], url, field + "num_spec_tokens", int) if "num_spec_tokens" in spec else None
+    return Counts(
+        *(
+            _number(spec.get(k, 0), url, field + k, int)
+            for k in ("num_draft_tokens", "num_accepted_draft_tokens", "num_spec_steps")
+        ),
+        width,
+        per_pos,
+    )
 
 
 def _sglang_details(details: dict[str, Any] | None, url: str = "SGLang") -> Counts | None:
@@ -267,8 +305,13 @@ def _sglang_details(details: dict[str, Any] | None, url: str = "SGLang") -> Coun
     steps = _number(details["spec_verify_ct"], url, field + "spec_verify_ct", int)
     proposed = _number(details.get("spec_num_proposed_drafts", 0), url, field + "spec_num_proposed_drafts", int)
     per_pos = _histogram(details.get("spec_correct_drafts_histogram"), url, field + "spec_correct_drafts_histogram")
-    return Counts(proposed, _number(details.get("spec_num_correct_drafts", 0), url, field + "spec_num_correct_drafts",
-                                    int), steps, proposed // steps if steps else None, per_pos)
+    return Counts(
+        proposed,
+        _number(details.get("spec_num_correct_drafts", 0), url, field + "spec_num_correct_drafts", int),
+        steps,
+        proposed // steps if steps else None,
+        per_pos,
+    )
 
 
 # ----------------------------------------------------------------------------- talking to a server
@@ -276,8 +319,9 @@ def root_url(url: str) -> str:
     """The server's root URL (``http://host:port``), from it or its OpenAI base (``.../v1``)."""
     url = url.strip().rstrip("/")
     if not re.match(r"^https?://", url):
-        raise EngineError(f"--server {url!r} is not an http(s) URL: give the engine's address, e.g. "
-                          "http://127.0.0.1:8080")
+        raise EngineError(
+            f"--server {url!r} is not an http(s) URL: give the engine's address, e.g. http://127.0.0.1:8080"
+        )
     return url[:-3] if url.endswith("/v1") else url
 
 
@@ -334,8 +378,10 @@ class EngineClient:
         version = _get(self.root + "/version", self.timeout)
         if version is not None and version[0] == 200 and set(_json(version[1]) or {}) == {"version"}:
             return VLLM
-        raise EngineError(f"could not tell which engine serves {self.root} (no llama.cpp /props, SGLang "
-                          "/server_info or vLLM /version): pass --engine llama.cpp|vllm|sglang")
+        raise EngineError(
+            f"could not tell which engine serves {self.root} (no llama.cpp /props, SGLang "
+            "/server_info or vLLM /version): pass --engine llama.cpp|vllm|sglang"
+        )
 
     @property
     def model(self) -> str:

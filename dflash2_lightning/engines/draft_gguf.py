@@ -101,7 +101,8 @@ def check_llama_cpp_limits(cfg: DraftConfig) -> None:
             f"hidden_size >= selector_top_k * (selector_top_k + 1) = "
             f"{cfg.selector_top_k * (cfg.selector_top_k + 1)}, and hidden_size is {cfg.hidden_size}; retrain the "
             f"draft with selector_top_k <= {fits} (--model.init_args.draft.selector_top_k {fits}) to serve it "
-            "with llama.cpp (vLLM and SGLang serve it as it is)")
+            "with llama.cpp (vLLM and SGLang serve it as it is)"
+        )
     if cfg.mask_token_id < 0 or cfg.mask_token_id >= cfg.vocab_size:
         raise GGUFExportError(f"mask_token_id={cfg.mask_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
 
@@ -141,7 +142,9 @@ def vocab_fields(target_gguf: str | os.PathLike) -> Iterator[tuple[str, Any, Any
         else:
             yield key, field.contents(), kind, None
     if not found:
-        raise GGUFExportError(f"{target_gguf} has no tokenizer.* keys: it cannot give the draft the target's vocabulary")
+        raise GGUFExportError(
+            f"{target_gguf} has no tokenizer.* keys: it cannot give the draft the target's vocabulary"
+        )
 
 
 def _quantize(data: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any]:
@@ -153,8 +156,14 @@ def _quantize(data: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any]:
         return gguf.quants.quantize(data, gguf.GGMLQuantizationType.F16), gguf.GGMLQuantizationType.F16
 
 
-def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, out: str | os.PathLike,
-                outtype: str = "f32", name: str | None = None, record: bool = True) -> Path:
+def export_gguf(
+    draft_dir: str | os.PathLike,
+    target_gguf: str | os.PathLike,
+    out: str | os.PathLike,
+    outtype: str = "f32",
+    name: str | None = None,
+    record: bool = True,
+) -> Path:
     """Write the llama.cpp ``dflash`` GGUF of a draft checkpoint; returns ``out`` (written atomically).
 
     Args:
@@ -184,8 +193,10 @@ def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, ou
     vocab = list(vocab_fields(target_gguf))
     n_tokens = next((len(v) for k, v, _, _ in vocab if k == "tokenizer.ggml.tokens"), None)
     if n_tokens is not None and n_tokens != cfg.vocab_size:
-        raise GGUFExportError(f"vocab_size={cfg.vocab_size} of the draft does not match the {n_tokens} tokens "
-                              f"of the target GGUF {target_gguf}: the draft was trained for another target")
+        raise GGUFExportError(
+            f"vocab_size={cfg.vocab_size} of the draft does not match the {n_tokens} tokens "
+            f"of the target GGUF {target_gguf}: the draft was trained for another target"
+        )
 
     def write(tmp: str) -> None:
         w = gguf.GGUFWriter(tmp, ARCH)
@@ -210,12 +221,20 @@ def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, ou
             for field in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
                 w.add_key_value(key(field), int(getattr(cfg, field)), u32)
         # llama.cpp numbers the extracted layers like HF hidden_states (0 = embeddings): id + 1.
-        w.add_key_value(key("target_layers"), [int(i) + 1 for i in cfg.target_layer_ids],
-                        gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+        w.add_key_value(
+            key("target_layers"),
+            [int(i) + 1 for i in cfg.target_layer_ids],
+            gguf.GGUFValueType.ARRAY,
+            gguf.GGUFValueType.INT32,
+        )
         if cfg.sliding_window is not None:
             w.add_uint32(key("attention.sliding_window"), int(cfg.sliding_window))
-            w.add_key_value(key("attention.sliding_window_pattern"), [True] * cfg.num_hidden_layers,
-                            gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
+            w.add_key_value(
+                key("attention.sliding_window_pattern"),
+                [True] * cfg.num_hidden_layers,
+                gguf.GGUFValueType.ARRAY,
+                gguf.GGUFValueType.BOOL,
+            )
         w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
         for k, value, kind, sub in vocab:
             if k != "tokenizer.ggml.mask_token_id":
@@ -224,8 +243,11 @@ def export_gguf(draft_dir: str | os.PathLike, target_gguf: str | os.PathLike, ou
         for hf_name in sorted(state):
             tensor = state.pop(hf_name)
             new_name = gguf_tensor_name(hf_name)
-            data = tensor.to(torch.float32).numpy() if tensor.dtype not in (torch.float16, torch.float32) \
+            data = (
+                tensor.to(torch.float32).numpy()
+                if tensor.dtype not in (torch.float16, torch.float32)
                 else tensor.numpy()
+            )
             data, qtype = _quantize(data, storage_type(new_name, data.shape, outtype))
             w.add_tensor(new_name, data, raw_dtype=qtype)
         w.write_header_to_file()
@@ -260,9 +282,11 @@ def target_gguf_for(target: str, target_gguf: str | None) -> Path:
 
     spec = target_spec_from_arg(target)
     if spec.gguf is None:
-        raise GGUFExportError(f"--target {target!r} is not a GGUF: pass --target-gguf, the GGUF llama.cpp serves "
-                              "this target from (convert_hf_to_gguf.py of the same directory), so the draft takes "
-                              "exactly its vocabulary")
+        raise GGUFExportError(
+            f"--target {target!r} is not a GGUF: pass --target-gguf, the GGUF llama.cpp serves "
+            "this target from (convert_hf_to_gguf.py of the same directory), so the draft takes "
+            "exactly its vocabulary"
+        )
     return resolve_gguf(spec.gguf)
 
 
@@ -271,13 +295,20 @@ def export_gguf_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash2 export-gguf",
         description="Write a DFlash2/DFlash draft checkpoint as a GGUF for llama.cpp's dflash runtime: "
-                    "llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash")
+        "llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash",
+    )
     parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
-    parser.add_argument("--target", required=True,
-                        help="the target: 'smollm2', a .gguf file, or a Hugging Face directory (then give --target-gguf)")
-    parser.add_argument("--target-gguf", default=None,
-                        help="the target's GGUF as llama.cpp serves it (its vocabulary goes into the draft); "
-                             "default: --target when that is a GGUF")
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="the target: 'smollm2', a .gguf file, or a Hugging Face directory (then give --target-gguf)",
+    )
+    parser.add_argument(
+        "--target-gguf",
+        default=None,
+        help="the target's GGUF as llama.cpp serves it (its vocabulary goes into the draft); "
+        "default: --target when that is a GGUF",
+    )
     parser.add_argument("--out", required=True, help="the .gguf file to write")
     parser.add_argument("--outtype", default="f32", choices=OUTTYPES, help="storage type of the matrices (default f32)")
     parser.add_argument("--name", default=None, help="general.name (default: the draft directory's name)")
@@ -285,10 +316,11 @@ def export_gguf_main(argv: Sequence[str] | None = None) -> int:
     from dflash2_lightning.files import check_writable
 
     check_writable(args.out)  # before anything is read: a path that cannot be written fails at once
-    path = export_gguf(args.draft, target_gguf_for(args.target, args.target_gguf), args.out, args.outtype,
-                       args.name)
-    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {args.outtype}); serve with: llama-server -m "
-          f"<target.gguf> -md {path} --spec-type draft-dflash")
+    path = export_gguf(args.draft, target_gguf_for(args.target, args.target_gguf), args.out, args.outtype, args.name)
+    print(
+        f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {args.outtype}); serve with: llama-server -m "
+        f"<target.gguf> -md {path} --spec-type draft-dflash"
+    )
     from dflash2_lightning.engines.acceptance_record import gguf_record_path
 
     if gguf_record_path(path).is_file():

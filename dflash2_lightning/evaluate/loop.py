@@ -50,12 +50,25 @@ class PathRun:
     by_prompt: list[list[SpecResult]] = field(default_factory=list)  # the bootstrap's unit
 
 
-def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                   paths: Sequence[DraftPath] = PATHS, stop_token_ids: Sequence[int] | None = None,
-                   estimate: bool = True, warmup: bool = True, progress: bool = True,
-                   temperatures: Sequence[float] = (0.0,), top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                   samples: int = 1, resamples: int = RESAMPLES, oracle_top_k: int | None = None,
-                   draft_head: Head | None = None) -> dict[str, Any]:
+def evaluate_draft(
+    draft: DraftModel,
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    paths: Sequence[DraftPath] = PATHS,
+    stop_token_ids: Sequence[int] | None = None,
+    estimate: bool = True,
+    warmup: bool = True,
+    progress: bool = True,
+    temperatures: Sequence[float] = (0.0,),
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    samples: int = 1,
+    resamples: int = RESAMPLES,
+    oracle_top_k: int | None = None,
+    draft_head: Head | None = None,
+) -> dict[str, Any]:
     """Measure ``draft`` against ``target`` on tokenised ``prompts``; the report as a dict (see :func:`~dflash2_lightning.evaluate.command.run_eval`).
 
     ``paths`` not available to the draft (the selector of a DFlash baseline) are skipped and noted.
@@ -84,28 +97,43 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     draft = draft.to(hf.device).eval()
     stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
     usable = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
-    notes = [f"path {x!r} skipped: a DFlash baseline draft has no candidate selector"
-             for x in paths if x not in usable]
+    notes = [f"path {x!r} skipped: a DFlash baseline draft has no candidate selector" for x in paths if x not in usable]
     drafters = {x: TorchDrafter(draft, x, head=draft_head) for x in usable}
     if warmup:  # first calls pay for allocation and lazy init; keep them out of the timings
         target_greedy(target, prompts[0], min(4, max_new_tokens), stop)
         for drafter in drafters.values():
             speculative_generate(target, drafter, prompts[0], min(4, max_new_tokens), stop)
             if any(not st.greedy for st in settings):
-                speculative_generate(target, drafter, prompts[0], min(4, max_new_tokens), stop,
-                                     temperature=1.0, seed=seed)
+                speculative_generate(
+                    target, drafter, prompts[0], min(4, max_new_tokens), stop, temperature=1.0, seed=seed
+                )
     if any(not st.greedy for st in settings):
-        notes.append("temperature > 0: outputs are samples, so losslessness is not checked token for token "
-                     "(lossless: null); the loop's output law is proven equal to the target's in "
-                     "tests/model/test_sampling.py")
+        notes.append(
+            "temperature > 0: outputs are samples, so losslessness is not checked token for token "
+            "(lossless: null); the loop's output law is proven equal to the target's in "
+            "tests/model/test_sampling.py"
+        )
 
     if oracle_top_k is None:
         oracle_top_k = default_oracle_top_k(draft)
     blocks = {}
     for ti, st in enumerate(settings):
         blocks[_temperature_key(st.temperature)] = _evaluate_at(
-            draft, drafters, target, prompts, max_new_tokens, stop, estimate, progress, st,
-            seed, ti, samples if not st.greedy else 1, resamples, oracle_top_k)
+            draft,
+            drafters,
+            target,
+            prompts,
+            max_new_tokens,
+            stop,
+            estimate,
+            progress,
+            st,
+            seed,
+            ti,
+            samples if not st.greedy else 1,
+            resamples,
+            oracle_top_k,
+        )
     first = next(iter(blocks.values()))
     report: dict[str, Any] = {
         "architecture": draft.config.architecture,
@@ -115,11 +143,20 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
         "generated_tokens": first["target_only"]["tokens"],
         "stopped_at_eos": first["stopped_at_eos"],
         "target_only": first["target_only"],
-        "machine": {"device": str(hf.device), "torch_threads": torch.get_num_threads(),
-                    "target_dtype": str(next(hf.parameters()).dtype).replace("torch.", ""),
-                    "draft_dtype": str(next(draft.parameters()).dtype).replace("torch.", "")},
-        "sampling": {"temperatures": temps, "top_p": top_p, "top_k": top_k, "seed": seed,
-                     "samples_per_prompt": samples, "bootstrap_resamples": resamples},
+        "machine": {
+            "device": str(hf.device),
+            "torch_threads": torch.get_num_threads(),
+            "target_dtype": str(next(hf.parameters()).dtype).replace("torch.", ""),
+            "draft_dtype": str(next(draft.parameters()).dtype).replace("torch.", ""),
+        },
+        "sampling": {
+            "temperatures": temps,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "samples_per_prompt": samples,
+            "bootstrap_resamples": resamples,
+        },
         "paths": first["paths"],
         "tau": first["tau"],
         "temperatures": blocks,
@@ -128,8 +165,9 @@ def evaluate_draft(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     return report
 
 
-def check_inputs(prompts: Sequence[Sequence[int]], max_new_tokens: int, oracle_top_k: int | None,
-                  verb: str, resamples: int = 1) -> None:
+def check_inputs(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int, oracle_top_k: int | None, verb: str, resamples: int = 1
+) -> None:
     """The checks every evaluation (the loop's, the replay's) makes before any work."""
     from dflash2_lightning.errors import ConfigError
 
@@ -154,18 +192,32 @@ def _run_seed(seed: int, *parts: int) -> int:
     return int(np.random.SeedSequence([seed, *parts]).generate_state(1)[0])
 
 
-def _evaluate_at(draft: DraftModel, drafters: dict[DraftPath, TorchDrafter], target: Any,
-                 prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: list[int], estimate: bool,
-                 progress: bool, st: Sampling, seed: int, ti: int, samples: int, resamples: int,
-                 oracle_top_k: int) -> dict[str, Any]:
+def _evaluate_at(
+    draft: DraftModel,
+    drafters: dict[DraftPath, TorchDrafter],
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop: list[int],
+    estimate: bool,
+    progress: bool,
+    st: Sampling,
+    seed: int,
+    ti: int,
+    samples: int,
+    resamples: int,
+    oracle_top_k: int,
+) -> dict[str, Any]:
     """One temperature: target-only and speculative runs of every prompt, the per-path figures and intervals."""
     from tqdm.auto import tqdm
 
     usable = list(drafters)
     kw = {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k}
     references: list[list[GreedyResult]] = []
-    runs = {x: PathRun([], EstimateStats.empty(draft.config.block_size, not st.greedy) if estimate else None, [])
-            for x in usable}
+    runs = {
+        x: PathRun([], EstimateStats.empty(draft.config.block_size, not st.greedy) if estimate else None, [])
+        for x in usable
+    }
     oracle = EstimateStats.empty(draft.config.block_size) if estimate and st.greedy else None
     desc = "eval" if st.greedy else f"eval T={st.temperature:g}"
     for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
@@ -173,12 +225,21 @@ def _evaluate_at(draft: DraftModel, drafters: dict[DraftPath, TorchDrafter], tar
         for x in usable:
             runs[x].by_prompt.append([])
         for j in range(samples):
-            ref = (target_greedy(target, prompt, max_new_tokens, stop) if st.greedy else
-                   target_sample(target, prompt, max_new_tokens, stop, seed=_run_seed(seed, ti, i, j, 0), **kw))
+            ref = (
+                target_greedy(target, prompt, max_new_tokens, stop)
+                if st.greedy
+                else target_sample(target, prompt, max_new_tokens, stop, seed=_run_seed(seed, ti, i, j, 0), **kw)
+            )
             refs.append(ref)
             for xi, x in enumerate(usable):
-                r = speculative_generate(target, drafters[x], prompt, max_new_tokens, stop,
-                                         **({} if st.greedy else {"seed": _run_seed(seed, ti, i, j, 1 + xi), **kw}))
+                r = speculative_generate(
+                    target,
+                    drafters[x],
+                    prompt,
+                    max_new_tokens,
+                    stop,
+                    **({} if st.greedy else {"seed": _run_seed(seed, ti, i, j, 1 + xi), **kw}),
+                )
                 r.context = None  # drop the cache: the report keeps only numbers
                 runs[x].results.append(r)
                 runs[x].by_prompt[-1].append(r)
@@ -187,8 +248,9 @@ def _evaluate_at(draft: DraftModel, drafters: dict[DraftPath, TorchDrafter], tar
         references.append(refs)
         if estimate:
             # At temperature > 0 on the target's first sampled continuation, with the sampled estimate.
-            for x, tf in teacher_forced(draft, target, prompt, refs[0].tokens, usable, sampling=st,
-                                        oracle_top_k=oracle_top_k).items():
+            for x, tf in teacher_forced(
+                draft, target, prompt, refs[0].tokens, usable, sampling=st, oracle_top_k=oracle_top_k
+            ).items():
                 (oracle if x == "oracle" else runs[x].estimate).add(tf)
 
     flat = [r for refs in references for r in refs]
@@ -196,7 +258,10 @@ def _evaluate_at(draft: DraftModel, drafters: dict[DraftPath, TorchDrafter], tar
     base_seconds = sum(r.seconds for r in flat)
     base_tps = base_tokens / base_seconds if base_seconds > 0 else None
     block: dict[str, Any] = {
-        "temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k, "samples_per_prompt": samples,
+        "temperature": st.temperature,
+        "top_p": st.top_p,
+        "top_k": st.top_k,
+        "samples_per_prompt": samples,
         "stopped_at_eos": sum(r.stopped for r in flat),
         "target_only": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_second": base_tps},
         "paths": {},
@@ -212,9 +277,14 @@ def _evaluate_at(draft: DraftModel, drafters: dict[DraftPath, TorchDrafter], tar
             "mismatched_prompts": run.mismatched,
             "speedup": tps / base_tps if tps and base_tps else None,
             "interval": bootstrap_intervals(
-                [s.histogram for s in per_prompt], [s.tokens for s in per_prompt], [s.seconds for s in per_prompt],
+                [s.histogram for s in per_prompt],
+                [s.tokens for s in per_prompt],
+                [s.seconds for s in per_prompt],
                 [sum(len(r.tokens) for r in refs) for refs in references],
-                [sum(r.seconds for r in refs) for refs in references], resamples=resamples, seed=seed),
+                [sum(r.seconds for r in refs) for refs in references],
+                resamples=resamples,
+                seed=seed,
+            ),
             "per_prompt_accepted": [int(sum(sum(r.accepted) for r in rs)) for rs in run.by_prompt],
         }
     block["tau"] = {x: v["measured"]["tau"] for x, v in block["paths"].items()}

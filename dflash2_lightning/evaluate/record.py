@@ -41,13 +41,19 @@ def _target_entry(target: Any) -> dict[str, Any]:
 
     spec = getattr(target, "spec", None)
     info = TargetInfo.from_target(target) if spec is not None else TargetInfo()
-    return {"spec": json.loads(spec.key()) if spec is not None else None, "path": info.path, "gguf": info.gguf,
-            "dtype": str(getattr(target, "dtype", "")).removeprefix("torch.") or None,
-            "serving_dtype": info.serving_dtype, "vocab_size": getattr(target, "vocab_size", None)}
+    return {
+        "spec": json.loads(spec.key()) if spec is not None else None,
+        "path": info.path,
+        "gguf": info.gguf,
+        "dtype": str(getattr(target, "dtype", "")).removeprefix("torch.") or None,
+        "serving_dtype": info.serving_dtype,
+        "vocab_size": getattr(target, "vocab_size", None),
+    }
 
 
-def record_from_replay(run: Any, draft_dir: str | os.PathLike, target: Any, source: str,
-                       resamples: int | None = None, seed: int = 0) -> dict[str, Any]:
+def record_from_replay(
+    run: Any, draft_dir: str | os.PathLike, target: Any, source: str, resamples: int | None = None, seed: int = 0
+) -> dict[str, Any]:
     """The record of a finished :class:`~dflash2_lightning.evaluate.replay.ReplayRun` of the draft in ``draft_dir``.
 
     ``source`` says where the prompts came from (a file, and which of its prompts); ``resamples`` and
@@ -60,32 +66,53 @@ def record_from_replay(run: Any, draft_dir: str | os.PathLike, target: Any, sour
     path = served_path(cfg.is_dflash2)
     lengths = run.lengths[path]
     stop = list(run.stop_token_ids)
-    prompts = [{"prompt_ids": list(p), "continuation_ids": list(o),
-                "continuation_text": continuation_text(target.tokenizer, o, stop),
-                "stopped": bool(o) and o[-1] in stop, "accepted_per_step": list(c)}
-               for p, o, c in zip(run.prompts, run.outputs, lengths)]
+    prompts = [
+        {
+            "prompt_ids": list(p),
+            "continuation_ids": list(o),
+            "continuation_text": continuation_text(target.tokenizer, o, stop),
+            "stopped": bool(o) and o[-1] in stop,
+            "accepted_per_step": list(c),
+        }
+        for p, o, c in zip(run.prompts, run.outputs, lengths)
+    ]
     record: dict[str, Any] = {
         "format": RECORD_FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "draft": {"dir": str(Path(draft_dir).resolve()), "architecture": cfg.architecture,
-                  "block_size": cfg.block_size, "torch_dtype": cfg.torch_dtype,
-                  "weights_sha256": weights_digest(draft_dir)},
+        "draft": {
+            "dir": str(Path(draft_dir).resolve()),
+            "architecture": cfg.architecture,
+            "block_size": cfg.block_size,
+            "torch_dtype": cfg.torch_dtype,
+            "weights_sha256": weights_digest(draft_dir),
+        },
         "target": _target_entry(target),
-        "path": path, "temperature": 0.0, "max_new_tokens": run.max_new_tokens, "stop_token_ids": stop,
+        "path": path,
+        "temperature": 0.0,
+        "max_new_tokens": run.max_new_tokens,
+        "stop_token_ids": stop,
         "prompts_source": source,
         "bootstrap": {"resamples": resamples or RESAMPLES, "seed": seed, "level": LEVEL, "unit": "prompt"},
         "method": "the T=0 speculative loop replayed along the target's greedy continuation (teacher-forced; "
-                  "equals the loop's accepted counts); tau = 1 + accepted / verify steps, untruncated steps",
+        "equals the loop's accepted counts); tau = 1 + accepted / verify steps, untruncated steps",
         "prompts": prompts,
     }
     record["expected"] = expected(record)
     return record
 
 
-def make_record(draft_dir: str | os.PathLike, target: Any, prompts_file: str | os.PathLike | None = None,
-                num_prompts: int = DEFAULT_PROMPTS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                resamples: int | None = None, seed: int = 0, progress: bool = False,
-                prompt_overflow: str = "refuse", budget: str = "--max-new-tokens") -> dict[str, Any]:
+def make_record(
+    draft_dir: str | os.PathLike,
+    target: Any,
+    prompts_file: str | os.PathLike | None = None,
+    num_prompts: int = DEFAULT_PROMPTS,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    resamples: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+    prompt_overflow: str = "refuse",
+    budget: str = "--max-new-tokens",
+) -> dict[str, Any]:
     """Run the T=0 replay of the draft in ``draft_dir`` on the first ``num_prompts`` prompts of
     ``prompts_file`` (default: the shipped evaluation prompts) and return its record.
 
@@ -112,8 +139,11 @@ def make_record(draft_dir: str | os.PathLike, target: Any, prompts_file: str | o
     target.check_fits(draft.config, f"the draft in {draft_dir}")
     fitted = record_prompts(target, prompts_file, num_prompts, max_new_tokens, prompt_overflow, budget)
     run = run_replay(draft, target, fitted.prompts, max_new_tokens, progress=progress)
-    source = ("the shipped evaluation prompts" if prompts_file == EVAL_PROMPTS else str(prompts_file)) + \
-        f", first {len(fitted.prompts)}" + (f" ({fitted.note()})" if fitted.cut else "")
+    source = (
+        ("the shipped evaluation prompts" if prompts_file == EVAL_PROMPTS else str(prompts_file))
+        + f", first {len(fitted.prompts)}"
+        + (f" ({fitted.note()})" if fitted.cut else "")
+    )
     return record_from_replay(run, draft_dir, target, source, resamples, seed)
 
 
@@ -126,26 +156,44 @@ def record_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash2 acceptance-record",
         description="Write the draft's acceptance record (DRAFT/acceptance.json): held-out prompts as token ids, "
-                    "the target's greedy continuation, and the accepted drafted tokens per verify step the draft "
-                    "earns at T=0 (the speculative loop replayed along that continuation), with the expected tau "
-                    "and its 95% bootstrap interval over prompts. `dflash2 check-serving` compares a running engine "
-                    "with it; `dflash2 export-gguf` copies it beside the GGUF.")
+        "the target's greedy continuation, and the accepted drafted tokens per verify step the draft "
+        "earns at T=0 (the speculative loop replayed along that continuation), with the expected tau "
+        "and its 95% bootstrap interval over prompts. `dflash2 check-serving` compares a running engine "
+        "with it; `dflash2 export-gguf` copies it beside the GGUF.",
+    )
     parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
     add_target_arguments(parser)
-    parser.add_argument("--prompts", default=None,
-                        help="chat jsonl of held-out prompts (default: the shipped evaluation prompts)")
-    parser.add_argument("--num-prompts", type=bounded(int, 1), default=DEFAULT_PROMPTS,
-                        help=f"how many of them, from the first (default {DEFAULT_PROMPTS})")
-    parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=DEFAULT_MAX_NEW_TOKENS,
-                        help=f"greedy continuation length per prompt (default {DEFAULT_MAX_NEW_TOKENS}); with the "
-                             "longest prompt it must fit the target's context")
-    parser.add_argument("--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse",
-                        help=PROMPT_OVERFLOW_HELP)
+    parser.add_argument(
+        "--prompts", default=None, help="chat jsonl of held-out prompts (default: the shipped evaluation prompts)"
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=bounded(int, 1),
+        default=DEFAULT_PROMPTS,
+        help=f"how many of them, from the first (default {DEFAULT_PROMPTS})",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=bounded(int, 1),
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"greedy continuation length per prompt (default {DEFAULT_MAX_NEW_TOKENS}); with the "
+        "longest prompt it must fit the target's context",
+    )
+    parser.add_argument(
+        "--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP
+    )
     parser.add_argument("--out", default=None, help="where to write it (default DRAFT/acceptance.json)")
     parser.add_argument("--progress", action="store_true", help="show the replay's progress bar")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    record = make_record(args.draft, target_spec_from_args(args), args.prompts, args.num_prompts,
-                         args.max_new_tokens, progress=args.progress, prompt_overflow=args.prompt_overflow)
+    record = make_record(
+        args.draft,
+        target_spec_from_args(args),
+        args.prompts,
+        args.num_prompts,
+        args.max_new_tokens,
+        progress=args.progress,
+        prompt_overflow=args.prompt_overflow,
+    )
     path = write_record(record, args.out or Path(args.draft) / RECORD_NAME)
     print(summary_line(record, path))
     return 0

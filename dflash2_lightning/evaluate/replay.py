@@ -18,9 +18,14 @@ from dflash2_lightning.intervals import RESAMPLES, replay_summary
 from dflash2_lightning.model.draft import DraftModel
 
 
-def replay_lengths(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]],
-                   outputs: Sequence[Sequence[int]], oracle_top_k: int | None = None,
-                   progress: bool = False) -> dict[str, list[list[int]]]:
+def replay_lengths(
+    draft: DraftModel,
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    oracle_top_k: int | None = None,
+    progress: bool = False,
+) -> dict[str, list[list[int]]]:
     """Per path (``selector``/``backbone`` where the draft has them, and ``oracle``): the accepted lengths
     of the loop's cycles replayed along each prompt's greedy ``outputs`` (one list per prompt)."""
     from tqdm.auto import tqdm
@@ -33,8 +38,9 @@ def replay_lengths(draft: DraftModel, target: Any, prompts: Sequence[Sequence[in
     return lengths
 
 
-def greedy_outputs(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Sequence[int],
-                   batch_size: int = 96) -> list[list[int]]:
+def greedy_outputs(
+    target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: Sequence[int], batch_size: int = 96
+) -> list[list[int]]:
     """The target's greedy continuations of ``prompts`` (up to and including a stop token), decoded in
     batches of ``batch_size`` prompts of similar length (little padding)."""
     from dflash2_lightning.target.generate import generate
@@ -45,7 +51,7 @@ def greedy_outputs(target: Any, prompts: Sequence[Sequence[int]], max_new_tokens
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[list[int]] = [[] for _ in prompts]
     for lo in range(0, len(order), batch_size):
-        rows = order[lo:lo + batch_size]
+        rows = order[lo : lo + batch_size]
         for i, out in zip(rows, generate(hf, [prompts[i] for i in rows], max_new_tokens, list(stop), pad)):
             outputs[i] = out
     return outputs
@@ -65,9 +71,16 @@ class ReplayRun:
     seconds: dict[str, float]
 
 
-def run_replay(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-               stop_token_ids: Sequence[int] | None = None, batch_size: int = 96, oracle_top_k: int | None = None,
-               progress: bool = True) -> ReplayRun:
+def run_replay(
+    draft: DraftModel,
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] | None = None,
+    batch_size: int = 96,
+    oracle_top_k: int | None = None,
+    progress: bool = True,
+) -> ReplayRun:
     """Decode ``prompts`` greedily with the target (batches of ``batch_size``) and replay the loop's cycles
     along the outputs (see :func:`replay_eval`); returns the raw :class:`ReplayRun`."""
     import time
@@ -84,27 +97,46 @@ def run_replay(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]],
     generated = time.perf_counter() - start
     k = oracle_top_k or default_oracle_top_k(draft)
     lengths = replay_lengths(draft, target, prompts, outputs, k, progress)
-    return ReplayRun([list(p) for p in prompts], outputs, lengths, stop, max_new_tokens, k,
-                     {"generate": generated, "replay": time.perf_counter() - start - generated})
+    return ReplayRun(
+        [list(p) for p in prompts],
+        outputs,
+        lengths,
+        stop,
+        max_new_tokens,
+        k,
+        {"generate": generated, "replay": time.perf_counter() - start - generated},
+    )
 
 
 def replay_report(run: ReplayRun, block_size: int, resamples: int = RESAMPLES, seed: int = 0) -> dict[str, Any]:
     """The ``replay`` section of an eval report from a :class:`ReplayRun` (see :func:`replay_eval`)."""
     stop = run.stop_token_ids
-    return {"temperature": 0.0, "prompts": len(run.prompts), "max_new_tokens": run.max_new_tokens,
-            "generated_tokens": sum(len(o) for o in run.outputs),
-            "stopped_at_eos": sum(bool(o) and o[-1] in stop for o in run.outputs),
-            "seconds": dict(run.seconds),
-            "paths": {x: replay_summary(v, block_size, resamples, seed) for x, v in run.lengths.items()
-                      if x != "oracle"},
-            "oracle": {"top_k": run.oracle_top_k, **replay_summary(run.lengths["oracle"], block_size, resamples, seed)},
-            "method": "teacher-forced replay of the loop's cycles along the target's greedy outputs "
-                      "(equals the measured tau at T=0)"}
+    return {
+        "temperature": 0.0,
+        "prompts": len(run.prompts),
+        "max_new_tokens": run.max_new_tokens,
+        "generated_tokens": sum(len(o) for o in run.outputs),
+        "stopped_at_eos": sum(bool(o) and o[-1] in stop for o in run.outputs),
+        "seconds": dict(run.seconds),
+        "paths": {x: replay_summary(v, block_size, resamples, seed) for x, v in run.lengths.items() if x != "oracle"},
+        "oracle": {"top_k": run.oracle_top_k, **replay_summary(run.lengths["oracle"], block_size, resamples, seed)},
+        "method": "teacher-forced replay of the loop's cycles along the target's greedy outputs "
+        "(equals the measured tau at T=0)",
+    }
 
 
-def replay_eval(draft: DraftModel, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                stop_token_ids: Sequence[int] | None = None, batch_size: int = 96, resamples: int = RESAMPLES,
-                seed: int = 0, oracle_top_k: int | None = None, progress: bool = True) -> dict[str, Any]:
+def replay_eval(
+    draft: DraftModel,
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] | None = None,
+    batch_size: int = 96,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    oracle_top_k: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """τ at T=0 on many more prompts than the loop can afford: the loop's cycles replayed, teacher-forced.
 
     The target decodes every prompt greedily in batches of ``batch_size``

@@ -9,8 +9,9 @@ from typing import Any
 
 def temperature_blocks(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The per-temperature blocks (a report from before sampling has only the greedy top level)."""
-    return report.get("temperatures") or {"0": {"temperature": 0.0, "paths": report["paths"],
-                                                 "target_only": report["target_only"]}}
+    return report.get("temperatures") or {
+        "0": {"temperature": 0.0, "paths": report["paths"], "target_only": report["target_only"]}
+    }
 
 
 def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
@@ -35,14 +36,28 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
             m, e, iv = res["measured"], res["estimated"], res.get("interval")
             ks = list(range(1, len(m["accept"]) + 1))
             label = f"{name} T={t:g} (τ {m['tau']:.2f})"
-            left.plot(ks, m["accept"], styles[ti % len(styles)], ms=3, color=colors.get(name), label=label,
-                      alpha=1.0 if ti == 0 else 0.75)
+            left.plot(
+                ks,
+                m["accept"],
+                styles[ti % len(styles)],
+                ms=3,
+                color=colors.get(name),
+                label=label,
+                alpha=1.0 if ti == 0 else 0.75,
+            )
             if iv and all(b[0] is not None for b in iv["accept"]):
-                left.fill_between(ks, [b[0] for b in iv["accept"]], [b[1] for b in iv["accept"]],
-                                  color=colors.get(name), alpha=0.12)
+                left.fill_between(
+                    ks, [b[0] for b in iv["accept"]], [b[1] for b in iv["accept"]], color=colors.get(name), alpha=0.12
+                )
             if e and e.get("accept"):
-                left.plot(ks, e["accept"], "--", color=colors.get(name), alpha=0.6,
-                          label=f"{name} trainer estimate (τ {e['tau']:.2f})")
+                left.plot(
+                    ks,
+                    e["accept"],
+                    "--",
+                    color=colors.get(name),
+                    alpha=0.6,
+                    label=f"{name} trainer estimate (τ {e['tau']:.2f})",
+                )
     names = list(blocks[0]["paths"])
     width = 0.8 / max(len(names), 1)
     for j, name in enumerate(names):
@@ -68,25 +83,44 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
         for j, name in enumerate(names):
             r = replay["paths"].get(name)
             if r and r["tau"] is not None and r["interval"][0] is not None:
-                middle.errorbar([len(blocks) + (j - (len(names) - 1) / 2) * width], [r["tau"]],
-                                yerr=[[r["tau"] - r["interval"][0]], [r["interval"][1] - r["tau"]]],
-                                fmt="D", capsize=4, color=colors.get(name))
+                middle.errorbar(
+                    [len(blocks) + (j - (len(names) - 1) / 2) * width],
+                    [r["tau"]],
+                    yerr=[[r["tau"] - r["interval"][0]], [r["interval"][1] - r["tau"]]],
+                    fmt="D",
+                    capsize=4,
+                    color=colors.get(name),
+                )
     if report.get("llama.cpp"):
         spec = report["llama.cpp"]["speculative"]
-        left.plot(range(1, len(spec["accept"]) + 1), spec["accept"], "-s", ms=4, color="tab:green",
-                  label=f"llama.cpp measured (τ {spec['tau']:.2f})")
+        left.plot(
+            range(1, len(spec["accept"]) + 1),
+            spec["accept"],
+            "-s",
+            ms=4,
+            color="tab:green",
+            label=f"llama.cpp measured (τ {spec['tau']:.2f})",
+        )
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     middle.set_xticks(range(len(ticks)), ticks)
-    left.set(xlabel="block offset k", ylabel="P(offsets 1..k accepted)", ylim=(0, 1.02),
-             title="acceptance curve (band: 95% bootstrap over prompts)")
+    left.set(
+        xlabel="block offset k",
+        ylabel="P(offsets 1..k accepted)",
+        ylim=(0, 1.02),
+        title="acceptance curve (band: 95% bootstrap over prompts)",
+    )
     middle.set(ylabel="τ (tokens per verify step)", title="τ by temperature, 95% interval")
-    right.set(xlabel="accepted drafts per cycle", ylabel="fraction of cycles",
-              title=f"accepted lengths, T={blocks[0]['temperature']:g}")
+    right.set(
+        xlabel="accepted drafts per cycle",
+        ylabel="fraction of cycles",
+        title=f"accepted lengths, T={blocks[0]['temperature']:g}",
+    )
     for ax in (left, middle, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{report.get('architecture', 'draft')}, block {report.get('block_size')}, "
-                 f"{report.get('prompts')} prompts")
+    fig.suptitle(
+        f"{report.get('architecture', 'draft')}, block {report.get('block_size')}, {report.get('prompts')} prompts"
+    )
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
@@ -100,12 +134,16 @@ def replay_lines(replay: dict[str, Any] | None, indent: str = "") -> list[str]:
     """The wide replay's lines of a summary (none without a replay)."""
     if not replay:
         return []
-    lines = [f"{indent}replay at T=0 on {replay['prompts']} prompts, {replay['generated_tokens']} tokens "
-             "(teacher-forced along the target's greedy outputs; equals the measured tau at T=0):"]
+    lines = [
+        f"{indent}replay at T=0 on {replay['prompts']} prompts, {replay['generated_tokens']} tokens "
+        "(teacher-forced along the target's greedy outputs; equals the measured tau at T=0):"
+    ]
     for name, r in [*replay["paths"].items(), (f"top-{replay['oracle']['top_k']} oracle", replay["oracle"])]:
         if r["tau"] is not None:
-            lines.append(f"{indent}{name:>14}: tau {r['tau']:.2f}{interval_text(r['interval'])}  accept_k "
-                         + "  ".join(f"{a:.2f}" for a in r["accept"]))
+            lines.append(
+                f"{indent}{name:>14}: tau {r['tau']:.2f}{interval_text(r['interval'])}  accept_k "
+                + "  ".join(f"{a:.2f}" for a in r["accept"])
+            )
     return lines
 
 
@@ -114,37 +152,56 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     with intervals, the trainer's estimate, speed, losslessness."""
     blocks = temperature_blocks(report)
     base = report["target_only"]["tokens_per_second"]
-    lines = [f"{report['prompts']} prompts, {report['generated_tokens']} tokens; target alone "
-             f"{base:.1f} tok/s" if base else f"{report['prompts']} prompts"]
+    lines = [
+        f"{report['prompts']} prompts, {report['generated_tokens']} tokens; target alone {base:.1f} tok/s"
+        if base
+        else f"{report['prompts']} prompts"
+    ]
     for blk in blocks.values():
         t = blk["temperature"]
         if len(blocks) > 1 or t != 0:
-            extra = "" if t == 0 else (f", top_p {blk['top_p']:g}, top_k {blk['top_k']}, "
-                                       f"{blk['samples_per_prompt']} samples per prompt")
+            extra = (
+                ""
+                if t == 0
+                else (f", top_p {blk['top_p']:g}, top_k {blk['top_k']}, {blk['samples_per_prompt']} samples per prompt")
+            )
             tps = blk["target_only"]["tokens_per_second"]
-            lines.append(f"T={t:g}{' (greedy)' if t == 0 else ''}{extra}"
-                         + (f"; target alone {tps:.1f} tok/s" if tps else ""))
+            lines.append(
+                f"T={t:g}{' (greedy)' if t == 0 else ''}{extra}" + (f"; target alone {tps:.1f} tok/s" if tps else "")
+            )
         for name, res in blk["paths"].items():
             m, e, iv = res["measured"], res["estimated"] or {}, res.get("interval") or {}
             replay = f" (replayed {e['replayed_tau']:.2f})" if e.get("replayed_tau") is not None else ""
             est = f", trainer estimate {e['tau']:.2f}{replay}" if e.get("tau") else ""
-            speed = (f", {m['tokens_per_second']:.1f} tok/s ({res['speedup']:.2f}x{interval_text(iv.get('speedup'))})"
-                     if res["speedup"] else "")
+            speed = (
+                f", {m['tokens_per_second']:.1f} tok/s ({res['speedup']:.2f}x{interval_text(iv.get('speedup'))})"
+                if res["speedup"]
+                else ""
+            )
             lossy = res["lossless"] is False
-            lines.append(f"{name:>8}: tau {m['tau']:.2f}{interval_text(iv.get('tau'))} measured{est}{speed}"
-                         f"{', NOT LOSSLESS on prompts ' + str(res['mismatched_prompts']) if lossy else ''}")
+            lines.append(
+                f"{name:>8}: tau {m['tau']:.2f}{interval_text(iv.get('tau'))} measured{est}{speed}"
+                f"{', NOT LOSSLESS on prompts ' + str(res['mismatched_prompts']) if lossy else ''}"
+            )
             if iv.get("accept"):
-                lines.append(" " * 10 + "accept_k " + "  ".join(
-                    f"{a:.2f}{interval_text(b)}" for a, b in zip(m["accept"], iv["accept"])))
+                lines.append(
+                    " " * 10
+                    + "accept_k "
+                    + "  ".join(f"{a:.2f}{interval_text(b)}" for a, b in zip(m["accept"], iv["accept"]))
+                )
         orc = blk.get("oracle") or {}
         if orc.get("replayed_tau"):
-            lines.append(f"{'oracle':>8}: tau {orc['replayed_tau']:.2f} if every pick were right whenever the "
-                         f"target's token is in the draft's top-{orc['top_k']} (teacher-forced replay; the "
-                         "selector's ceiling)")
+            lines.append(
+                f"{'oracle':>8}: tau {orc['replayed_tau']:.2f} if every pick were right whenever the "
+                f"target's token is in the draft's top-{orc['top_k']} (teacher-forced replay; the "
+                "selector's ceiling)"
+            )
     if report.get("draft_vocab"):
         dv = report["draft_vocab"]
-        lines.append(f"drafting vocabulary: {dv['size']} of {dv['vocab_size']} tokens ({dv['file']}; the target "
-                     "verifies with its full head)")
+        lines.append(
+            f"drafting vocabulary: {dv['size']} of {dv['vocab_size']} tokens ({dv['file']}; the target "
+            "verifies with its full head)"
+        )
     lines += replay_lines(report.get("replay"))
     if any("interval" in r for blk in blocks.values() for r in blk["paths"].values()):
         lines.append("[lo, hi]: 95% bootstrap interval over prompts")

@@ -104,9 +104,16 @@ class TeacherForced:
 
 
 @torch.no_grad()
-def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], continuation: Sequence[int],
-                   paths: Sequence[DraftPath] = PATHS, chunk: int = 32,
-                   sampling: Sampling | None = None, oracle_top_k: int | None = None) -> dict[str, TeacherForced]:
+def teacher_forced(
+    draft: DraftModel,
+    target: Any,
+    prompt: Sequence[int],
+    continuation: Sequence[int],
+    paths: Sequence[DraftPath] = PATHS,
+    chunk: int = 32,
+    sampling: Sampling | None = None,
+    oracle_top_k: int | None = None,
+) -> dict[str, TeacherForced]:
     """Run the trainer's objective (:class:`~dflash2_lightning.train.objective.DraftObjective`) on
     ``prompt + continuation`` with an anchor at every continuation position.
 
@@ -142,10 +149,19 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
     valids = []
     anchors = torch.arange(p, s, device=device)
     for lo in range(0, anchors.shape[0], chunk):
-        a = anchors[lo:lo + chunk][None]
-        res = objective(draft, embed, head, ids, loss_mask, features, teacher,
-                        anchors=(a, torch.ones_like(a, dtype=torch.bool)), walk="selector" in want,
-                        keep_logits=oracle or sampled)  # the oracle's top-k and sampled_alpha read res.logits
+        a = anchors[lo : lo + chunk][None]
+        res = objective(
+            draft,
+            embed,
+            head,
+            ids,
+            loss_mask,
+            features,
+            teacher,
+            anchors=(a, torch.ones_like(a, dtype=torch.bool)),
+            walk="selector" in want,
+            keep_logits=oracle or sampled,
+        )  # the oracle's top-k and sampled_alpha read res.logits
         valids.append(res.blocks.valid[0])
         for x in want:
             tokens = res.draft_tokens if x == "backbone" else res.selector_tokens
@@ -158,9 +174,17 @@ def teacher_forced(draft: DraftModel, target: Any, prompt: Sequence[int], contin
                 if x in alphas:
                     alphas[x].append(alpha[0])
     valid = torch.cat(valids) if valids else torch.zeros(0, bs - 1, dtype=torch.bool)
-    return {x: TeacherForced(anchors.cpu(), (torch.cat(r) if r else valid).cpu(), valid.cpu(), s, bs,
-                             torch.cat(alphas.get(x, [])).cpu() if alphas.get(x) else None)
-            for x, r in rights.items()}
+    return {
+        x: TeacherForced(
+            anchors.cpu(),
+            (torch.cat(r) if r else valid).cpu(),
+            valid.cpu(),
+            s,
+            bs,
+            torch.cat(alphas.get(x, [])).cpu() if alphas.get(x) else None,
+        )
+        for x, r in rights.items()
+    }
 
 
 @dataclass
@@ -181,8 +205,9 @@ class EstimateStats:
     def empty(cls, block_size: int, sampled: bool = False) -> EstimateStats:
         from dflash2_lightning.train.metrics import BlockAcceptance, SampledAcceptance
 
-        return cls(block_size, BlockAcceptance(block_size), [],
-                   sampled=SampledAcceptance(block_size) if sampled else None)
+        return cls(
+            block_size, BlockAcceptance(block_size), [], sampled=SampledAcceptance(block_size) if sampled else None
+        )
 
     def add(self, tf: TeacherForced) -> None:
         right, valid = tf.trainer_blocks()
@@ -198,13 +223,29 @@ class EstimateStats:
             if not self.updates:
                 return {"tau": None, "accept": None, "alpha": None, "blocks": 0, "kind": "sampled"}
             r = self.sampled.compute()
-            return {"tau": float(r["tau"]), "accept": [float(x) for x in r["accept"]],
-                    "alpha": [float(x) for x in r["alpha"]], "blocks": int(r["num_blocks"]), "kind": "sampled"}
+            return {
+                "tau": float(r["tau"]),
+                "accept": [float(x) for x in r["accept"]],
+                "alpha": [float(x) for x in r["alpha"]],
+                "blocks": int(r["num_blocks"]),
+                "kind": "sampled",
+            }
         if not self.updates:  # every continuation shorter than a block: nothing the trainer would count
-            return {"tau": None, "accept": None, "acc": None, "blocks": 0,
-                    "replayed_tau": None, "replayed_cycles": len(self.replayed)}
+            return {
+                "tau": None,
+                "accept": None,
+                "acc": None,
+                "blocks": 0,
+                "replayed_tau": None,
+                "replayed_cycles": len(self.replayed),
+            }
         result = self.metric.compute()
         replay_tau = 1.0 + sum(self.replayed) / len(self.replayed) if self.replayed else 0.0
-        return {"tau": float(result["tau"]), "accept": [float(x) for x in result["accept"]],
-                "acc": [float(x) for x in result["acc"]], "blocks": int(result["num_blocks"]),
-                "replayed_tau": replay_tau, "replayed_cycles": len(self.replayed)}
+        return {
+            "tau": float(result["tau"]),
+            "accept": [float(x) for x in result["accept"]],
+            "acc": [float(x) for x in result["acc"]],
+            "blocks": int(result["num_blocks"]),
+            "replayed_tau": replay_tau,
+            "replayed_cycles": len(self.replayed),
+        }

@@ -57,8 +57,10 @@ class ExportOnFitEnd(pl.Callback):
         if export.acceptance_prompts > 0:
             write_acceptance_record(pl_module, directory)
         elif removed is not None:
-            rank_zero_info(f"removed {removed}: it described the previous weights (export.acceptance_prompts 0 writes "
-                           "none; `dflash2 acceptance-record` writes one)")
+            rank_zero_info(
+                f"removed {removed}: it described the previous weights (export.acceptance_prompts 0 writes "
+                "none; `dflash2 acceptance-record` writes one)"
+            )
         rank_zero_info(f"how to serve it: {serving}")
 
 
@@ -71,13 +73,20 @@ def write_acceptance_record(pl_module: DFlash2Module, directory: Path) -> None:
 
     export = pl_module.options.export
     try:
-        record = make_record(directory, pl_module.target, num_prompts=export.acceptance_prompts,
-                             max_new_tokens=export.acceptance_tokens, budget=ACCEPTANCE_TOKENS_OPTION)
+        record = make_record(
+            directory,
+            pl_module.target,
+            num_prompts=export.acceptance_prompts,
+            max_new_tokens=export.acceptance_tokens,
+            budget=ACCEPTANCE_TOKENS_OPTION,
+        )
         path = write_record(record, directory)
     except Exception as error:
-        rank_zero_warn(f"warning: [export] no acceptance record beside {directory} "
-                       f"({describe(error).splitlines()[0]}); write it with "
-                       f"`dflash2 acceptance-record --draft {directory} --target TARGET`")
+        rank_zero_warn(
+            f"warning: [export] no acceptance record beside {directory} "
+            f"({describe(error).splitlines()[0]}); write it with "
+            f"`dflash2 acceptance-record --draft {directory} --target TARGET`"
+        )
         return
     rank_zero_info(summary_line(record, path))
 

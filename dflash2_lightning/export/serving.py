@@ -41,85 +41,140 @@ def _q(path: str) -> str:
     return shlex.quote(path)
 
 
-def serving_markdown(cfg: DraftConfig, draft_dir: str | Path, target: TargetInfo | None = None,
-                     findings: Sequence[Finding] = (), dtype_reason: str | None = None) -> str:
+def serving_markdown(
+    cfg: DraftConfig,
+    draft_dir: str | Path,
+    target: TargetInfo | None = None,
+    findings: Sequence[Finding] = (),
+    dtype_reason: str | None = None,
+) -> str:
     """The text of ``SERVING.md`` for the checkpoint ``cfg`` at ``draft_dir``."""
     draft = str(Path(draft_dir).resolve())
     n, bs, dtype = cfg.block_size - 1, cfg.block_size, cfg.torch_dtype
     target = target or TargetInfo()
     hf_target = target.path or "TARGET"
-    kind = (f"DFlash2 (convolution {cfg.conv_kernel_size} taps, selector rank {cfg.selector_rank}, "
-            f"top-k {cfg.selector_top_k})" if cfg.is_dflash2 else "DFlash baseline (no convolution, no selector)")
+    kind = (
+        f"DFlash2 (convolution {cfg.conv_kernel_size} taps, selector rank {cfg.selector_rank}, "
+        f"top-k {cfg.selector_top_k})"
+        if cfg.is_dflash2
+        else "DFlash baseline (no convolution, no selector)"
+    )
     lines = [
-        "# Serving this draft", "",
+        "# Serving this draft",
+        "",
         f"- draft: `{draft}` — `{cfg.architecture}`, {kind}",
         f"- block_size {bs}: one step drafts {n} tokens after the anchor; "
         f"target_layer_ids {cfg.target_layer_ids} of {cfg.num_target_layers} target layers",
         f"- dtype {dtype}" + (f": {dtype_reason}" if dtype_reason else ""),
     ]
     if target.tiny:
-        lines.append("- target: a tiny random test target. No engine serves it; the commands show the shape "
-                     "for a real target (replace TARGET with its local model directory).")
+        lines.append(
+            "- target: a tiny random test target. No engine serves it; the commands show the shape "
+            "for a real target (replace TARGET with its local model directory)."
+        )
     elif target.path or target.gguf:
         lines.append(f"- target: `{target.described}`" + (f" ({target.serving_dtype})" if target.serving_dtype else ""))
     else:
-        lines.append("- target: not recorded — replace TARGET below with the local directory of the target this "
-                     f"draft was trained for ({cfg.num_target_layers} layers, hidden size {cfg.hidden_size}, "
-                     f"vocabulary {cfg.vocab_size}); `dflash2 serve-help --draft DIR --target DIR` fills it in.")
+        lines.append(
+            "- target: not recorded — replace TARGET below with the local directory of the target this "
+            f"draft was trained for ({cfg.num_target_layers} layers, hidden size {cfg.hidden_size}, "
+            f"vocabulary {cfg.vocab_size}); `dflash2 serve-help --draft DIR --target DIR` fills it in."
+        )
     if target.gguf and not target.path:
-        lines.append("- vLLM and SGLang serve a Hugging Face directory, not the GGUF this draft was trained "
-                     "against: use the target's original model directory as TARGET.")
+        lines.append(
+            "- vLLM and SGLang serve a Hugging Face directory, not the GGUF this draft was trained "
+            "against: use the target's original model directory as TARGET."
+        )
     commands = serving_commands(cfg.block_size, cfg.torch_dtype, draft_dir, target)
-    lines += ["", "## vLLM (GPU; method `dflash`, Model Runner V2)", "", "```bash", *commands[VLLM], "```", "",
-              f"`num_speculative_tokens` must be {n} (= block_size - 1): vLLM never reads the checkpoint's "
-              "block_size and sizes the query block and the convolution from 1 + num_speculative_tokens. "
-              "`\"method\": \"dflash\"` is required (only guessed when the path contains \"dflash\"); "
-              "do not set `VLLM_USE_V2_MODEL_RUNNER=0` (DFlash2 drafts only run on Model Runner V2). "
-              "vLLM does not check that every draft tensor loaded: run `dflash2 check --draft` on a copied "
-              "checkpoint first.",
-              "", "## SGLang (GPU)", "", "```bash", *commands[SGLANG], "```", "",
-              f"SGLang counts the anchor: its draft-token count is block_size = {bs} (read from "
-              "dflash_config.block_size when the flag is omitted; another value re-sizes the convolution with "
-              "only a warning). `--dtype` is explicit because `auto` serves a float32 draft as float16 "
-              "beside a bf16 target. SGLang skips unknown tensor names silently.",
-              "", "## llama.cpp (CPU / edge)", "",
-              "Convert the draft to a GGUF next to the target's GGUF, then serve or try it:", "", "```bash",
-              *commands[LLAMA_CPP],
-              f"llama-speculative-simple -m {_q(target.gguf or 'target.gguf')} -md draft.gguf "
-              f"--spec-type draft-dflash --spec-draft-n-max {n} -p \"Write a haiku about speculative decoding.\"",
-              "```", ""]
+    lines += [
+        "",
+        "## vLLM (GPU; method `dflash`, Model Runner V2)",
+        "",
+        "```bash",
+        *commands[VLLM],
+        "```",
+        "",
+        f"`num_speculative_tokens` must be {n} (= block_size - 1): vLLM never reads the checkpoint's "
+        "block_size and sizes the query block and the convolution from 1 + num_speculative_tokens. "
+        '`"method": "dflash"` is required (only guessed when the path contains "dflash"); '
+        "do not set `VLLM_USE_V2_MODEL_RUNNER=0` (DFlash2 drafts only run on Model Runner V2). "
+        "vLLM does not check that every draft tensor loaded: run `dflash2 check --draft` on a copied "
+        "checkpoint first.",
+        "",
+        "## SGLang (GPU)",
+        "",
+        "```bash",
+        *commands[SGLANG],
+        "```",
+        "",
+        f"SGLang counts the anchor: its draft-token count is block_size = {bs} (read from "
+        "dflash_config.block_size when the flag is omitted; another value re-sizes the convolution with "
+        "only a warning). `--dtype` is explicit because `auto` serves a float32 draft as float16 "
+        "beside a bf16 target. SGLang skips unknown tensor names silently.",
+        "",
+        "## llama.cpp (CPU / edge)",
+        "",
+        "Convert the draft to a GGUF next to the target's GGUF, then serve or try it:",
+        "",
+        "```bash",
+        *commands[LLAMA_CPP],
+        f"llama-speculative-simple -m {_q(target.gguf or 'target.gguf')} -md draft.gguf "
+        f'--spec-type draft-dflash --spec-draft-n-max {n} -p "Write a haiku about speculative decoding."',
+        "```",
+        "",
+    ]
     if not target.gguf:
-        lines += ["`target.gguf` is the target converted by llama.cpp's `convert_hf_to_gguf.py "
-                  f"{_q(hf_target)} --outfile target.gguf`.", ""]
-    lines += [f"`--spec-draft-n-max {n}` = block_size - 1; "
-              + ("llama.cpp walks the candidate selector (selector_top_k > 0)." if cfg.is_dflash2 else
-                 "llama.cpp drafts it as DFlash (argmax per position)."), ""]
-    lines += ["## Checking a running deployment", "",
-              f"`{RECORD_NAME}` beside this checkpoint (and `draft.acceptance.json` beside a GGUF "
-              "`dflash2 export-gguf` writes) is the acceptance record: held-out prompts as token ids, the target's greedy continuation, and "
-              "the accepted drafts per verify step this draft earns at T=0, with the expected tau and its 95% "
-              "interval. `dflash2 fit` writes it with the export (export.acceptance_prompts), `dflash2 eval "
-              "--replay-prompts N` and the quickstart rewrite it; `dflash2 acceptance-record "
-              f"--draft {_q(draft)} --target TARGET` writes it for any draft.",
-              "",
-              f"`dflash2 check-serving --server http://HOST:PORT --draft {_q(draft)}` sends those prompts at T=0 to "
-              "the running engine, reads the engine's own acceptance counters (llama-server: per-response "
-              "`timings` and, with `--metrics`, `/metrics`; vLLM: `--per-request-spec-decode-metrics summary` or "
-              "its Prometheus `/metrics`; SGLang: per-request `spec_tokens_details`) and says whether the served "
-              "outputs equal the target's and the served tau lies in the expected interval; if not, which and the "
-              "likely causes (exit 0 agree, 1 disagree, 2 could not check; docs/serving-check.md).", ""]
+        lines += [
+            "`target.gguf` is the target converted by llama.cpp's `convert_hf_to_gguf.py "
+            f"{_q(hf_target)} --outfile target.gguf`.",
+            "",
+        ]
+    lines += [
+        f"`--spec-draft-n-max {n}` = block_size - 1; "
+        + (
+            "llama.cpp walks the candidate selector (selector_top_k > 0)."
+            if cfg.is_dflash2
+            else "llama.cpp drafts it as DFlash (argmax per position)."
+        ),
+        "",
+    ]
+    lines += [
+        "## Checking a running deployment",
+        "",
+        f"`{RECORD_NAME}` beside this checkpoint (and `draft.acceptance.json` beside a GGUF "
+        "`dflash2 export-gguf` writes) is the acceptance record: held-out prompts as token ids, the target's greedy continuation, and "
+        "the accepted drafts per verify step this draft earns at T=0, with the expected tau and its 95% "
+        "interval. `dflash2 fit` writes it with the export (export.acceptance_prompts), `dflash2 eval "
+        "--replay-prompts N` and the quickstart rewrite it; `dflash2 acceptance-record "
+        f"--draft {_q(draft)} --target TARGET` writes it for any draft.",
+        "",
+        f"`dflash2 check-serving --server http://HOST:PORT --draft {_q(draft)}` sends those prompts at T=0 to "
+        "the running engine, reads the engine's own acceptance counters (llama-server: per-response "
+        "`timings` and, with `--metrics`, `/metrics`; vLLM: `--per-request-spec-decode-metrics summary` or "
+        "its Prometheus `/metrics`; SGLang: per-request `spec_tokens_details`) and says whether the served "
+        "outputs equal the target's and the served tau lies in the expected interval; if not, which and the "
+        "likely causes (exit 0 agree, 1 disagree, 2 could not check; docs/serving-check.md).",
+        "",
+    ]
     lines += ["## Checks", ""]
     problems = [f for f in findings if f.level != "note"]  # the notes are the prose above
     lines += [f"- **{f.level}** [{f.engine}] {f.message}" + (f" Fix: {f.fix}" if f.fix else "") for f in problems]
     if not problems:
-        lines.append("- no engine problem found" + ("" if target.num_layers is not None else
-                                                    " (not checked against a target: pass --target)"))
+        lines.append(
+            "- no engine problem found"
+            + ("" if target.num_layers is not None else " (not checked against a target: pass --target)")
+        )
     lines += ["", "Re-run with `dflash2 check --draft <this directory> --target <target dir>`.", ""]
     return "\n".join(lines)
 
 
-def write_serving(directory: str | Path, cfg: DraftConfig, target: TargetInfo | None = None,
-                  dtype_reason: str | None = None, out: str | Path | None = None) -> tuple[Path, list[Finding]]:
+def write_serving(
+    directory: str | Path,
+    cfg: DraftConfig,
+    target: TargetInfo | None = None,
+    dtype_reason: str | None = None,
+    out: str | Path | None = None,
+) -> tuple[Path, list[Finding]]:
     """Write ``SERVING.md`` (into the checkpoint ``directory`` unless ``out`` is given); return it and the findings."""
     raw = read_config_json(directory)
     findings = engine_findings(cfg, target, raw)
@@ -132,9 +187,12 @@ def write_serving(directory: str | Path, cfg: DraftConfig, target: TargetInfo | 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--draft", required=True, help="checkpoint directory (config.json + model.safetensors)")
-    parser.add_argument("--target", default=None,
-                        help="the target's local HF model directory (only config.json and tokenizer.json are "
-                             "read): checks the draft fits it and fills its path into the commands")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the target's local HF model directory (only config.json and tokenizer.json are "
+        "read): checks the draft fits it and fills its path into the commands",
+    )
     return parser
 
 
@@ -142,8 +200,10 @@ def _load(args: argparse.Namespace) -> tuple[DraftConfig, TargetInfo | None]:
     """The verified config and the target info, or a user error (raised as ConfigError / CheckpointError)."""
     draft = Path(args.draft).expanduser()
     if not (draft / CONFIG_NAME).is_file():
-        raise CheckpointError(f"--draft {draft}: no {CONFIG_NAME} there (a draft checkpoint directory holds "
-                              "config.json and model.safetensors)")
+        raise CheckpointError(
+            f"--draft {draft}: no {CONFIG_NAME} there (a draft checkpoint directory holds "
+            "config.json and model.safetensors)"
+        )
     cfg = verify_checkpoint(draft)
     target = None
     if args.target is not None:
@@ -156,14 +216,19 @@ def _load(args: argparse.Namespace) -> tuple[DraftConfig, TargetInfo | None]:
 
 def check_main(argv: Sequence[str]) -> int:
     """``dflash2 check --draft DIR [--target DIR]``: the loader's checks plus every engine check."""
-    parser = _parser("dflash2 check", "Check a DFlash / DFlash2 checkpoint the way the project's loader does "
-                     "(config, truncation, tensor names and shapes, finite weights) and against what vLLM, "
-                     "SGLang and llama.cpp need. Writes nothing. Exit 0: fine, 1: an engine error, 2: refused.")
+    parser = _parser(
+        "dflash2 check",
+        "Check a DFlash / DFlash2 checkpoint the way the project's loader does "
+        "(config, truncation, tensor names and shapes, finite weights) and against what vLLM, "
+        "SGLang and llama.cpp need. Writes nothing. Exit 0: fine, 1: an engine error, 2: refused.",
+    )
     args = parser.parse_args(list(argv))
     cfg, target = _load(args)  # a user error is one line from the command's handler (dflash2_lightning.errors)
     findings = engine_findings(cfg, target, read_config_json(args.draft))
-    print(f"{args.draft}: {cfg.architecture}, block_size {cfg.block_size}, dtype {cfg.torch_dtype}, "
-          f"target_layer_ids {cfg.target_layer_ids}: loads (config, tensors, values checked)")
+    print(
+        f"{args.draft}: {cfg.architecture}, block_size {cfg.block_size}, dtype {cfg.torch_dtype}, "
+        f"target_layer_ids {cfg.target_layer_ids}: loads (config, tensors, values checked)"
+    )
     for finding in findings:
         print(finding)
     return 1 if any(f.level == "error" for f in findings) else 0
@@ -171,8 +236,11 @@ def check_main(argv: Sequence[str]) -> int:
 
 def serve_help_main(argv: Sequence[str]) -> int:
     """``dflash2 serve-help --draft DIR [--target DIR] [--out FILE]``: write SERVING.md and say where."""
-    parser = _parser("dflash2 serve-help", "Write SERVING.md with the exact vLLM, SGLang and llama.cpp command "
-                     "lines for a checkpoint (checked first, as dflash2 check does).")
+    parser = _parser(
+        "dflash2 serve-help",
+        "Write SERVING.md with the exact vLLM, SGLang and llama.cpp command "
+        "lines for a checkpoint (checked first, as dflash2 check does).",
+    )
     parser.add_argument("--out", default=None, help="where to write it (default: DRAFT/SERVING.md)")
     args = parser.parse_args(list(argv))
     from dflash2_lightning.files import check_writable

@@ -8,5 +8,13 @@ from dflash2_lightning.model.conv import DFlashGroupedConv
 from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.model.selector import CandidateSelector
 
-__all__ = ["CacheSlot", "CandidateSelector", "ContextKV", "ContextStates", "DraftCache", "DFlashGroupedConv", "DraftModel",
-           "LayerKV"]
+__all__ = [
+    "CacheSlot",
+    "CandidateSelector",
+    "ContextKV",
+    "ContextStates",
+    "DraftCache",
+    "DFlashGroupedConv",
+    "DraftModel",
+    "LayerKV",
+]

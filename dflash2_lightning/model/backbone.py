@@ -129,15 +129,19 @@ class ContextKV:
     def append(self, other: ContextKV) -> ContextKV:
         """A cache holding this context followed by ``other``."""
         return ContextKV(
-            [LayerKV(torch.cat([a.keys, b.keys], 2), torch.cat([a.values, b.values], 2))
-             for a, b in zip(self.layers, other.layers)],
+            [
+                LayerKV(torch.cat([a.keys, b.keys], 2), torch.cat([a.values, b.values], 2))
+                for a, b in zip(self.layers, other.layers)
+            ],
             torch.cat([self.positions, other.positions], 1),
         )
 
     def crop(self, length: int) -> ContextKV:
         """The first ``length`` context positions."""
-        return ContextKV([LayerKV(kv.keys[:, :, :length], kv.values[:, :, :length]) for kv in self.layers],
-                         self.positions[:, :length])
+        return ContextKV(
+            [LayerKV(kv.keys[:, :, :length], kv.values[:, :, :length]) for kv in self.layers],
+            self.positions[:, :length],
+        )
 
 
 @dataclass
@@ -192,7 +196,7 @@ class DraftAttention(nn.Module):
         b, _, q_len, hd = q.shape
         kv, repeat = self.num_kv_heads, self.num_heads // self.num_kv_heads
         # Query head h reads KV head h // repeat (as repeat_interleave would): group them per KV head.
-        qg = q.reshape(b, kv, repeat * q_len, hd) * (hd ** -0.5)
+        qg = q.reshape(b, kv, repeat * q_len, hd) * (hd**-0.5)
         ctx = (qg @ cache.keys.transpose(-1, -2)).view(b, kv, repeat, q_len, -1)
         ctx = ctx.masked_fill(~cache.valid[:, None, None], float("-inf"))
         own = (qg @ block.keys.transpose(-1, -2)).view(b, kv, repeat, q_len, q_len)
@@ -203,8 +207,9 @@ class DraftAttention(nn.Module):
         out = probs[..., :n] @ cache.values + probs[..., n:] @ block.values
         return out.view(b, self.num_heads, q_len, hd)
 
-    def forward(self, x: Tensor, context: LayerKV | CacheSlot | BufferedKV, cos: Tensor, sin: Tensor,
-                mask: Tensor | None) -> Tensor:
+    def forward(
+        self, x: Tensor, context: LayerKV | CacheSlot | BufferedKV, cos: Tensor, sin: Tensor, mask: Tensor | None
+    ) -> Tensor:
         b, q_len, _ = x.shape
         q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
@@ -213,8 +218,8 @@ class DraftAttention(nn.Module):
             return self.o_proj(self._split_attention(q, block, context).transpose(1, 2).reshape(b, q_len, -1))
         if isinstance(context, CacheSlot):  # preallocated: the block goes into the scratch slots after the context
             end = context.length + q_len
-            context.keys[:, :, context.length:end] = block.keys
-            context.values[:, :, context.length:end] = block.values
+            context.keys[:, :, context.length : end] = block.keys
+            context.values[:, :, context.length : end] = block.values
             k, v = context.keys[:, :, :end], context.values[:, :, :end]
         else:
             k = torch.cat([context.keys, block.keys], dim=2)
@@ -254,8 +259,14 @@ class DraftLayer(nn.Module):
         self.attention_conv: nn.Module = IdentitySeam()
         self.mlp_conv: nn.Module = IdentitySeam()
 
-    def forward(self, h: Tensor, context: LayerKV | CacheSlot | BufferedKV | ContextStates, cos: Tensor, sin: Tensor,
-                mask: Tensor | None) -> Tensor:
+    def forward(
+        self,
+        h: Tensor,
+        context: LayerKV | CacheSlot | BufferedKV | ContextStates,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+    ) -> Tensor:
         if isinstance(context, ContextStates):  # this layer's context K/V, inside its own forward (FSDP)
             context = self.self_attn.project_kv(context.hidden, context.cos, context.sin)
         x, state = self.attention_conv.prepare(self.input_layernorm(h))

@@ -38,10 +38,23 @@ class DraftCache:
         dtype, device: of the buffers (the draft's).
     """
 
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 block_size: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        for name, value, low in (("num_layers", num_layers, 1), ("batch", batch, 1), ("capacity", capacity, 1),
-                                 ("block_size", block_size, 1)):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value, low in (
+            ("num_layers", num_layers, 1),
+            ("batch", batch, 1),
+            ("capacity", capacity, 1),
+            ("block_size", block_size, 1),
+        ):
             if value < low:
                 raise ValueError(f"{name}={value} is invalid: must be >= {low}")
         shape = (batch, num_kv_heads, capacity + block_size, head_dim)
@@ -57,8 +70,16 @@ class DraftCache:
         """An empty cache for a :class:`~dflash2_lightning.model.DraftModel` (its dtype and device)."""
         cfg = model.config
         p = next(model.parameters())
-        return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity,
-                   cfg.block_size, p.dtype, p.device)
+        return cls(
+            cfg.num_hidden_layers,
+            batch,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            capacity,
+            cfg.block_size,
+            p.dtype,
+            p.device,
+        )
 
     # ------------------------------------------------------------------ the ContextKV view
     @property
@@ -70,7 +91,7 @@ class DraftCache:
     @property
     def positions(self) -> Tensor:
         """Absolute positions ``[B, length]`` of the valid context."""
-        return self._positions[:, :self.length]
+        return self._positions[:, : self.length]
 
     @property
     def slot_positions(self) -> Tensor:
@@ -86,15 +107,17 @@ class DraftCache:
         """Write ``other``'s K/V and positions at ``length..`` in place; returns ``self`` (O(new positions))."""
         k = other.length
         if self.length + k > self.capacity:
-            raise ValueError(f"appending {k} positions to a cache of length {self.length} exceeds capacity="
-                             f"{self.capacity}: allocate the cache with capacity >= {self.length + k}")
+            raise ValueError(
+                f"appending {k} positions to a cache of length {self.length} exceeds capacity="
+                f"{self.capacity}: allocate the cache with capacity >= {self.length + k}"
+            )
         if len(other.layers) != len(self.keys):
             raise ValueError(f"other has {len(other.layers)} layers, the cache {len(self.keys)}")
         end = self.length + k
         for kb, vb, layer in zip(self.keys, self.values, other.layers):
-            kb[:, :, self.length:end] = layer.keys
-            vb[:, :, self.length:end] = layer.values
-        self._positions[:, self.length:end] = other.positions
+            kb[:, :, self.length : end] = layer.keys
+            vb[:, :, self.length : end] = layer.values
+        self._positions[:, self.length : end] = other.positions
         self.length = end
         return self
 

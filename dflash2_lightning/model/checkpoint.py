@@ -43,19 +43,30 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.is_dflash2:
         r = cfg.selector_rank
-        shapes.update({"candidate_selector.predecessor_codebook": (v, r),
-                       "candidate_selector.successor_codebook": (v, r),
-                       "candidate_selector.hidden_projection.weight": (r, h)})
+        shapes.update(
+            {
+                "candidate_selector.predecessor_codebook": (v, r),
+                "candidate_selector.successor_codebook": (v, r),
+                "candidate_selector.hidden_projection.weight": (r, h),
+            }
+        )
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nh * hd, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
-            p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nh * hd),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (nh * hd, h),
+                p + "self_attn.k_proj.weight": (nkv * hd, h),
+                p + "self_attn.v_proj.weight": (nkv * hd, h),
+                p + "self_attn.o_proj.weight": (h, nh * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        )
         if cfg.is_dflash2:
             t, g = cfg.conv_kernel_size, cfg.conv_num_groups
             for conv in ("attention_conv", "mlp_conv"):
@@ -69,8 +80,11 @@ def check_tensors(cfg: DraftConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     expected = expected_tensors(cfg)
     missing = sorted(set(expected) - set(shapes))
     extra = sorted(set(shapes) - set(expected))
-    wrong = [f"{k}: {tuple(shapes[k])} (expected {expected[k]})" for k in sorted(set(expected) & set(shapes))
-             if tuple(shapes[k]) != expected[k]]
+    wrong = [
+        f"{k}: {tuple(shapes[k])} (expected {expected[k]})"
+        for k in sorted(set(expected) & set(shapes))
+        if tuple(shapes[k]) != expected[k]
+    ]
     if missing or extra or wrong:
         parts = []
         if missing:
@@ -133,8 +147,10 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[str, tup
             raise CheckpointError(f"{path} is truncated: {size} bytes, not even a safetensors header")
         length = int.from_bytes(prefix, "little")
         if length > size - 8:
-            raise CheckpointError(f"{path} is truncated or not a safetensors file: its header announces "
-                                  f"{length} header bytes but the file has {size} bytes in all")
+            raise CheckpointError(
+                f"{path} is truncated or not a safetensors file: its header announces "
+                f"{length} header bytes but the file has {size} bytes in all"
+            )
         try:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -143,8 +159,10 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[str, tup
     end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     if 8 + length + end != size:
         state = "truncated" if 8 + length + end > size else "longer than its header says"
-        raise CheckpointError(f"{path} is {state}: the header describes {8 + length + end} bytes, the file "
-                              f"has {size} (an interrupted copy or download?); copy it again")
+        raise CheckpointError(
+            f"{path} is {state}: the header describes {8 + length + end} bytes, the file "
+            f"has {size} (an interrupted copy or download?); copy it again"
+        )
     return {name: (str(v["dtype"]), tuple(int(d) for d in v["shape"])) for name, v in header.items()}
 
 
@@ -157,8 +175,9 @@ def check_architecture_vs_tensors(cfg: DraftConfig, names: Any) -> None:
                 f"architectures=['DFlashDraftModel'] but {WEIGHTS_NAME} holds {len(extra)} DFlash2 tensors "
                 f"({extra[0]}, ...): served as DFlash the convolution and selector would be dropped silently. "
                 "This is a DFlash2 checkpoint whose config.json lost its DFlash2 fields: restore "
-                "architectures=[\"DFlash2DraftModel\"] and dflash_config's projector_type, conv_kernel_size, "
-                "conv_group_size, selector_rank, selector_top_k")
+                'architectures=["DFlash2DraftModel"] and dflash_config\'s projector_type, conv_kernel_size, '
+                "conv_group_size, selector_rank, selector_top_k"
+            )
 
 
 def check_finite(state: dict[str, torch.Tensor], where: str | os.PathLike = WEIGHTS_NAME) -> None:
@@ -169,9 +188,11 @@ def check_finite(state: dict[str, torch.Tensor], where: str | os.PathLike = WEIG
             t = tensor.float()
             bad.append(f"{name} ({int(torch.isnan(t).sum())} NaN, {int(torch.isinf(t).sum())} inf)")
     if bad:
-        raise CheckpointError(f"{where} holds non-finite weights in {len(bad)} tensors: {', '.join(bad[:5])}"
-                              f"{' ...' if len(bad) > 5 else ''}; the run that wrote it diverged: use an earlier "
-                              "checkpoint, or retrain with a lower lr")
+        raise CheckpointError(
+            f"{where} holds non-finite weights in {len(bad)} tensors: {', '.join(bad[:5])}"
+            f"{' ...' if len(bad) > 5 else ''}; the run that wrote it diverged: use an earlier "
+            "checkpoint, or retrain with a lower lr"
+        )
 
 
 def verify_checkpoint(directory: str | os.PathLike) -> DraftConfig:
@@ -194,8 +215,9 @@ def verify_checkpoint(directory: str | os.PathLike) -> DraftConfig:
     return cfg
 
 
-def load_draft(directory: str | os.PathLike, dtype: torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> DraftModel:
+def load_draft(
+    directory: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> DraftModel:
     """Load a checkpoint written by :func:`save_draft` (or any DFlash/DFlash2 HF checkpoint).
 
     Neither vLLM nor SGLang checks that every draft parameter was loaded, so this loader is strict: a

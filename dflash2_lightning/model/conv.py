@@ -21,8 +21,9 @@ class DFlashGroupedConv(nn.Module):
     def __init__(self, hidden_size: int, block_size: int, taps: int, group_size: int) -> None:
         super().__init__()
         if not 1 <= taps <= block_size:
-            raise ValueError(f"conv_kernel_size={taps} is invalid: must satisfy 1 <= conv_kernel_size <= "
-                             f"block_size={block_size}")
+            raise ValueError(
+                f"conv_kernel_size={taps} is invalid: must satisfy 1 <= conv_kernel_size <= block_size={block_size}"
+            )
         if group_size < 1 or hidden_size % group_size:
             raise ValueError(f"conv_group_size={group_size} is invalid: must divide hidden_size={hidden_size}")
         self.block_size, self.taps, self.num_groups = block_size, taps, hidden_size // group_size

@@ -48,12 +48,15 @@ class DraftModel(nn.Module):
         self.apply(self._init_linear)
         if config.is_dflash2:
             for layer in self.layers:
-                layer.attention_conv = DFlashGroupedConv(h, config.block_size, config.conv_kernel_size,
-                                                         config.conv_group_size)
-                layer.mlp_conv = DFlashGroupedConv(h, config.block_size, config.conv_kernel_size,
-                                                   config.conv_group_size)
-            self.candidate_selector = CandidateSelector(h, config.vocab_size, config.selector_rank,
-                                                        config.selector_top_k, config.initializer_range)
+                layer.attention_conv = DFlashGroupedConv(
+                    h, config.block_size, config.conv_kernel_size, config.conv_group_size
+                )
+                layer.mlp_conv = DFlashGroupedConv(
+                    h, config.block_size, config.conv_kernel_size, config.conv_group_size
+                )
+            self.candidate_selector = CandidateSelector(
+                h, config.vocab_size, config.selector_rank, config.selector_top_k, config.initializer_range
+            )
             nn.init.normal_(self.candidate_selector.hidden_projection.weight, std=config.initializer_range)
         else:
             self.candidate_selector = None
@@ -73,12 +76,18 @@ class DraftModel(nn.Module):
     def context_kv(self, target_features: Tensor, positions: Tensor) -> ContextKV:
         """Per-layer K/V of target features ``[B, C, n_t*H]`` at absolute ``positions [B, C]``."""
         states = self.context_states(target_features, positions)
-        return ContextKV([layer.self_attn.project_kv(states.hidden, states.cos, states.sin) for layer in self.layers],
-                         positions)
+        return ContextKV(
+            [layer.self_attn.project_kv(states.hidden, states.cos, states.sin) for layer in self.layers], positions
+        )
 
     # ------------------------------------------------------------------ block
-    def forward(self, noise_embeds: Tensor, positions: Tensor, context: ContextKV | DraftCache | ContextStates,
-                attention_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        noise_embeds: Tensor,
+        positions: Tensor,
+        context: ContextKV | DraftCache | ContextStates,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
         """Final hidden states ``[B, Q, H]`` of the block embeddings ``noise_embeds [B, Q, H]``.
 
         ``positions [B, Q]`` are the block's absolute positions; ``context`` holds the K/V the block
@@ -88,8 +97,10 @@ class DraftModel(nn.Module):
         one call (training) — a single block sees its whole context.
         """
         if isinstance(context, DraftCache) and noise_embeds.shape[1] > context.block_size:
-            raise ValueError(f"a block of {noise_embeds.shape[1]} positions exceeds the cache's "
-                             f"block_size={context.block_size} scratch slots")
+            raise ValueError(
+                f"a block of {noise_embeds.shape[1]} positions exceeds the cache's "
+                f"block_size={context.block_size} scratch slots"
+            )
         if attention_mask is None and self.config.sliding_window is not None:
             keys = torch.cat([context.positions, positions], dim=1)
             attention_mask = sliding_window_mask(positions, keys, self.config.sliding_window)
@@ -116,8 +127,14 @@ class DraftModel(nn.Module):
         unary, cand = logits.topk(self.candidate_selector.top_k, dim=-1)
         return self.candidate_selector.greedy_path(cand, unary, hidden, anchor)
 
-    def draft_block(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head,
-                    start: Tensor | int | None = None) -> Tensor:
+    def draft_block(
+        self,
+        anchor: Tensor,
+        context: ContextKV | DraftCache,
+        embed: Head,
+        head: Head,
+        start: Tensor | int | None = None,
+    ) -> Tensor:
         """One drafting step: ``[anchor, MASK x (block_size-1)]`` at positions ``start..`` -> tokens ``[B, bs-1]``.
 
         ``start`` defaults to the first position after the context.

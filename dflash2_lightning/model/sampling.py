@@ -68,8 +68,9 @@ class Sampling:
     def __post_init__(self) -> None:
         from dflash2_lightning.errors import ConfigError  # a ValueError: the user's setting, a one-line error
 
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise ConfigError(f"temperature={self.temperature!r} is invalid: must be a finite number >= 0")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p={self.top_p!r} is invalid: must be in (0, 1]")
@@ -100,7 +101,7 @@ def probabilities(scores: Tensor, sampling: Sampling) -> Tensor:
         ranked = order.values
         if 0 < sampling.top_k < vocab:
             ranked = ranked.clone()
-            ranked[..., sampling.top_k:] = -math.inf
+            ranked[..., sampling.top_k :] = -math.inf
         probs_ranked = torch.softmax(ranked, dim=-1)
         if sampling.top_p < 1:
             before = probs_ranked.cumsum(-1) - probs_ranked
@@ -130,8 +131,14 @@ def sample_backbone(logits: Tensor, sampling: Sampling, generator: torch.Generat
     return Proposal(draw(q, generator), q)
 
 
-def sample_selector_walk(selector: CandidateSelector, logits: Tensor, hidden: Tensor, anchor: Tensor,
-                         sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+def sample_selector_walk(
+    selector: CandidateSelector,
+    logits: Tensor,
+    hidden: Tensor,
+    anchor: Tensor,
+    sampling: Sampling,
+    generator: torch.Generator | None = None,
+) -> Proposal:
     """DFlash2 proposal: a sampled walk through the top-k lattice of ``logits [B, L, V]``.
 
     Step ``i`` scores position ``i``'s candidates after the sampled predecessor (the anchor ``[B]`` at
@@ -145,8 +152,8 @@ def sample_selector_walk(selector: CandidateSelector, logits: Tensor, hidden: Te
     tokens = []
     for i in range(length):
         scores = selector.score_candidates(cand[:, i], unary[:, i], hidden[:, i], predecessor)
-        q_cand = probabilities(scores, sampling)                      # [B, K]
-        pick = draw(q_cand, generator)                               # [B]
+        q_cand = probabilities(scores, sampling)  # [B, K]
+        pick = draw(q_cand, generator)  # [B]
         q[:, i].scatter_(-1, cand[:, i], q_cand.to(q.dtype))
         predecessor = cand[:, i].gather(-1, pick[:, None])[:, 0]
         tokens.append(predecessor)
@@ -167,8 +174,10 @@ def verify(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | No
     """
     length = drafts.shape[0]
     if q.shape[0] != length or p.shape[0] != length + 1:
-        raise ValueError(f"shapes drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, p {tuple(p.shape)} are "
-                         "inconsistent: need q [L, V] and p [L + 1, V] for L drafts")
+        raise ValueError(
+            f"shapes drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, p {tuple(p.shape)} are "
+            "inconsistent: need q [L, V] and p [L + 1, V] for L drafts"
+        )
     idx = drafts[:, None].to(p.device)
     p_d = p[:-1].gather(-1, idx)[:, 0].tolist()
     q_d = q.to(p.dtype).gather(-1, idx)[:, 0].tolist()
@@ -190,8 +199,9 @@ def verify(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | No
 ROW_CANDIDATES = 256
 
 
-def draw_rows(scores: Tensor, sampling: Sampling, generators: list[torch.Generator | None],
-              uniforms: Tensor | None = None) -> Tensor:
+def draw_rows(
+    scores: Tensor, sampling: Sampling, generators: list[torch.Generator | None], uniforms: Tensor | None = None
+) -> Tensor:
     """One token per row of ``scores [B, V]`` from ``probabilities(scores, sampling)``, row ``i`` by ``generators[i]``.
 
     A batched inverse-CDF draw (one uniform per row from its own generator), for generation's large batches,

@@ -42,5 +42,6 @@ class CandidateSelector(nn.Module):
     @torch.no_grad()
     def greedy_path(self, cand: Tensor, unary: Tensor, hidden: Tensor, anchor: Tensor) -> Tensor:
         """Walk candidates ``[B, L, K]`` for block offsets ``1..L``, seeded with the anchor ``[B]``."""
-        return lattice_walk(cand, unary, self.hidden_projection(hidden), anchor,
-                            self.predecessor_codebook, self.successor_codebook)
+        return lattice_walk(
+            cand, unary, self.hidden_projection(hidden), anchor, self.predecessor_codebook, self.successor_codebook
+        )

@@ -19,11 +19,17 @@ Shared by both: :mod:`~dflash2_lightning.ops.dispatch` (which implementation run
 
 from dflash2_lightning.ops.block_conv.torch_op import block_conv, block_conv_reference
 from dflash2_lightning.ops.lattice_walk.torch_op import (
-                                                        edge_scores,
-                                                        lattice_walk,
-                                                        lattice_walk_per_position,
-                                                        walk_edge_scores,
+    edge_scores,
+    lattice_walk,
+    lattice_walk_per_position,
+    walk_edge_scores,
 )
 
-__all__ = ["block_conv", "lattice_walk", "block_conv_reference", "edge_scores", "walk_edge_scores",
-           "lattice_walk_per_position"]
+__all__ = [
+    "block_conv",
+    "lattice_walk",
+    "block_conv_reference",
+    "edge_scores",
+    "walk_edge_scores",
+    "lattice_walk_per_position",
+]

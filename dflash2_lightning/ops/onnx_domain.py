@@ -13,8 +13,15 @@ from typing import Any
 from onnx import AttributeProto, TensorProto, helper
 from onnx.defs import OpSchema
 
-__all__ = ["DOMAIN", "DOMAIN_VERSION", "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "PLUGIN_ATTRIBUTES",
-           "FunctionBuilder", "make_schema"]
+__all__ = [
+    "DOMAIN",
+    "DOMAIN_VERSION",
+    "PLUGIN_NAMESPACE",
+    "PLUGIN_VERSION",
+    "PLUGIN_ATTRIBUTES",
+    "FunctionBuilder",
+    "make_schema",
+]
 
 DOMAIN = "dflash"
 DOMAIN_VERSION = 1
@@ -26,16 +33,28 @@ PLUGIN_ATTRIBUTES: dict[str, str] = {"plugin_namespace": PLUGIN_NAMESPACE, "plug
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
 
-def make_schema(name: str, doc: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
-                attributes: list[OpSchema.Attribute]) -> OpSchema:
+def make_schema(
+    name: str,
+    doc: str,
+    inputs: list[tuple[str, str]],
+    outputs: list[tuple[str, str]],
+    attributes: list[OpSchema.Attribute],
+) -> OpSchema:
     """An op schema of the domain: float inputs ``T``, token ids ``I``, and the plugin attributes."""
-    plugin = [OpSchema.Attribute(key, OpSchema.AttrType.STRING, f"TensorRT plugin lookup ({value!r})",
-                                 required=False) for key, value in PLUGIN_ATTRIBUTES.items()]
-    return OpSchema(name, DOMAIN, DOMAIN_VERSION, doc,
-                    inputs=[OpSchema.FormalParameter(n, t) for n, t in inputs],
-                    outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
-                    type_constraints=[("T", _FLOATS, "float types"), ("I", ["tensor(int64)"], "token ids")],
-                    attributes=attributes + plugin)
+    plugin = [
+        OpSchema.Attribute(key, OpSchema.AttrType.STRING, f"TensorRT plugin lookup ({value!r})", required=False)
+        for key, value in PLUGIN_ATTRIBUTES.items()
+    ]
+    return OpSchema(
+        name,
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc,
+        inputs=[OpSchema.FormalParameter(n, t) for n, t in inputs],
+        outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
+        type_constraints=[("T", _FLOATS, "float types"), ("I", ["tensor(int64)"], "token ids")],
+        attributes=attributes + plugin,
+    )
 
 
 class FunctionBuilder:

@@ -20,10 +20,28 @@ onnxruntime use the function bodies.
 
 from __future__ import annotations
 
-__all__ = ["DOMAIN", "DOMAIN_VERSION", "BLOCK_CONV", "LATTICE_WALK", "PLUGIN_NAMESPACE", "PLUGIN_VERSION",
-           "PLUGIN_ATTRIBUTES", "CUSTOM_OPS", "DEFAULT_CONTRACT_OPSET", "schemas", "register_schemas",
-           "describe_contract", "translation_table", "block_conv_function", "lattice_walk_function",
-           "REFERENCE_FUNCTIONS", "default_opset", "custom_nodes", "attach_functions", "strip_functions"]
+__all__ = [
+    "DOMAIN",
+    "DOMAIN_VERSION",
+    "BLOCK_CONV",
+    "LATTICE_WALK",
+    "PLUGIN_NAMESPACE",
+    "PLUGIN_VERSION",
+    "PLUGIN_ATTRIBUTES",
+    "CUSTOM_OPS",
+    "DEFAULT_CONTRACT_OPSET",
+    "schemas",
+    "register_schemas",
+    "describe_contract",
+    "translation_table",
+    "block_conv_function",
+    "lattice_walk_function",
+    "REFERENCE_FUNCTIONS",
+    "default_opset",
+    "custom_nodes",
+    "attach_functions",
+    "strip_functions",
+]
 
 from collections.abc import Callable
 from typing import Any
@@ -62,14 +80,18 @@ def register_schemas() -> None:
 
 def describe_contract(opset: int = DEFAULT_CONTRACT_OPSET) -> str:
     """A readable summary of the domain: each op's inputs, outputs, attributes and reference body."""
-    lines = [f"domain {DOMAIN!r} version {DOMAIN_VERSION}; every node carries "
-             + ", ".join(f"{k}={v!r}" for k, v in PLUGIN_ATTRIBUTES.items())]
+    lines = [
+        f"domain {DOMAIN!r} version {DOMAIN_VERSION}; every node carries "
+        + ", ".join(f"{k}={v!r}" for k, v in PLUGIN_ATTRIBUTES.items())
+    ]
     for schema in schemas():
         body = REFERENCE_FUNCTIONS[schema.name](opset)
         attrs = [a for a in schema.attributes if a not in PLUGIN_ATTRIBUTES]
-        lines.append(f"  {schema.name}({', '.join(i.name for i in schema.inputs)}) -> "
-                     f"{', '.join(o.name for o in schema.outputs)}; attributes: {', '.join(attrs) or 'none'}; "
-                     f"reference body: {len(body.node)} nodes at opset {opset}")
+        lines.append(
+            f"  {schema.name}({', '.join(i.name for i in schema.inputs)}) -> "
+            f"{', '.join(o.name for o in schema.outputs)}; attributes: {', '.join(attrs) or 'none'}; "
+            f"reference body: {len(body.node)} nodes at opset {opset}"
+        )
     return "\n".join(lines)
 
 
@@ -87,11 +109,9 @@ def translation_table() -> dict[Any, Callable[..., Any]]:
         return dflash.DFlashBlockConv(x, base, delta, block_size=block_size, **PLUGIN_ATTRIBUTES)
 
     def lattice_walk(cand, unary, proj, anchor, pred_codebook, succ_codebook):
-        return dflash.DFlashLatticeWalk(cand, unary, proj, anchor, pred_codebook, succ_codebook,
-                                        **PLUGIN_ATTRIBUTES)
+        return dflash.DFlashLatticeWalk(cand, unary, proj, anchor, pred_codebook, succ_codebook, **PLUGIN_ATTRIBUTES)
 
-    return {torch.ops.dflash.block_conv.default: block_conv,
-            torch.ops.dflash.lattice_walk.default: lattice_walk}
+    return {torch.ops.dflash.block_conv.default: block_conv, torch.ops.dflash.lattice_walk.default: lattice_walk}
 
 
 REFERENCE_FUNCTIONS: dict[str, Callable[[int], FunctionProto]] = {

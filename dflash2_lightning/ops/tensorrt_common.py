@@ -9,9 +9,23 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "FLOAT_TYPES", "Dim", "Shape", "check_rank", "must_equal",
-           "triton_type_of", "known", "known_shape", "triton_type", "build_arch", "MIN_TENSORRT",
-           "TENSORRT_REQUIREMENT", "tensorrt_version_problem"]
+__all__ = [
+    "PLUGIN_NAMESPACE",
+    "PLUGIN_VERSION",
+    "FLOAT_TYPES",
+    "Dim",
+    "Shape",
+    "check_rank",
+    "must_equal",
+    "triton_type_of",
+    "known",
+    "known_shape",
+    "triton_type",
+    "build_arch",
+    "MIN_TENSORRT",
+    "TENSORRT_REQUIREMENT",
+    "tensorrt_version_problem",
+]
 
 #: The oldest TensorRT the plugins work with: before 11.2.1 creating a plugin with an integer attribute as the
 #: ONNX parser passes it (INT32, length 1) fails under numpy 2.4 ("only 0-dimensional arrays can be converted
@@ -39,8 +53,10 @@ def tensorrt_version_problem(version: str) -> str | None:
     if tuple(parts) >= MIN_TENSORRT:
         return None
     floor = ".".join(map(str, MIN_TENSORRT))
-    return (f"TensorRT {version} is too old for the dflash plugins (needs >= {floor}: older versions cannot create "
-            f"a plugin with an integer attribute under numpy 2); install {TENSORRT_REQUIREMENT}")
+    return (
+        f"TensorRT {version} is too old for the dflash plugins (needs >= {floor}: older versions cannot create "
+        f"a plugin with an integer attribute under numpy 2); install {TENSORRT_REQUIREMENT}"
+    )
 
 
 def check_rank(name: str, shape: Shape, rank: int, layout: str) -> None:
@@ -58,8 +74,9 @@ def triton_type_of(trt_type_name: str) -> str:
     try:
         return TRITON_TYPE_OF_TRT[trt_type_name]
     except KeyError:
-        raise ValueError(f"tensor type {trt_type_name!r} is not supported: must be one of "
-                         f"{sorted(TRITON_TYPE_OF_TRT)}") from None
+        raise ValueError(
+            f"tensor type {trt_type_name!r} is not supported: must be one of {sorted(TRITON_TYPE_OF_TRT)}"
+        ) from None
 
 
 def known(expr: Any) -> Dim:

@@ -53,7 +53,8 @@ def float_type_name(dtype: torch.dtype | str) -> str:
         name = TRITON_DTYPES.get(dtype)
     else:
         name = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16", "float": "fp32"}.get(
-            dtype, dtype)
+            dtype, dtype
+        )
     if name not in FLOAT_TYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: must be one of float32, float16, bfloat16")
     return name
@@ -92,11 +93,12 @@ def _drop_unused_params(ptx: str, name: str, keep: int) -> str:
         return ptx
     match = re.search(r"(\.entry\s+" + re.escape(name) + r"\s*\()(.*?)(\))", ptx, re.S)
     kept = ",\n".join("\t" + p for p in params[:keep])
-    return ptx[: match.start(2)] + "\n" + kept + "\n" + ptx[match.end(2):]
+    return ptx[: match.start(2)] + "\n" + kept + "\n" + ptx[match.end(2) :]
 
 
-def compile_kernel(fn: Callable, signature: dict[str, str], constants: dict[str, int], num_warps: int,
-                   arch: int | None = None) -> AotKernel:
+def compile_kernel(
+    fn: Callable, signature: dict[str, str], constants: dict[str, int], num_warps: int, arch: int | None = None
+) -> AotKernel:
     """Compile plain Triton function ``fn`` for ``arch``; ``signature`` maps every argument to its type."""
     import triton
     from triton.compiler import ASTSource
@@ -104,16 +106,28 @@ def compile_kernel(fn: Callable, signature: dict[str, str], constants: dict[str,
     from dflash2_lightning.ops.triton_runtime import interpreting
 
     if interpreting():
-        raise RuntimeError("ahead-of-time compilation needs a process without TRITON_INTERPRET=1 "
-                           "(Triton's library is interpreted in this one)")
-    source = ASTSource(triton.JITFunction(fn), signature={**signature, **{k: "constexpr" for k in constants}},
-                       constexprs=dict(constants))
+        raise RuntimeError(
+            "ahead-of-time compilation needs a process without TRITON_INTERPRET=1 "
+            "(Triton's library is interpreted in this one)"
+        )
+    source = ASTSource(
+        triton.JITFunction(fn),
+        signature={**signature, **{k: "constexpr" for k in constants}},
+        constexprs=dict(constants),
+    )
     target = cuda_target(arch)
     compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
     meta = compiled.metadata
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
         raise RuntimeError(f"{meta.name} needs Triton scratch memory, which TensorRT's AOT launch cannot give")
     ptx = _drop_unused_params(compiled.asm["ptx"], meta.name, keep=len(signature))
-    return AotKernel(name=meta.name, ptx=ptx, cubin=compiled.asm["cubin"], arch=target.arch,
-                     num_warps=meta.num_warps, shared=meta.shared, params=tuple(signature),
-                     constants=dict(constants))
+    return AotKernel(
+        name=meta.name,
+        ptx=ptx,
+        cubin=compiled.asm["cubin"],
+        arch=target.arch,
+        num_warps=meta.num_warps,
+        shared=meta.shared,
+        params=tuple(signature),
+        constants=dict(constants),
+    )

@@ -25,13 +25,17 @@ class QuickstartError(UserError, RuntimeError):
 
 def find_config(path: str | None) -> Path:
     """``path``, else ``configs/quickstart.yaml`` in the working directory, else the one in the repository."""
-    candidates = [Path(path)] if path else [Path("configs") / CONFIG_NAME,
-                                            Path(__file__).resolve().parents[1] / "configs" / CONFIG_NAME]
+    candidates = (
+        [Path(path)]
+        if path
+        else [Path("configs") / CONFIG_NAME, Path(__file__).resolve().parents[1] / "configs" / CONFIG_NAME]
+    )
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    raise QuickstartError(f"config not found: tried {', '.join(str(c) for c in candidates)}; "
-                          "pass --config path/to/quickstart.yaml")
+    raise QuickstartError(
+        f"config not found: tried {', '.join(str(c) for c in candidates)}; pass --config path/to/quickstart.yaml"
+    )
 
 
 def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
@@ -46,7 +50,7 @@ def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
             node[part] = {}
         node = node[part]
         if not isinstance(node, (dict, list)):
-            raise QuickstartError(f"--set {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+            raise QuickstartError(f"--set {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
     if isinstance(node, list):
         node[int(parts[-1])] = value
     else:
@@ -64,8 +68,14 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the fit config
-def fit_config(base: dict[str, Any], out: Path, target: dict[str, Any] | None, max_steps: int | None,
-               overrides: Sequence[str], bf16_hardware: bool = True) -> dict[str, Any]:
+def fit_config(
+    base: dict[str, Any],
+    out: Path,
+    target: dict[str, Any] | None,
+    max_steps: int | None,
+    overrides: Sequence[str],
+    bf16_hardware: bool = True,
+) -> dict[str, Any]:
     """The LightningCLI config the quickstart trains with: ``base`` pointed at ``out``.
 
     The target (when given) replaces ``model.init_args.target`` and drops the config's explicit

@@ -55,8 +55,12 @@ class _Step:
         # CPU seconds of all this process's threads: on a shared machine, wall time alone overstates the cost.
         cpu = time.process_time() - self.cpu_start
         self.reporter.own_load = own_load(self.reporter.own_load, self.threads, seconds)
-        self.reporter.timings[self.name] = {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
-                                            "threads": self.threads, "reused": reused}
+        self.reporter.timings[self.name] = {
+            "seconds": round(seconds, 1),
+            "cpu_seconds": round(cpu, 1),
+            "threads": self.threads,
+            "reused": reused,
+        }
         self.reporter.say(f"      {self.name}: {text} ({format_seconds(seconds)}{', reused' if reused else ''})")
         return seconds
 
@@ -92,16 +96,21 @@ def serving_check_line(result: dict[str, Any]) -> str:
     lo, hi = e["interval"]
     tau = f"{served['tau']:.2f}" if served.get("tau") is not None else "-"
     iv = f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""
-    return (f"check-serving ({result['engine']}, target {Path(result['target_gguf']).name}): served tau {tau} vs "
-            f"expected {e['tau']:.2f}{iv} on {e['prompts']} prompts, outputs {result['outputs_equal']}/{e['prompts']} "
-            f"equal: {'agree' if result['agree'] else 'DISAGREE (' + result['problems'][0]['message'] + ')'}")
+    return (
+        f"check-serving ({result['engine']}, target {Path(result['target_gguf']).name}): served tau {tau} vs "
+        f"expected {e['tau']:.2f}{iv} on {e['prompts']} prompts, outputs {result['outputs_equal']}/{e['prompts']} "
+        f"equal: {'agree' if result['agree'] else 'DISAGREE (' + result['problems'][0]['message'] + ')'}"
+    )
 
 
 def summary_text(s: dict[str, Any]) -> str:
     """The human-readable summary of a finished quickstart (from the ``summary.json`` dict)."""
     r, a = s["eval"], s["artifacts"]
-    lines = ["", f"DFlash2 quickstart: {s['draft']['architecture']} draft ({s['draft']['parameters'] / 1e6:.1f}M "
-                 f"parameters, block {s['draft']['block_size']}) for {s['target']}"]
+    lines = [
+        "",
+        f"DFlash2 quickstart: {s['draft']['architecture']} draft ({s['draft']['parameters'] / 1e6:.1f}M "
+        f"parameters, block {s['draft']['block_size']}) for {s['target']}",
+    ]
     for t, blk in (r.get("temperatures") or {"0": r}).items():
         base = blk["target_only"]["tokens_per_second"]
         for name, res in blk["paths"].items():
@@ -109,13 +118,18 @@ def summary_text(s: dict[str, Any]) -> str:
             iv = (res.get("interval") or {}).get("tau") or [None, None]
             ci = f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv[0] is not None else ""
             est = f"trainer estimate {e['tau']:.2f}" if e.get("tau") is not None else "no estimate"
-            speed = (f"{m['tokens_per_second']:.1f} tok/s vs target alone {base:.1f} tok/s ({res['speedup']:.2f}x)"
-                     if m.get("tokens_per_second") and base else "")
+            speed = (
+                f"{m['tokens_per_second']:.1f} tok/s vs target alone {base:.1f} tok/s ({res['speedup']:.2f}x)"
+                if m.get("tokens_per_second") and base
+                else ""
+            )
             lines.append(f"  T={t:<4} tau {name:<8} measured {m['tau']:.2f}{ci}   {est:<22} {speed}")
         orc = blk.get("oracle") or {}
         if orc.get("replayed_tau"):
-            lines.append(f"  T={t:<4} tau top-{orc['top_k']} oracle {orc['replayed_tau']:.2f} (teacher-forced: right whenever the "
-                         f"target's token is among the draft's top-{orc['top_k']}; the selector's ceiling)")
+            lines.append(
+                f"  T={t:<4} tau top-{orc['top_k']} oracle {orc['replayed_tau']:.2f} (teacher-forced: right whenever the "
+                f"target's token is among the draft's top-{orc['top_k']}; the selector's ceiling)"
+            )
     from dflash2_lightning.evaluate.report import replay_lines
 
     lines += replay_lines(r.get("replay"), indent="  ")
@@ -124,10 +138,19 @@ def summary_text(s: dict[str, Any]) -> str:
     val = s.get("validation_tau")
     if val:
         lines.append("  training validation tau: " + ", ".join(f"{k} {v:.2f}" for k, v in val.items()))
-    checked = [res["lossless"] for blk in (r.get("temperatures") or {"0": r}).values() for res in blk["paths"].values()
-               if res["lossless"] is not None]  # greedy runs only: sampled outputs are not compared token by token
-    verdict = ("NO" if not all(checked) else "yes, every greedy speculative output equals the target greedy output"
-               if checked else "not checked (no greedy run)")
+    checked = [
+        res["lossless"]
+        for blk in (r.get("temperatures") or {"0": r}).values()
+        for res in blk["paths"].values()
+        if res["lossless"] is not None
+    ]  # greedy runs only: sampled outputs are not compared token by token
+    verdict = (
+        "NO"
+        if not all(checked)
+        else "yes, every greedy speculative output equals the target greedy output"
+        if checked
+        else "not checked (no greedy run)"
+    )
     lines.append(f"  lossless: {verdict} ({r['prompts']} prompts, {r['generated_tokens']} tokens)")
     if r.get("llama.cpp"):
         from dflash2_lightning.evaluate.llama_cpp import summary_line
@@ -135,14 +158,20 @@ def summary_text(s: dict[str, Any]) -> str:
         lines.append("  " + summary_line(r["llama.cpp"]))
     if s.get("serving_check"):
         lines.append("  " + serving_check_line(s["serving_check"]))
-    timing = ", ".join(f"{k} {format_seconds(v['seconds'])}{'*' if v['reused'] else ''}"
-                       for k, v in s["timings"].items())
-    lines.append(f"  time: {timing}; total {format_seconds(s['total_seconds'])}"
-                 + ("  (* reused)" if any(v["reused"] for v in s["timings"].values()) else ""))
+    timing = ", ".join(
+        f"{k} {format_seconds(v['seconds'])}{'*' if v['reused'] else ''}" for k, v in s["timings"].items()
+    )
+    lines.append(
+        f"  time: {timing}; total {format_seconds(s['total_seconds'])}"
+        + ("  (* reused)" if any(v["reused"] for v in s["timings"].values()) else "")
+    )
     lines += ["", "Artifacts"]
     width = max(len(k) for k in a)
     lines += [f"  {k:<{width}}  {v}" for k, v in a.items()]
-    lines += ["", f"Train again: dflash2 fit --config {a['fit config']}",
-              f"Evaluate again: dflash2 eval --draft {a['draft checkpoint (HF)']} --target {s['target_arg']} "
-              f"--out {Path(a['eval report']).parent}"]
+    lines += [
+        "",
+        f"Train again: dflash2 fit --config {a['fit config']}",
+        f"Evaluate again: dflash2 eval --draft {a['draft checkpoint (HF)']} --target {s['target_arg']} "
+        f"--out {Path(a['eval report']).parent}",
+    ]
     return "\n".join(lines)

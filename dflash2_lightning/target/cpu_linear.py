@@ -127,8 +127,12 @@ def fastest(kernels: dict[str, list[Callable[[], Any]]]) -> dict[str, float]:
 
 def packing_available(weight: torch.Tensor) -> bool:
     """Whether this torch build can pack ``weight`` (float32 on CPU, MKL present)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear"))
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+    )
 
 
 def available_memory() -> int | None:
@@ -182,8 +186,12 @@ class CpuLinears:
             with torch.no_grad():
                 x = torch.randn(bucket, weight.shape[1], dtype=weight.dtype)
                 copies = streamed_copies(weight, self.cache_bytes)
-                best = fastest({"stock": [lambda w=w: torch.nn.functional.linear(x, w) for w in copies],
-                                "rows_first": [lambda w=w: rows_first_linear(x, w) for w in copies]})
+                best = fastest(
+                    {
+                        "stock": [lambda w=w: torch.nn.functional.linear(x, w) for w in copies],
+                        "rows_first": [lambda w=w: rows_first_linear(x, w) for w in copies],
+                    }
+                )
             self.rows_first_choices[key] = best["rows_first"] * ROWS_FIRST_MARGIN < best["stock"]
         return self.rows_first_choices[key]
 
@@ -198,18 +206,29 @@ class CpuLinears:
                 x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
                 copies = streamed_copies(weight, self.cache_bytes)
                 packs = [packed] + [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in copies[1:]]
-                best = fastest({"packed": [lambda w=w, p=p: torch.ops.mkl._mkl_linear(x, p, w, None, rows)
-                                           for w, p in zip(copies, packs)],
-                                "unpacked": [lambda w=w: unpacked(x, w) for w in copies]})
+                best = fastest(
+                    {
+                        "packed": [
+                            lambda w=w, p=p: torch.ops.mkl._mkl_linear(x, p, w, None, rows)
+                            for w, p in zip(copies, packs)
+                        ],
+                        "unpacked": [lambda w=w: unpacked(x, w) for w in copies],
+                    }
+                )
             self.packing_choices[key] = best["packed"] < best["unpacked"]
         return self.packing_choices[key]
 
     def describe(self) -> dict[str, Any]:
         """The setting and the decisions taken so far (for reports and benchmarks)."""
-        return {"setting": self.setting,
-                "rows_first": sum(self.rows_first_choices.values()), "timed_rows_first": len(self.rows_first_choices),
-                "packed": sum(self.packing_choices.values()), "timed_packing": len(self.packing_choices),
-                "declared_rows": sorted(self.declared_rows), "declared_head_rows": sorted(self.declared_head_rows)}
+        return {
+            "setting": self.setting,
+            "rows_first": sum(self.rows_first_choices.values()),
+            "timed_rows_first": len(self.rows_first_choices),
+            "packed": sum(self.packing_choices.values()),
+            "timed_packing": len(self.packing_choices),
+            "declared_rows": sorted(self.declared_rows),
+            "declared_head_rows": sorted(self.declared_head_rows),
+        }
 
 
 class FewRowLinear(nn.Linear):
@@ -222,8 +241,15 @@ class FewRowLinear(nn.Linear):
     (it has no backward).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 kernels: CpuLinears | None = None, device: Any = None, dtype: Any = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        kernels: CpuLinears | None = None,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.kernels = kernels if kernels is not None else CpuLinears()
         self.packed_rows: frozenset[int] = frozenset()
@@ -233,8 +259,9 @@ class FewRowLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernels: CpuLinears) -> FewRowLinear:
         """A :class:`FewRowLinear` holding ``linear``'s own parameters (nothing copied)."""
-        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, kernels=kernels,
-                     device="meta")
+        module = cls(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, kernels=kernels, device="meta"
+        )
         module.weight = linear.weight
         module.bias = linear.bias
         module.train(linear.training)
@@ -268,9 +295,12 @@ class FewRowLinear(nn.Linear):
         if free is not None and free < PACK_MEMORY_HEADROOM * need + need:
             if not self.pack_warned:
                 self.pack_warned = True
-                print(f"dflash2: not packing a {tuple(weight.shape)} weight for {rows}-row products: "
-                      f"{free / 2**20:.0f} MiB available, packing needs {need / 2**20:.0f} MiB and keeps "
-                      f"{PACK_MEMORY_HEADROOM:g}x its size free", file=sys.stderr)
+                print(
+                    f"dflash2: not packing a {tuple(weight.shape)} weight for {rows}-row products: "
+                    f"{free / 2**20:.0f} MiB available, packing needs {need / 2**20:.0f} MiB and keeps "
+                    f"{PACK_MEMORY_HEADROOM:g}x its size free",
+                    file=sys.stderr,
+                )
             return None
         with torch.no_grad():
             packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)

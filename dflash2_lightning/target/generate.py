@@ -76,9 +76,16 @@ def _select_rows(cache: object, rows: Tensor) -> None:
         layer.batch_select_indices(rows)
 
 
-def generate(hf: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
-             pad_id: int, sampling: Sampling = Sampling(), seeds: Sequence[int | None] | None = None,
-             static_cache: bool | None = None) -> list[list[int]]:
+def generate(
+    hf: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    sampling: Sampling = Sampling(),
+    seeds: Sequence[int | None] | None = None,
+    static_cache: bool | None = None,
+) -> list[list[int]]:
     """Responses of a causal LM to a batch of tokenised prompts, in prompt order (all of them in one batch).
 
     Args:
@@ -95,16 +102,34 @@ def generate(hf: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_toke
 
     Returns one token list per prompt (both loops give the same tokens, tested).
     """
-    done = dict(generate_stream(hf, prompts, max_new_tokens, eos_ids, pad_id, sampling, seeds,
-                                slots=max(1, len(prompts)), static_cache=static_cache))
+    done = dict(
+        generate_stream(
+            hf,
+            prompts,
+            max_new_tokens,
+            eos_ids,
+            pad_id,
+            sampling,
+            seeds,
+            slots=max(1, len(prompts)),
+            static_cache=static_cache,
+        )
+    )
     return [done[i] for i in range(len(prompts))]
 
 
 @torch.no_grad()
-def generate_stream(hf: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    eos_ids: Sequence[int], pad_id: int, sampling: Sampling = Sampling(),
-                    seeds: Sequence[int | None] | None = None, slots: int = 64,
-                    static_cache: bool | None = None) -> Iterator[tuple[int, list[int]]]:
+def generate_stream(
+    hf: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    sampling: Sampling = Sampling(),
+    seeds: Sequence[int | None] | None = None,
+    slots: int = 64,
+    static_cache: bool | None = None,
+) -> Iterator[tuple[int, list[int]]]:
     """``(prompt index, response)`` for every prompt, as each response ends: continuous batching.
 
     Up to ``slots`` responses are generated together; as they end, the next prompts take their place in
@@ -118,25 +143,31 @@ def generate_stream(hf: torch.nn.Module, prompts: Sequence[Sequence[int]], max_n
     if slots < 1:
         raise ValueError(f"slots={slots} is invalid: must be >= 1")
     if not sampling.greedy and (seeds is None or len(seeds) != len(prompts)):
-        raise ValueError(f"sampling needs one seed per prompt: got {None if seeds is None else len(seeds)} seeds "
-                         f"for {len(prompts)} prompts")
+        raise ValueError(
+            f"sampling needs one seed per prompt: got {None if seeds is None else len(seeds)} seeds "
+            f"for {len(prompts)} prompts"
+        )
     if not prompts:
         return
-    generators = [None if sampling.greedy or s is None else torch.Generator().manual_seed(int(s))
-                  for s in (seeds or [None] * len(prompts))]
+    generators = [
+        None if sampling.greedy or s is None else torch.Generator().manual_seed(int(s))
+        for s in (seeds or [None] * len(prompts))
+    ]
     device = next(hf.parameters()).device
     eos = torch.as_tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device)
 
     if static_cache is True and not static_cache_supported(hf):
-        raise ValueError(f"static_cache=True is not supported for model_type={hf.config.model_type!r}: the static "
-                         f"loop decodes {list(STATIC_FAMILIES)} with full attention only")
+        raise ValueError(
+            f"static_cache=True is not supported for model_type={hf.config.model_type!r}: the static "
+            f"loop decodes {list(STATIC_FAMILIES)} with full attention only"
+        )
     if static_cache is not False and static_cache_supported(hf):
         yield from _decode_static(hf, prompts, max_new_tokens, eos, pad_id, sampling, generators, slots)
         return
     with _decode_attention(hf):
         for lo in range(0, len(prompts), slots):
-            ids, mask = _left_padded(prompts[lo:lo + slots], pad_id, device)
-            chunk = _decode_transformers(hf, ids, mask, max_new_tokens, eos, sampling, generators[lo:lo + slots])
+            ids, mask = _left_padded(prompts[lo : lo + slots], pad_id, device)
+            chunk = _decode_transformers(hf, ids, mask, max_new_tokens, eos, sampling, generators[lo : lo + slots])
             yield from enumerate(chunk, lo)
 
 
@@ -155,8 +186,9 @@ def static_cache_supported(hf: torch.nn.Module) -> bool:
     cfg, body = hf.config, getattr(hf, "model", None)
     if getattr(cfg, "model_type", None) not in STATIC_FAMILIES or body is None:
         return False
-    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in
-                                                         getattr(cfg, "layer_types", None) or ["full_attention"]):
+    if getattr(cfg, "use_sliding_window", False) or any(
+        t != "full_attention" for t in getattr(cfg, "layer_types", None) or ["full_attention"]
+    ):
         return False
     parts = ("embed_tokens", "layers", "norm", "rotary_emb")
     return all(hasattr(body, p) for p in parts) and hasattr(hf, "lm_head")
@@ -180,8 +212,15 @@ def _rope_fn(attn: torch.nn.Module) -> Any:
     return sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
 
-def _forward_static(hf: torch.nn.Module, ids: Tensor, positions: Tensor, cache: _StaticKV, slots: Tensor,
-                    allowed: Tensor, rows: Tensor | None = None) -> Tensor:
+def _forward_static(
+    hf: torch.nn.Module,
+    ids: Tensor,
+    positions: Tensor,
+    cache: _StaticKV,
+    slots: Tensor,
+    allowed: Tensor,
+    rows: Tensor | None = None,
+) -> Tensor:
     """Logits of the last of ``ids [b, s]``; their K/V are written to cache slots ``slots [b, s]``.
 
     ``rows`` (a prefill) names the cache rows the ``b`` prompts go to, and attention reads only the new
@@ -227,14 +266,21 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.de
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[row, width - len(p) :] = 1
     return ids.to(device), mask.to(device)
 
 
-def _decode_static(hf: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: Tensor,
-                   pad_id: int, sampling: Sampling, generators: Sequence[torch.Generator | None],
-                   slots: int) -> Iterator[tuple[int, list[int]]]:
+def _decode_static(
+    hf: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos: Tensor,
+    pad_id: int,
+    sampling: Sampling,
+    generators: Sequence[torch.Generator | None],
+    slots: int,
+) -> Iterator[tuple[int, list[int]]]:
     """Continuous batching over a static K/V cache of ``slots`` rows: ``(prompt index, response)`` as each ends.
 
     Every cache row holds one response at a time, with its own write pointer and rotary position. A row
@@ -246,8 +292,14 @@ def _decode_static(hf: torch.nn.Module, prompts: Sequence[Sequence[int]], max_ne
     queue = list(range(len(prompts)))[::-1]  # popped from the end: prompt order
     rows = min(slots, len(prompts))
     capacity = max(len(p) for p in prompts) + max_new_tokens
-    cache = _StaticKV(len(hf.model.layers), rows, cfg.num_key_value_heads, capacity,
-                      hf.model.layers[0].self_attn.head_dim, next(hf.parameters()))
+    cache = _StaticKV(
+        len(hf.model.layers),
+        rows,
+        cfg.num_key_value_heads,
+        capacity,
+        hf.model.layers[0].self_attn.head_dim,
+        next(hf.parameters()),
+    )
     valid = torch.zeros((rows, capacity), dtype=torch.bool, device=device)  # which cache slots hold real tokens
     pointer = torch.zeros(rows, dtype=torch.long, device=device)  # each row's next cache slot
     position = torch.zeros(rows, dtype=torch.long, device=device)  # each row's next rotary position
@@ -269,7 +321,7 @@ def _decode_static(hf: torch.nn.Module, prompts: Sequence[Sequence[int]], max_ne
     def prefill(free: list[int]) -> list[int]:
         """Start the next prompts in the cache rows ``free``; returns the rows that already ended."""
         take = [queue.pop() for _ in range(min(len(free), len(queue)))]
-        into = free[:len(take)]
+        into = free[: len(take)]
         ids, mask = _left_padded([prompts[j] for j in take], pad_id, device)
         width = ids.shape[1]
         index = torch.as_tensor(into, dtype=torch.long, device=device)
@@ -309,22 +361,36 @@ def _decode_static(hf: torch.nn.Module, prompts: Sequence[Sequence[int]], max_ne
         live_rows = [r for r in range(len(job)) if job[r] >= 0]
         live = torch.as_tensor([j >= 0 for j in job], device=device)
         valid[live, pointer[live]] = True
-        logits = _forward_static(hf, nxt[:, None], position[:, None], cache, pointer[:, None],
-                                 valid[:, None, :int(pointer.max()) + 1])
+        logits = _forward_static(
+            hf, nxt[:, None], position[:, None], cache, pointer[:, None], valid[:, None, : int(pointer.max()) + 1]
+        )
         pointer, position = pointer + live, position + live  # a finished row's pointer stays put
         ended = pick(live_rows, logits[live])
 
 
 # ----------------------------------------------------------------------------- the transformers-cache loop
-def _decode_transformers(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new_tokens: int, eos: Tensor,
-                         sampling: Sampling, generators: Sequence[torch.Generator | None]) -> list[list[int]]:
+def _decode_transformers(
+    hf: torch.nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    max_new_tokens: int,
+    eos: Tensor,
+    sampling: Sampling,
+    generators: Sequence[torch.Generator | None],
+) -> list[list[int]]:
     from transformers import DynamicCache
 
     device, n = ids.device, ids.shape[0]
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = hf(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(hf, cache),
-                use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = hf(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        **with_cache(hf, cache),
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
     live = torch.arange(n)  # original row of each row still generating
     out: list[list[int]] = [[] for _ in range(n)]
     last_pos = positions[:, -1]
@@ -341,6 +407,11 @@ def _decode_transformers(hf: torch.nn.Module, ids: Tensor, mask: Tensor, max_new
             live, nxt, mask, last_pos = live[keep.cpu()], nxt[keep], mask[keep], last_pos[keep]
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
         last_pos = last_pos + 1
-        logits = hf(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                    **with_cache(hf, cache), use_cache=True).logits[:, -1]
+        logits = hf(
+            input_ids=nxt[:, None],
+            attention_mask=mask,
+            position_ids=last_pos[:, None],
+            **with_cache(hf, cache),
+            use_cache=True,
+        ).logits[:, -1]
     return out

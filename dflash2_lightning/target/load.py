@@ -61,8 +61,10 @@ def hf_dir_of(spec: TargetSpec) -> Path:
     if spec.path is not None:
         directory = Path(spec.path).expanduser()
         if not (directory / "config.json").is_file():
-            raise TargetError(f"TargetSpec.path={spec.path!r} is not a Hugging Face model directory "
-                              "(no config.json there); models are never downloaded, give a local directory")
+            raise TargetError(
+                f"TargetSpec.path={spec.path!r} is not a Hugging Face model directory "
+                "(no config.json there); models are never downloaded, give a local directory"
+            )
         return directory
     return convert_gguf(resolve_gguf(spec.gguf or ""), Path(spec.cache_dir) if spec.cache_dir else None)
 
@@ -76,7 +78,9 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
     except OSError as error:
         if error.errno is not None:  # the file system's own fault (a permission, a full disk): reported as such
             raise
-        raise TargetError(f"{directory}: the target's weights cannot be loaded ({str(error).splitlines()[0][:200]}): "
-                          "give the model directory with its weights (model.safetensors)") from None
+        raise TargetError(
+            f"{directory}: the target's weights cannot be loaded ({str(error).splitlines()[0][:200]}): "
+            "give the model directory with its weights (model.safetensors)"
+        ) from None
     tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     return hf, tok

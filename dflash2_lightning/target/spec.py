@@ -57,12 +57,14 @@ class TargetSpec:
         if len(given) != 1:
             raise TargetError(
                 f"TargetSpec needs exactly one of path, gguf, tiny; got {given or 'none'} "
-                "(path: local HF directory, gguf: a .gguf file or 'smollm2', tiny: {} for a tiny random target)")
+                "(path: local HF directory, gguf: a .gguf file or 'smollm2', tiny: {} for a tiny random target)"
+            )
         if self.dtype not in DTYPES:
             raise TargetError(f"TargetSpec.dtype={self.dtype!r} is invalid: must be one of {sorted(DTYPES)}")
         if self.cpu_linear not in CPU_LINEAR_CHOICES:
-            raise TargetError(f"TargetSpec.cpu_linear={self.cpu_linear!r} is invalid: must be one of "
-                              f"{', '.join(CPU_LINEAR_CHOICES)}")
+            raise TargetError(
+                f"TargetSpec.cpu_linear={self.cpu_linear!r} is invalid: must be one of {', '.join(CPU_LINEAR_CHOICES)}"
+            )
 
     def key(self) -> str:
         """A canonical string for this spec (the memoisation key of :func:`load_target`, and what run logs

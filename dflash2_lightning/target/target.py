@@ -107,7 +107,7 @@ class Target(nn.Module):
         candidates.append(getattr(gen, "eos_token_id", None))
         candidates.append(getattr(self.config, "eos_token_id", None))
         for c in candidates:
-            for i in (c if isinstance(c, (list, tuple)) else [c]):
+            for i in c if isinstance(c, (list, tuple)) else [c]:
                 if i is not None and int(i) not in ids:
                     ids.append(int(i))
         return ids
@@ -151,8 +151,10 @@ class Target(nn.Module):
             raise ConfigError("target_layer_ids=[] is invalid: must be a non-empty list")
         bad = [i for i in ids if not 0 <= i < self.num_layers]
         if bad:
-            raise ConfigError(f"target_layer_ids={ids} is invalid: every id must be in "
-                              f"[0, num_layers={self.num_layers}) of the target (bad: {bad})")
+            raise ConfigError(
+                f"target_layer_ids={ids} is invalid: every id must be in "
+                f"[0, num_layers={self.num_layers}) of the target (bad: {bad})"
+            )
         return ids
 
     def check_fits(self, cfg: DraftConfig, draft: str = "the draft") -> None:
@@ -167,11 +169,15 @@ class Target(nn.Module):
             problems.append(f"vocab_size {cfg.vocab_size} vs the target's {self.vocab_size}")
         bad = [i for i in cfg.target_layer_ids or [] if not 0 <= int(i) < self.num_layers]
         if bad:
-            problems.append(f"target_layer_ids {list(cfg.target_layer_ids or [])} outside the target's "
-                            f"{self.num_layers} layers")
+            problems.append(
+                f"target_layer_ids {list(cfg.target_layer_ids or [])} outside the target's {self.num_layers} layers"
+            )
         if problems:
-            raise TargetError(f"{draft} was not trained for this target: " + "; ".join(problems)
-                              + "; pass the target the draft was trained with")
+            raise TargetError(
+                f"{draft} was not trained for this target: "
+                + "; ".join(problems)
+                + "; pass the target the draft was trained with"
+            )
 
     @property
     def greedy_from_hidden(self) -> bool:
@@ -181,9 +187,14 @@ class Target(nn.Module):
         return isinstance(head, nn.Linear) and not any(getattr(self.config, k, None) for k in _LOGIT_TRANSFORMS)
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 layer_ids: list[int] | tuple[int, ...], logits: bool = True,
-                 last_hidden: bool = False) -> TargetOutput:
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_ids: list[int] | tuple[int, ...],
+        logits: bool = True,
+        last_hidden: bool = False,
+    ) -> TargetOutput:
         """Run the target once: ``cat([hidden_states[l + 1] for l in layer_ids], -1)`` and its logits.
 
         HF ``hidden_states[0]`` is the embedding output, so layer ``l``'s output is index ``l + 1``; the last
@@ -194,15 +205,24 @@ class Target(nn.Module):
         ids = self.check_layer_ids(layer_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.long)
-        out = self.hf(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                      use_cache=False, logits_to_keep=0 if logits else 1)
+        out = self.hf(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=0 if logits else 1,
+        )
         feats = torch.cat([out.hidden_states[i + 1] for i in ids], dim=-1)
-        return TargetOutput(features=feats, logits=out.logits if logits else None,
-                            last_hidden=out.hidden_states[-1] if last_hidden else None)
+        return TargetOutput(
+            features=feats,
+            logits=out.logits if logits else None,
+            last_hidden=out.hidden_states[-1] if last_hidden else None,
+        )
 
     @torch.no_grad()
-    def greedy_at(self, last_hidden: torch.Tensor, rows: torch.Tensor,
-                  chunk_elements: int = GREEDY_CHUNK_ELEMENTS) -> torch.Tensor:
+    def greedy_at(
+        self, last_hidden: torch.Tensor, rows: torch.Tensor, chunk_elements: int = GREEDY_CHUNK_ELEMENTS
+    ) -> torch.Tensor:
         """The target's greedy next token ``[B, S]`` at the flat positions ``rows`` (indices into ``B * S``),
         -1 elsewhere, from ``last_hidden [B, S, H]`` (:meth:`features` with ``last_hidden=True``).
 
@@ -216,7 +236,7 @@ class Target(nn.Module):
         greedy = torch.full((b * s,), -1, dtype=torch.long, device=last_hidden.device)
         step = max(1, chunk_elements // head.out_features)
         for lo in range(0, rows.shape[0], step):
-            r = rows[lo:lo + step]
+            r = rows[lo : lo + step]
             # F.linear, not the module: a CPU FewRowLinear would pick a few-row kernel for a short chunk.
             greedy[r] = torch.nn.functional.linear(flat[r], head.weight, head.bias).max(-1).indices
         return greedy.view(b, s)
@@ -231,10 +251,14 @@ class Target(nn.Module):
         """
         cfg = self.config
         geometry: dict[str, Any] = dict(
-            hidden_size=self.hidden_size, vocab_size=self.vocab_size, num_target_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            num_target_layers=self.num_layers,
             num_attention_heads=int(cfg.num_attention_heads),
             num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
-            head_dim=self.head_dim, intermediate_size=int(cfg.intermediate_size), rope_theta=self.rope_theta,
+            head_dim=self.head_dim,
+            intermediate_size=int(cfg.intermediate_size),
+            rope_theta=self.rope_theta,
             rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
             max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
             mask_token_id=self.mask_token_id,
@@ -261,17 +285,26 @@ class Target(nn.Module):
 
     def describe(self) -> dict[str, Any]:
         """What a checkpoint records of the target it was trained against: the spec, geometry, fingerprint."""
-        return {"spec": json.loads(self.spec.key()) if self.spec is not None else None,
-                "geometry": {"hidden_size": self.hidden_size, "num_layers": self.num_layers,
-                             "vocab_size": self.vocab_size, "context_length": self.context_length},
-                "fingerprint": self.fingerprint()}
+        return {
+            "spec": json.loads(self.spec.key()) if self.spec is not None else None,
+            "geometry": {
+                "hidden_size": self.hidden_size,
+                "num_layers": self.num_layers,
+                "vocab_size": self.vocab_size,
+                "context_length": self.context_length,
+            },
+            "fingerprint": self.fingerprint(),
+        }
 
     def _compute_fingerprint(self) -> str:
         # Where the config was loaded from and the library version do not change the model; nor do the
         # entries save_pretrained fills in (architectures, dtype: each tensor's dtype is hashed below), so a
         # target hashes the same before and after it is saved, and as its saved copy.
-        cfg = {k: v for k, v in self.config.to_dict().items()
-               if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}
+        cfg = {
+            k: v
+            for k, v in self.config.to_dict().items()
+            if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")
+        }
         h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
         for name, p in self.hf.state_dict().items():
             flat = p.detach().reshape(-1)
@@ -283,8 +316,11 @@ class Target(nn.Module):
 
 def context_length_of_config(config: Any) -> int | None:
     """``max_position_embeddings`` of an HF config (object or dict), or None when it does not say."""
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else \
-        getattr(config, "max_position_embeddings", None)
+    value = (
+        config.get("max_position_embeddings")
+        if isinstance(config, dict)
+        else getattr(config, "max_position_embeddings", None)
+    )
     return int(value) if value else None
 
 

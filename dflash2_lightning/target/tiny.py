@@ -15,8 +15,15 @@ from dflash2_lightning.target.spec import TargetError
 
 # Geometry of the tiny random target (Qwen3); ``TargetSpec.tiny`` entries override these.
 TINY_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 # Special tokens of the tiny tokenizer, in id order (ChatML-style, like SmolLM2 and Qwen).
@@ -46,17 +53,26 @@ def tiny_tokenizer(vocab_size: int = 512) -> Any:
 
         floor = len(TINY_SPECIAL_TOKENS) + 256
         if vocab_size < floor:
-            raise TargetError(f"tiny.vocab_size={vocab_size} is invalid: must be >= {floor} "
-                              "(256 byte tokens + special tokens)")
+            raise TargetError(
+                f"tiny.vocab_size={vocab_size} is invalid: must be >= {floor} (256 byte tokens + special tokens)"
+            )
         bpe = Tokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         bpe.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(TINY_SPECIAL_TOKENS),
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(TINY_SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
         bpe.train_from_iterator(builtin_texts(), trainer=trainer)
         _TOKENIZERS[vocab_size] = PreTrainedTokenizerFast(
-            tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|pad|>", mask_token="<|mask|>",
-            chat_template=TINY_CHAT_TEMPLATE)
+            tokenizer_object=bpe,
+            eos_token="<|endoftext|>",
+            pad_token="<|pad|>",
+            mask_token="<|mask|>",
+            chat_template=TINY_CHAT_TEMPLATE,
+        )
     return _TOKENIZERS[vocab_size]
 
 

@@ -58,16 +58,28 @@ def parameters(cls: Any) -> list[str]:
             sig = inspect.signature(init)
         except (TypeError, ValueError):
             continue
-        names += [p for p, v in sig.parameters.items() if p != "self" and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)
-                  and p not in names]
+        names += [
+            p
+            for p, v in sig.parameters.items()
+            if p != "self" and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD) and p not in names
+        ]
     return names
 
 
 def _top_level_keys() -> list[str]:
     from lightning.pytorch import Trainer
 
-    keys = ["config", "print_config", "seed_everything", "ckpt_path", "trainer", "model", "data",
-            "optimizer", "lr_scheduler"]
+    keys = [
+        "config",
+        "print_config",
+        "seed_everything",
+        "ckpt_path",
+        "trainer",
+        "model",
+        "data",
+        "optimizer",
+        "lr_scheduler",
+    ]
     return keys + [f"trainer.{p}" for p in parameters(Trainer)]
 
 
@@ -80,8 +92,11 @@ def group_fields(cls: Any) -> dict[str, list[str]]:
         hints = typing.get_type_hints(cls.__init__)
     except Exception:
         return {}
-    return {name: [f.name for f in dataclasses.fields(hint)] for name, hint in hints.items()
-            if dataclasses.is_dataclass(hint)}
+    return {
+        name: [f.name for f in dataclasses.fields(hint)]
+        for name, hint in hints.items()
+        if dataclasses.is_dataclass(hint)
+    }
 
 
 def flat_config_message(cls: Any, given: dict[str, Any], where: str) -> str | None:
@@ -95,11 +110,14 @@ def flat_config_message(cls: Any, given: dict[str, Any], where: str) -> str | No
     groups: dict[str, list[str]] = {}
     for key in flat:
         group, _, field = MOVED_KEYS[key].partition(".")
-        groups.setdefault(group, []).append(f"{field}: {init_args[key]!r}" if isinstance(init_args[key], str)
-                                            else f"{field}: {init_args[key]}")
+        groups.setdefault(group, []).append(
+            f"{field}: {init_args[key]!r}" if isinstance(init_args[key], str) else f"{field}: {init_args[key]}"
+        )
     written = "; ".join(f"{group}: {{{', '.join(fields)}}}" for group, fields in groups.items())
-    return (f"model.init_args has the flat settings of an older config ({where}): DFlash2Module's settings are "
-            f"grouped now; write them under model.init_args as {written}")
+    return (
+        f"model.init_args has the flat settings of an older config ({where}): DFlash2Module's settings are "
+        f"grouped now; write them under model.init_args as {written}"
+    )
 
 
 def moved_key(cls: Any, key: str) -> str | None:
@@ -109,8 +127,10 @@ def moved_key(cls: Any, key: str) -> str | None:
     if getattr(cls, "__name__", None) != "DFlash2Module" or key not in MOVED_KEYS:
         return None
     group, _, field = MOVED_KEYS[key].partition(".")
-    return (f"is now {MOVED_KEYS[key]} (the module's settings are grouped): --model.init_args.{MOVED_KEYS[key]}, "
-            f"or `{group}: {{{field}: ...}}` under model.init_args in a config")
+    return (
+        f"is now {MOVED_KEYS[key]} (the module's settings are grouped): --model.init_args.{MOVED_KEYS[key]}, "
+        f"or `{group}: {{{field}: ...}}` under model.init_args in a config"
+    )
 
 
 def _closest(word: str, choices: Sequence[str]) -> str | None:
@@ -150,8 +170,10 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
     required = _REQUIRED.search(message)
     if required:
         keys = re.sub(r"\b(?:fit|validate)\.", "", required.group(1).strip())  # the subcommand's own keys
-        return (f"{keys} not given (no config?): pass the run's config, `{prog} --config "
-                f"CONFIG.yaml` (e.g. configs/tiny.yaml), or those settings on the command line; {help_hint}")
+        return (
+            f"{keys} not given (no config?): pass the run's config, `{prog} --config "
+            f"CONFIG.yaml` (e.g. configs/tiny.yaml), or those settings on the command line; {help_hint}"
+        )
     no_value = _NO_VALUE.search(message)
     if no_value:
         return f"{no_value.group(1)} needs a value (on the command line): `{no_value.group(1)} VALUE`; {help_hint}"
@@ -164,8 +186,10 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
 
     old_path = class_path.group(1) if class_path else None
     if old_path in MOVED_CLASS_PATHS:
-        return (f"class_path {old_path} is now {MOVED_CLASS_PATHS[old_path]} ({_where(message, config_files)}): "
-                "change it in the config")
+        return (
+            f"class_path {old_path} is now {MOVED_CLASS_PATHS[old_path]} ({_where(message, config_files)}): "
+            "change it in the config"
+        )
 
     top = _SUBCOMMAND_OPTION.search(message)
     group_key = _GROUP_OPTION.search(message)
@@ -180,15 +204,17 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
             guess = _closest(head, [k for k in _top_level_keys() if "." not in k])
             guess, shown = (f"{guess}.{rest}" if guess and rest else guess), key
         where = "in config " + ", ".join(config_files) if config_files else "in the config"
-        return (f"{shown} is not a setting ({where})" + (f"; did you mean {guess}?" if guess else ";")
-                + f" {help_hint}")
+        return f"{shown} is not a setting ({where})" + (f"; did you mean {guess}?" if guess else ";") + f" {help_hint}"
 
     in_group = _GROUP_OPTION.search(message)
     if in_group and cls is not None:
         group, key = in_group.groups()
         guess = _closest(key, group_fields(cls).get(group, []))
-        return (f"{prefix}{group}.{key} is not a setting of {owner}'s {group} group ({_where(message, config_files)})"
-                + (f"; did you mean {group}.{guess}?" if guess else ";") + f" {help_hint}")
+        return (
+            f"{prefix}{group}.{key} is not a setting of {owner}'s {group} group ({_where(message, config_files)})"
+            + (f"; did you mean {group}.{guess}?" if guess else ";")
+            + f" {help_hint}"
+        )
 
     bad = _NOT_ACCEPTED.search(message)
     given = _GIVEN_VALUE.search(message)
@@ -208,8 +234,11 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
         if moved is not None:
             return f"{prefix}{key} {moved} ({_where(message, config_files)}); {help_hint}"
         guess = _closest_setting(key, cls) if cls is not None else None
-        return (f"{prefix}{key} is not a setting of {owner or section} ({_where(message, config_files)})"
-                + (f"; did you mean {guess}?" if guess else ";") + f" {help_hint}")
+        return (
+            f"{prefix}{key} is not a setting of {owner or section} ({_where(message, config_files)})"
+            + (f"; did you mean {guess}?" if guess else ";")
+            + f" {help_hint}"
+        )
 
     unknown = _UNRECOGNIZED.search(message)
     if unknown:
@@ -223,15 +252,21 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
         if cls is not None:  # nested inside a class's arguments: model.init_args.<key> or <group>.<key>
             group, _, field = key.rpartition(".")
             fields = group_fields(cls).get(group)
-            guess = (f"{group}.{_closest(field, fields)}" if fields and _closest(field, fields)
-                     else _closest_setting(key, cls))
+            guess = (
+                f"{group}.{_closest(field, fields)}"
+                if fields and _closest(field, fields)
+                else _closest_setting(key, cls)
+            )
             full = f"{prefix}{key}"
         else:
             choices = _top_level_keys()
             guess = _closest(key, choices)
             full = key
-        return (f"--{full} is not a setting (on the command line)"
-                + (f"; did you mean --{prefix if cls is not None else ''}{guess}?" if guess else ";") + f" {help_hint}")
+        return (
+            f"--{full} is not a setting (on the command line)"
+            + (f"; did you mean --{prefix if cls is not None else ''}{guess}?" if guess else ";")
+            + f" {help_hint}"
+        )
 
     keys = _PARSER_KEY.findall(message)
     expected = _EXPECTED.search(message)
@@ -239,16 +274,25 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
         inner = keys[-1]
         full = inner if inner == section else f"{prefix}{inner}" if prefix else inner
         value = expected.group(2).strip()
-        return (f"{full}={value!r} is invalid ({_where(message, config_files)}): expected "
-                f"{_type_name(expected.group(1))}; {help_hint}")
+        return (
+            f"{full}={value!r} is invalid ({_where(message, config_files)}): expected "
+            f"{_type_name(expected.group(1))}; {help_hint}"
+        )
 
     # One of our own errors raised while jsonargparse built a value (a TargetSpec): its message alone.
     own = re.match(r"(?:\w+\.)*(?:Config|Target|Data|Objective|Checkpoint)Error: (.*)", message.strip(), re.S)
     if own:
         return own.group(1).strip()
     # Anything else: the report without its bookkeeping lines, on one line.
-    keep = [line.strip() for line in message.splitlines()
-            if line.strip() and not re.match(r"(Given value|Subtypes|Errors:|- Expected a <class 'NoneType'>|"
-                                              r"Does not validate against any)", line.strip())]
+    keep = [
+        line.strip()
+        for line in message.splitlines()
+        if line.strip()
+        and not re.match(
+            r"(Given value|Subtypes|Errors:|- Expected a <class 'NoneType'>|"
+            r"Does not validate against any)",
+            line.strip(),
+        )
+    ]
     text = "; ".join(keep)
     return (text[:400] + " ...") if len(text) > 400 else text

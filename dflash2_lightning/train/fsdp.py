@@ -53,8 +53,12 @@ def draft_mixed_precision() -> MixedPrecision:
     and casting buffers would round RoPE's ``inv_freq``. Root inputs are not cast (offline teacher logits
     and features keep their dtype).
     """
-    return MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32,
-                          cast_root_forward_inputs=False)
+    return MixedPrecision(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        buffer_dtype=torch.float32,
+        cast_root_forward_inputs=False,
+    )
 
 
 def draft_wrap_policy() -> set[type[Module]]:
@@ -97,8 +101,10 @@ class DraftFSDPStrategy(FSDPStrategy):
     def __init__(self, **kwargs: Any) -> None:
         for fixed in ("mixed_precision", "auto_wrap_policy"):
             if kwargs.get(fixed) is not None:
-                raise ConfigError(f"trainer.strategy.init_args.{fixed} is set by DraftFSDPStrategy (one unit per "
-                                  "draft layer, float32 buffers and master weights): remove it")
+                raise ConfigError(
+                    f"trainer.strategy.init_args.{fixed} is set by DraftFSDPStrategy (one unit per "
+                    "draft layer, float32 buffers and master weights): remove it"
+                )
         kwargs.update(mixed_precision=draft_mixed_precision(), auto_wrap_policy=draft_wrap_policy())
         super().__init__(**kwargs)
 
@@ -113,8 +119,10 @@ class DraftFSDPStrategy(FSDPStrategy):
         # offload_to_cpu, as Lightning asks for it, crashes the process (segmentation fault, torch 2.13).
         # Refused here, when the Trainer is built, in one line.
         if isinstance(accelerator, CPUAccelerator):
-            raise ConfigError("trainer.strategy DraftFSDPStrategy (FSDP) requires a GPU accelerator, but received "
-                              "accelerator='cpu': use --trainer.accelerator gpu, or the DDPStrategy on a CPU")
+            raise ConfigError(
+                "trainer.strategy DraftFSDPStrategy (FSDP) requires a GPU accelerator, but received "
+                "accelerator='cpu': use --trainer.accelerator gpu, or the DDPStrategy on a CPU"
+            )
         self._accelerator = accelerator
 
     @property
@@ -129,17 +137,21 @@ class DraftFSDPStrategy(FSDPStrategy):
             raise TypeError(f"DraftFSDPStrategy works with an FSDPPrecision plugin, found {plugin}")
         if plugin is not None and not isinstance(plugin, DraftFSDPPrecision):
             if plugin.precision not in SUPPORTED_PRECISIONS:
-                raise ConfigError(f"trainer.precision={plugin.precision!r} is invalid with DraftFSDPStrategy: "
-                                  f"must be one of {', '.join(SUPPORTED_PRECISIONS)} (float32 master weights)")
+                raise ConfigError(
+                    f"trainer.precision={plugin.precision!r} is invalid with DraftFSDPStrategy: "
+                    f"must be one of {', '.join(SUPPORTED_PRECISIONS)} (float32 master weights)"
+                )
             plugin = DraftFSDPPrecision(plugin.precision, plugin.scaler)
         self._precision_plugin = plugin
 
     def _setup_model(self, model: Module) -> Module:
         if getattr(model, "feature_scale", None) is not None:
             # The first step divides fc.weight's columns in place; under FSDP that weight is a 1-D shard.
-            raise ConfigError("model.init_args.experimental.normalize_features is not supported with "
-                              "DraftFSDPStrategy (it rescales fc.weight in place, which is sharded under FSDP), "
-                              "use DDP or leave normalize_features off")
+            raise ConfigError(
+                "model.init_args.experimental.normalize_features is not supported with "
+                "DraftFSDPStrategy (it rescales fc.weight in place, which is sharded under FSDP), "
+                "use DDP or leave normalize_features off"
+            )
         wrapped = super()._setup_model(model)
         self.precision_plugin.root = wrapped  # the root unit: its clip_grad_norm_ sees every shard
         return wrapped

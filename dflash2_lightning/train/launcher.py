@@ -55,8 +55,15 @@ POLL_S = 0.25
 LAUNCHER_PID_ENV = "DFLASH2_LAUNCHER_PID"
 
 #: what torch.distributed's backends say when the process at the other end of a collective is gone
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport/tcp",
-             "NCCL communicator was aborted", "remote process exited", "Socket closed")
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "gloo/transport/tcp",
+    "NCCL communicator was aborted",
+    "remote process exited",
+    "Socket closed",
+)
 
 
 class RankDiedError(UserError):
@@ -205,8 +212,9 @@ class WatchedLauncher(_SubprocessScriptLauncher):
                 continue
             first_seen = first_seen if first_seen is not None else time.monotonic()
             if time.monotonic() - first_seen >= DEATH_GRACE_S and self.claim_report():
-                self._report_and_exit(RankDiedError(self.launcher_death_message()) if self._reports_for_node()
-                                      else None)
+                self._report_and_exit(
+                    RankDiedError(self.launcher_death_message()) if self._reports_for_node() else None
+                )
 
     def _report_and_exit(self, error: UserError | None) -> None:
         if error is not None:
@@ -226,28 +234,37 @@ class WatchedLauncher(_SubprocessScriptLauncher):
         before training, when a signal stops a process at once, or it was a second one), else a dead rank."""
         signum = stop_signal_of(death.returncode)
         if signum is not None:
-            return FitInterrupted(signum, self.command, where=f"(received by rank {death.rank}, pid {death.pid}) "
-                                  f"{where_in_fit(self.trainer)}: the last complete checkpoint is kept")
+            return FitInterrupted(
+                signum,
+                self.command,
+                where=f"(received by rank {death.rank}, pid {death.pid}) "
+                f"{where_in_fit(self.trainer)}: the last complete checkpoint is kept",
+            )
         return RankDiedError(self.death_message(death))
 
     def death_message(self, death: Death) -> str:
-        return (f"rank {death.rank} (pid {death.pid}) {describe_exit(death.returncode)} {where_in_fit(self.trainer)}: "
-                "the fit stopped on every rank (the last complete checkpoint is kept); find out why that process "
-                "ended (out of memory? the system log, `dmesg`, says), then resume with: " + self.command)
+        return (
+            f"rank {death.rank} (pid {death.pid}) {describe_exit(death.returncode)} {where_in_fit(self.trainer)}: "
+            "the fit stopped on every rank (the last complete checkpoint is kept); find out why that process "
+            "ended (out of memory? the system log, `dmesg`, says), then resume with: " + self.command
+        )
 
     def launcher_death_message(self) -> str:
         rank = self.cluster_environment.node_rank() * self.num_processes  # local rank 0 of this node
-        return (f"rank {rank} (pid {self.parent_pid}), the process that launched this node's ranks, "
-                f"died {where_in_fit(self.trainer)}: the fit stopped (the last complete checkpoint is kept); find out "
-                "why that process ended (out of memory? the system log, `dmesg`, says), then resume with: "
-                + self.command)
+        return (
+            f"rank {rank} (pid {self.parent_pid}), the process that launched this node's ranks, "
+            f"died {where_in_fit(self.trainer)}: the fit stopped (the last complete checkpoint is kept); find out "
+            "why that process ended (out of memory? the system log, `dmesg`, says), then resume with: " + self.command
+        )
 
     def lost_peer_message(self, error: BaseException) -> str:
         rank = getattr(self.trainer, "global_rank", self.cluster_environment.global_rank())
-        return (f"rank {rank} lost its connection to another rank of the fit ({peer_failure_words(error)}) "
-                f"{where_in_fit(self.trainer)}: another process of the job died or was killed (its own log or the "
-                "scheduler's says why); the fit stopped (the last complete checkpoint is kept); resume with: "
-                + self.command)
+        return (
+            f"rank {rank} lost its connection to another rank of the fit ({peer_failure_words(error)}) "
+            f"{where_in_fit(self.trainer)}: another process of the job died or was killed (its own log or the "
+            "scheduler's says why); the fit stopped (the last complete checkpoint is kept); resume with: "
+            + self.command
+        )
 
     # ------------------------------------------------------------------ the main thread's side
     def failure_of(self, error: BaseException) -> UserError | None:

@@ -104,7 +104,7 @@ def replace_target_overrides(args: Sequence[str]) -> list[str]:
     while i < len(args):
         arg = args[i]
         key, eq, value = arg.partition("=")
-        kind = key[len("--" + TARGET_KEY) + 1:] if key.startswith(f"--{TARGET_KEY}.") else None
+        kind = key[len("--" + TARGET_KEY) + 1 :] if key.startswith(f"--{TARGET_KEY}.") else None
         if key == f"--{TARGET_KEY}" or kind in TARGET_KINDS:
             if not eq:
                 if i + 1 >= len(args):
@@ -146,10 +146,12 @@ def check_target_fields(spec: Any, where: str) -> None:
     for key in spec:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
-            raise ConfigError(f"{TARGET_KEY}.{key} is not a field of the target ({where})"
-                              + (f"; did you mean {close[0]}?" if close else "")
-                              + " A target is one of path (an HF directory), gguf (a .gguf file or 'smollm2') or "
-                              "tiny ({} for a tiny random target), with seed, dtype, cache_dir, cpu_linear")
+            raise ConfigError(
+                f"{TARGET_KEY}.{key} is not a field of the target ({where})"
+                + (f"; did you mean {close[0]}?" if close else "")
+                + " A target is one of path (an HF directory), gguf (a .gguf file or 'smollm2') or "
+                "tiny ({} for a tiny random target), with seed, dtype, cache_dir, cpu_linear"
+            )
 
 
 def read_config_file(path: str | os.PathLike, shown: str | None = None) -> dict[str, Any]:
@@ -164,8 +166,9 @@ def read_config_file(path: str | os.PathLike, shown: str | None = None) -> dict[
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ConfigError(f"config file {shown} is not a text file (byte {error.start} is not UTF-8): {example}") \
-            from None
+        raise ConfigError(
+            f"config file {shown} is not a text file (byte {error.start} is not UTF-8): {example}"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
@@ -173,14 +176,18 @@ def read_config_file(path: str | os.PathLike, shown: str | None = None) -> dict[
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         context = getattr(error, "context", None)
-        raise ConfigError(f"config file {shown} is not valid YAML: {problem}{where}"
-                          + (f" ({context})" if context else "")
-                          + "; fix that line (settings are `key: value`, nested keys indented with spaces)") from None
+        raise ConfigError(
+            f"config file {shown} is not valid YAML: {problem}{where}"
+            + (f" ({context})" if context else "")
+            + "; fix that line (settings are `key: value`, nested keys indented with spaces)"
+        ) from None
     if data is None:
         raise ConfigError(f"config file {shown} is empty (no settings): {example}")
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {shown} holds a YAML {type(data).__name__}, not a mapping of settings "
-                          f"(trainer:, model:, data:): {example}")
+        raise ConfigError(
+            f"config file {shown} holds a YAML {type(data).__name__}, not a mapping of settings "
+            f"(trainer:, model:, data:): {example}"
+        )
     return data
 
 
@@ -231,24 +238,28 @@ def precheck(config: Any, data_files: bool = True) -> None:
             p = Path(str(path)).expanduser()
             if not p.is_file():
                 what = "is a directory, not a jsonl file" if p.is_dir() else "does not exist"
-                raise DataError(f"data.init_args.{key}: {path} {what}; fix the path in the config or on the "
-                                "command line")
+                raise DataError(
+                    f"data.init_args.{key}: {path} {what}; fix the path in the config or on the command line"
+                )
             if not os.access(p, os.R_OK):
                 raise DataError(f"data.init_args.{key}: {path} is not readable (permission denied)")
     token_loss = _config_value(config, "model.init_args.objective.token_loss")
     mode = _config_value(config, "data.init_args.mode")
     top_k = _config_value(config, "data.init_args.teacher_top_k") or 0
     if token_loss == "kd" and mode == "offline" and not top_k:
-        raise ConfigError("model.init_args.objective.token_loss='kd' with data.init_args.mode='offline' needs the target's "
-                          "logits in the feature cache: set data.init_args.teacher_top_k > 0 (e.g. 32), or use "
-                          "token_loss='ce' (checked before the cache is built)")
+        raise ConfigError(
+            "model.init_args.objective.token_loss='kd' with data.init_args.mode='offline' needs the target's "
+            "logits in the feature cache: set data.init_args.teacher_top_k > 0 (e.g. 32), or use "
+            "token_loss='ce' (checked before the cache is built)"
+        )
 
 
 class DFlash2CLI(LightningCLI):
     """``LightningCLI`` with the model -> data links, atomic checkpoints and the run-directory guard."""
 
-    def __init__(self, *args: Any, resume: str | None = None, fit_end_callbacks: Sequence[type[Callback]] = (),
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, resume: str | None = None, fit_end_callbacks: Sequence[type[Callback]] = (), **kwargs: Any
+    ) -> None:
         # The command that resumes this fit (`... --ckpt_path last`), for the messages of an interrupted fit.
         self.resume = resume or "the same command with --ckpt_path last"
         # Callbacks every run gets when its config does not name them (the end-of-fit export: the caller, a later
@@ -286,10 +297,12 @@ class DFlash2CLI(LightningCLI):
         # `--plan.check false`, `--plan.device_memory 80GB`: fit's check of the plan, and `dflash2 plan`'s device
         parser.add_dataclass_arguments(PlanOptions, "plan")
         parser.link_arguments("model.init_args.target", "data.init_args.target")
-        parser.link_arguments("model", "data.init_args.block_size", compute_fn=_draft_block_size,
-                              apply_on="instantiate")
-        parser.link_arguments("model", "data.init_args.target_layer_ids", compute_fn=_draft_layer_ids,
-                              apply_on="instantiate")
+        parser.link_arguments(
+            "model", "data.init_args.block_size", compute_fn=_draft_block_size, apply_on="instantiate"
+        )
+        parser.link_arguments(
+            "model", "data.init_args.target_layer_ids", compute_fn=_draft_layer_ids, apply_on="instantiate"
+        )
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -326,8 +339,9 @@ class DFlash2CLI(LightningCLI):
         given = trainer_cfg.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         defaults = [kind() for kind in self.fit_end_callbacks if not any(isinstance(c, kind) for c in given)]
-        if trainer_cfg.get("enable_progress_bar", True) is not False \
-                and not any(isinstance(c, ProgressBar) for c in given):
+        if trainer_cfg.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in given
+        ):
             from dflash2_lightning.train.progress import step_progress_bar
 
             defaults.append(step_progress_bar())
@@ -356,8 +370,9 @@ class DFlash2CLI(LightningCLI):
         ckpt_path = self.config[self.subcommand].get("ckpt_path")
         resume = resolve_ckpt_path(ckpt_path, checkpoint_dirs(self.trainer))  # `best`, a missing file: refused
         if resume is not None:  # cheap (memory-mapped): the checkpoint must be of this target and draft
-            check_resume(peek_checkpoint(resume), self.model.target.describe(), self.model.draft_config.to_hf_dict(),
-                         resume)
+            check_resume(
+                peek_checkpoint(resume), self.model.target.describe(), self.model.draft_config.to_hf_dict(), resume
+            )
         if self.trainer.is_global_zero:  # one fit at a time in a run directory (a killed one holds nothing)
             self._run_lock = RunLock(run_directory(self.trainer))
             self._run_lock.acquire()
@@ -397,12 +412,16 @@ class DFlash2CLI(LightningCLI):
         dirs = [Path(d) for d in checkpoint_dirs(self.trainer)]
         if self.trainer.is_global_zero:
             for directory in written_dirs(self.trainer, self.model):  # what killed writes left behind
-                files.remove_stale(directory)                      # (never a live process's file)
+                files.remove_stale(directory)  # (never a live process's file)
         if ckpt_path == "last":
             if resume is None:
                 if self.trainer.is_global_zero:
-                    print(f"dflash2: no checkpoint to resume in {', '.join(map(str, dirs)) or 'the run directory'}: "
-                          "--ckpt_path last starts a fresh run", file=sys.stderr, flush=True)
+                    print(
+                        f"dflash2: no checkpoint to resume in {', '.join(map(str, dirs)) or 'the run directory'}: "
+                        "--ckpt_path last starts a fresh run",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 self.config[self.subcommand]["ckpt_path"] = None
                 self.config_init[self.subcommand]["ckpt_path"] = None
                 self._forget_rows_of_unsaved_runs()
@@ -415,7 +434,8 @@ class DFlash2CLI(LightningCLI):
                 raise ConfigError(
                     f"run directory {directory.parent} already holds checkpoints ({', '.join(found[:3])}"
                     f"{' ...' if len(found) > 3 else ''}): resume it with --ckpt_path last, or start a new run "
-                    "under another logger `version` (or delete that directory)")
+                    "under another logger `version` (or delete that directory)"
+                )
         self._forget_rows_of_unsaved_runs()
 
     def _forget_rows_of_unsaved_runs(self) -> None:
@@ -444,8 +464,11 @@ def fit_summary(trainer: Trainer, model: Any) -> str:
     if "train/loss" in metrics:
         parts.append(f"train/loss {metrics['train/loss']:.4g}")
     if "val/tau" in metrics:
-        paths = [f"{name} {metrics[f'val/{name}/tau']:.3f}" for name in ("selector", "backbone")
-                 if f"val/{name}/tau" in metrics]
+        paths = [
+            f"{name} {metrics[f'val/{name}/tau']:.3f}"
+            for name in ("selector", "backbone")
+            if f"val/{name}/tau" in metrics
+        ]
         parts.append(f"val/tau {metrics['val/tau']:.3f}" + (f" ({', '.join(paths)})" if paths else ""))
     else:
         parts.append("no validation ran (val/tau not measured)")
@@ -474,8 +497,9 @@ def checkpoint_dirs(trainer: Trainer) -> list[str]:
         elif trainer.loggers:
             logger = trainer.loggers[0]
             version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-            dirs.append(os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version,
-                                     "checkpoints"))
+            dirs.append(
+                os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version, "checkpoints")
+            )
         else:
             dirs.append(os.path.join(trainer.default_root_dir, "checkpoints"))
     return dirs
@@ -511,20 +535,29 @@ def written_dirs(trainer: Trainer, model: Any) -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
-def build_cli(args: Sequence[str] | None = None, run: bool = True, resume: str | None = None,
-              fit_end_callbacks: Sequence[type[Callback]] = ()) -> DFlash2CLI:
+def build_cli(
+    args: Sequence[str] | None = None,
+    run: bool = True,
+    resume: str | None = None,
+    fit_end_callbacks: Sequence[type[Callback]] = (),
+) -> DFlash2CLI:
     """The configured CLI (``run=False`` only parses and instantiates: ``cli.model``, ``cli.trainer``).
 
     ``resume``: the command that resumes the fit (:func:`~dflash2_lightning.train.preemption.resume_command`).
     ``fit_end_callbacks``: callback classes the trainer gets when the config names none of that class.
     """
     quiet_lightning()
-    return DFlash2CLI(resume=resume, fit_end_callbacks=fit_end_callbacks,
-        model_class=DFlash2Module, subclass_mode_model=True,
-        datamodule_class=DraftDataModule, subclass_mode_data=True,
+    return DFlash2CLI(
+        resume=resume,
+        fit_end_callbacks=fit_end_callbacks,
+        model_class=DFlash2Module,
+        subclass_mode_model=True,
+        datamodule_class=DraftDataModule,
+        subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},  # a resumed run rewrites config.yaml in its own directory
         auto_configure_optimizers=False,  # the module's AdamW + warmup/cosine is the optimizer
-        args=None if args is None else list(args), run=run,
+        args=None if args is None else list(args),
+        run=run,
     )
 
 
@@ -579,8 +612,9 @@ def argument_errors(argv: Sequence[str], prog: str) -> Callable[[BaseException],
     return explain
 
 
-def lightning_main(argv: list[str], from_sys_argv: bool,
-                   fit_end_callbacks: Sequence[type[Callback]] = ()) -> int | None:
+def lightning_main(
+    argv: list[str], from_sys_argv: bool, fit_end_callbacks: Sequence[type[Callback]] = ()
+) -> int | None:
     """Run LightningCLI on ``argv`` under the project's error style; jsonargparse's errors become one line.
 
     ``from_sys_argv``: LightningCLI reads ``sys.argv`` itself (the console script), which avoids its

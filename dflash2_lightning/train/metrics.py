@@ -86,8 +86,13 @@ class BlockAcceptance(Metric):
         """``acc [L]``, ``accept [L]``, ``tau`` (0-d) and the counts behind them."""
         acc = self.correct.double() / self.counted.clamp(min=1)
         accept = self.accepted.double() / self.blocks.clamp(min=1)
-        return {"acc": acc, "accept": accept, "tau": 1.0 + accept.sum(),
-                "num_positions": self.counted.sum(), "num_blocks": self.blocks[0]}
+        return {
+            "acc": acc,
+            "accept": accept,
+            "tau": 1.0 + accept.sum(),
+            "num_positions": self.counted.sum(),
+            "num_blocks": self.blocks[0],
+        }
 
 
 class SampledAcceptance(Metric):
@@ -130,8 +135,10 @@ def sampled_alpha(out: ObjectiveOutput, sampling: Any) -> dict[str, Tensor] | No
 
     teacher, sources = out.teacher, out.blocks.sources
     if out.logits is None:
-        raise ValueError("the expected acceptance under sampling needs the draft's logits: run the objective "
-                         "with keep_logits=True (a chunked objective keeps none)")
+        raise ValueError(
+            "the expected acceptance under sampling needs the draft's logits: run the objective "
+            "with keep_logits=True (a chunked objective keeps none)"
+        )
     with torch.no_grad():
         if teacher is not None and teacher.logits is not None:
             p = probabilities(gather_positions(teacher.logits, sources), sampling)
@@ -189,9 +196,13 @@ class DraftMetrics(nn.Module):
         self.agreement = SelectorAgreement() if selector else None
         # The expected acceptance under sampling (a dflash2_lightning.model.sampling.Sampling), per path.
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
-        self.sampled = nn.ModuleDict({x: SampledAcceptance(block_size) for x in
-                                      (["backbone", "selector"] if selector else ["backbone"])}) \
-            if self.sampling is not None else None
+        self.sampled = (
+            nn.ModuleDict(
+                {x: SampledAcceptance(block_size) for x in (["backbone", "selector"] if selector else ["backbone"])}
+            )
+            if self.sampling is not None
+            else None
+        )
 
     def update(self, out: ObjectiveOutput) -> None:
         valid = out.blocks.valid
@@ -257,8 +268,9 @@ def acceptance_curves(values: dict[str, float], prefix: str = "val") -> dict[str
     return curves
 
 
-def plot_acceptance(values: dict[str, float], path: str | os.PathLike, title: str = "",
-                    prefix: str = "val", close: bool = True):
+def plot_acceptance(
+    values: dict[str, float], path: str | os.PathLike, title: str = "", prefix: str = "val", close: bool = True
+):
     """Write a PNG of ``accept_k`` (solid) and ``acc_k`` (dashed) for each path; returns the figure.
 
     Written to a temporary file and renamed, so a reader never sees half a PNG. With ``close=False``

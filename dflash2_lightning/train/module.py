@@ -71,10 +71,12 @@ REQUIRED_KEYS = ("input_ids", "loss_mask")
 # The batch's loss mask as it left the data loader, on the CPU (see DFlash2Module.transfer_batch_to_device).
 LOSS_MASK_CPU = "loss_mask_cpu"
 PLOT_NAME = "acceptance.png"
-MISSING_TARGET = ("model.init_args.target is missing: name the frozen target, e.g. "
-                  "--model.init_args.target.path /models/Qwen3-8B (a local HF model directory), "
-                  "--model.init_args.target.gguf smollm2 (a GGUF file), or target: {tiny: {}} (a tiny random "
-                  "target for tests)")
+MISSING_TARGET = (
+    "model.init_args.target is missing: name the frozen target, e.g. "
+    "--model.init_args.target.path /models/Qwen3-8B (a local HF model directory), "
+    "--model.init_args.target.gguf smollm2 (a GGUF file), or target: {tiny: {}} (a tiny random "
+    "target for tests)"
+)
 
 
 class Options(NamedTuple):
@@ -131,18 +133,31 @@ class DFlash2Module(pl.LightningModule):
         export, experimental = as_options(export, ExportOptions), as_options(experimental, ExperimentalOptions)
         check(optimizer.lr > 0, "optimizer.lr", optimizer.lr, "> 0")
         check(optimizer.weight_decay >= 0, "optimizer.weight_decay", optimizer.weight_decay, ">= 0")
-        check(len(optimizer.betas) == 2 and all(0 <= b < 1 for b in optimizer.betas), "optimizer.betas",
-              optimizer.betas, "two values in [0, 1)")
+        check(
+            len(optimizer.betas) == 2 and all(0 <= b < 1 for b in optimizer.betas),
+            "optimizer.betas",
+            optimizer.betas,
+            "two values in [0, 1)",
+        )
         check(0 <= optimizer.warmup_ratio < 1, "optimizer.warmup_ratio", optimizer.warmup_ratio, "in [0, 1)")
-        check(optimizer.warmup_steps is None or optimizer.warmup_steps >= 0, "optimizer.warmup_steps",
-              optimizer.warmup_steps, "None or >= 0")
+        check(
+            optimizer.warmup_steps is None or optimizer.warmup_steps >= 0,
+            "optimizer.warmup_steps",
+            optimizer.warmup_steps,
+            "None or >= 0",
+        )
         check(0 <= optimizer.min_lr_ratio <= 1, "optimizer.min_lr_ratio", optimizer.min_lr_ratio, "in [0, 1]")
         check(export.acceptance_prompts >= 0, "export.acceptance_prompts", export.acceptance_prompts, ">= 0")
         check(export.acceptance_tokens >= 1, "export.acceptance_tokens", export.acceptance_tokens, ">= 1")
-        check(experimental.selector_lr_scale > 0, "experimental.selector_lr_scale", experimental.selector_lr_scale,
-              "> 0")
-        check(experimental.selector_init in ("random", "target_embedding"), "experimental.selector_init",
-              experimental.selector_init, "'random' or 'target_embedding'")
+        check(
+            experimental.selector_lr_scale > 0, "experimental.selector_lr_scale", experimental.selector_lr_scale, "> 0"
+        )
+        check(
+            experimental.selector_init in ("random", "target_embedding"),
+            "experimental.selector_init",
+            experimental.selector_init,
+            "'random' or 'target_embedding'",
+        )
 
         overrides = {k: v for k, v in dataclasses.asdict(draft).items() if v is not None}
         with draft_settings_named(draft):
@@ -151,15 +166,23 @@ class DFlash2Module(pl.LightningModule):
         # The end-of-fit acceptance record's prompts must fit the target's context: refused now, not after the
         # training (without a chat template no record can be made: the export warns then, as it always did).
         if export.acceptance_prompts > 0 and getattr(self.target.tokenizer, "chat_template", None):
-            record_prompts(self.target, None, export.acceptance_prompts, export.acceptance_tokens,
-                           budget=ACCEPTANCE_TOKENS_OPTION)
+            record_prompts(
+                self.target, None, export.acceptance_prompts, export.acceptance_tokens, budget=ACCEPTANCE_TOKENS_OPTION
+            )
         # The checkpoint's hparams hold plain values (a checkpoint loads without this package's classes): the
         # target as a dict and the *resolved* feature layers.
-        self.save_hyperparameters(ignore=["target", "draft", "objective", "optimizer", "validation", "export",
-                                          "experimental"])
+        self.save_hyperparameters(
+            ignore=["target", "draft", "objective", "optimizer", "validation", "export", "experimental"]
+        )
         self.hparams["target"] = dataclasses.asdict(self.target_spec)
-        for name, options in (("draft", draft), ("objective", objective), ("optimizer", optimizer),
-                              ("validation", validation), ("export", export), ("experimental", experimental)):
+        for name, options in (
+            ("draft", draft),
+            ("objective", objective),
+            ("optimizer", optimizer),
+            ("validation", validation),
+            ("export", export),
+            ("experimental", experimental),
+        ):
             self.hparams[name] = dataclasses.asdict(options)
         self.hparams["draft"]["target_layer_ids"] = list(self.draft_config.target_layer_ids or [])
         self.options = Options(draft, objective, optimizer, validation, export, experimental)
@@ -173,33 +196,44 @@ class DFlash2Module(pl.LightningModule):
             rank_zero_info(f"draft layers initialised from target layers {layers}")
         if experimental.selector_init == "target_embedding":  # a resumed run then loads its own weights over these
             if self.draft.candidate_selector is None:
-                raise ConfigError("experimental.selector_init='target_embedding' needs draft.projector_type='dflash2' "
-                                  "(the DFlash baseline has no candidate selector)")
+                raise ConfigError(
+                    "experimental.selector_init='target_embedding' needs draft.projector_type='dflash2' "
+                    "(the DFlash baseline has no candidate selector)"
+                )
             from dflash2_lightning.train.warm_start import init_selector_from_embedding
 
-            share = init_selector_from_embedding(self.draft.candidate_selector,
-                                                 self.target.hf.get_input_embeddings().weight,
-                                                 self.draft_config.initializer_range)
-            rank_zero_info(f"selector codebooks initialised from the target embedding's top "
-                           f"{self.draft_config.selector_rank} principal directions ({share:.0%} of its variance)")
+            share = init_selector_from_embedding(
+                self.draft.candidate_selector,
+                self.target.hf.get_input_embeddings().weight,
+                self.draft_config.initializer_range,
+            )
+            rank_zero_info(
+                f"selector codebooks initialised from the target embedding's top "
+                f"{self.draft_config.selector_rank} principal directions ({share:.0%} of its variance)"
+            )
         if experimental.normalize_features:  # buffers, so a resumed run keeps the scale it trained with
             width = self.draft_config.num_target_features * self.draft_config.hidden_size
             self.register_buffer("feature_scale", torch.ones(width))
             self.register_buffer("feature_scale_ready", torch.zeros((), dtype=torch.bool))
-        self.objective = DraftObjective(token_loss=objective.token_loss,
-                                        position_weighting=objective.position_weighting,
-                                        decay_gamma=objective.decay_gamma, dpace_alpha=objective.dpace_alpha,
-                                        selector_loss_alpha=objective.selector_loss_alpha,
-                                        gold_outside_topk=objective.gold_outside_topk,
-                                        num_anchors=objective.num_anchors, labels=objective.labels)
+        self.objective = DraftObjective(
+            token_loss=objective.token_loss,
+            position_weighting=objective.position_weighting,
+            decay_gamma=objective.decay_gamma,
+            dpace_alpha=objective.dpace_alpha,
+            selector_loss_alpha=objective.selector_loss_alpha,
+            gold_outside_topk=objective.gold_outside_topk,
+            num_anchors=objective.num_anchors,
+            labels=objective.labels,
+        )
         from dflash2_lightning.model.sampling import Sampling
 
         try:
             val_sampling = Sampling(validation.temperature or 0.0, validation.top_p, validation.top_k)
         except ValueError as err:
             raise ConfigError(f"validation.{err}") from None  # the message names the field: temperature=...
-        self.val_metrics = DraftMetrics(self.draft_config.block_size, selector=self.draft_config.is_dflash2,
-                                        prefix="val", sampling=val_sampling)
+        self.val_metrics = DraftMetrics(
+            self.draft_config.block_size, selector=self.draft_config.is_dflash2, prefix="val", sampling=val_sampling
+        )
         self._due_validation: dict[str, int] | None = None  # a resumed checkpoint's validation still to run
 
     # ------------------------------------------------------------------ the frozen target
@@ -271,8 +305,10 @@ class DFlash2Module(pl.LightningModule):
         data = getattr(self.trainer, "datamodule", None)
         offline = getattr(data, "mode", "online") == "offline"
         if offline and self.objective.token_loss == "kd" and not getattr(data, "teacher_top_k", 1):
-            raise ConfigError("token_loss='kd' with offline data needs the target's logits in the cache: set "
-                              "data teacher_top_k > 0 (e.g. 32), or use token_loss='ce'")
+            raise ConfigError(
+                "token_loss='kd' with offline data needs the target's logits in the cache: set "
+                "data teacher_top_k > 0 (e.g. 32), or use token_loss='ce'"
+            )
         self.target.fingerprint()  # where it was loaded (the CPU), before it moves: checkpoints record it
         self._target_ready(whole=not offline)
 
@@ -299,16 +335,20 @@ class DFlash2Module(pl.LightningModule):
     def _check_batch(self, batch: dict[str, Tensor]) -> None:
         missing = [k for k in REQUIRED_KEYS if k not in batch]
         if missing:
-            raise KeyError(f"batch is missing {missing}: a batch needs input_ids [B,S] and loss_mask [B,S] "
-                           f"(got keys {sorted(batch)})")
+            raise KeyError(
+                f"batch is missing {missing}: a batch needs input_ids [B,S] and loss_mask [B,S] "
+                f"(got keys {sorted(batch)})"
+            )
         b, s = batch["input_ids"].shape
         self.draft_config.check_sequence_length(s, "seq_len (batch input_ids.shape[1])")
         if "features" in batch:
             width = self.draft_config.num_target_features * self.draft_config.hidden_size
             if tuple(batch["features"].shape) != (b, s, width):
-                raise ValueError(f"batch features have shape {tuple(batch['features'].shape)}: expected "
-                                 f"[{b}, {s}, {width}] = [batch, seq_len, len(target_layer_ids) * hidden_size]; "
-                                 "was the offline cache built for other target_layer_ids?")
+                raise ValueError(
+                    f"batch features have shape {tuple(batch['features'].shape)}: expected "
+                    f"[{b}, {s}, {width}] = [batch, seq_len, len(target_layer_ids) * hidden_size]; "
+                    "was the offline cache built for other target_layer_ids?"
+                )
 
     def forward_batch(self, batch: dict[str, Tensor], generator: Any, walk: bool = False) -> ObjectiveOutput:
         """Features (from the batch, or the target online), then the objective on one draft forward."""
@@ -323,16 +363,24 @@ class DFlash2Module(pl.LightningModule):
         tgt = self._target_ready(whole=not offline)
         if offline:
             features = batch["features"]
-            teacher = Teacher(topk_values=batch.get("teacher_topk_values"),
-                              topk_indices=batch.get("teacher_topk_indices"), greedy=batch.get("target_next"))
+            teacher = Teacher(
+                topk_values=batch.get("teacher_topk_values"),
+                topk_indices=batch.get("teacher_topk_indices"),
+                greedy=batch.get("target_next"),
+            )
         else:
             # The full logits only where they are read (distillation, validation's sampled acceptance); else
             # the greedy token only at the positions the blocks read, the head never over all S positions.
             keep = self.objective.token_loss == "kd" or (walk and self.val_metrics.sampled is not None)
             full = keep or not tgt.greedy_from_hidden
             with torch.no_grad():
-                out = tgt.features(batch["input_ids"], attention_mask, self.draft_config.target_layer_ids,
-                                   logits=full, last_hidden=not full)
+                out = tgt.features(
+                    batch["input_ids"],
+                    attention_mask,
+                    self.draft_config.target_layer_ids,
+                    logits=full,
+                    last_hidden=not full,
+                )
             features = out.features
             if full:
                 teacher = Teacher(logits=out.logits if keep else None, greedy=out.logits.max(-1).indices)
@@ -346,9 +394,19 @@ class DFlash2Module(pl.LightningModule):
             features = features * self.feature_scale.to(features.dtype)
         embed, head = self._embed_head(tgt)
         # Validation's expected acceptance under sampling reads the draft's logits: keep them in one piece there.
-        return self.objective(self.draft, embed, head, batch["input_ids"], batch["loss_mask"], features,
-                              teacher, attention_mask, anchors=anchors, walk=walk,
-                              keep_logits=walk and self.val_metrics.sampled is not None)
+        return self.objective(
+            self.draft,
+            embed,
+            head,
+            batch["input_ids"],
+            batch["loss_mask"],
+            features,
+            teacher,
+            attention_mask,
+            anchors=anchors,
+            walk=walk,
+            keep_logits=walk and self.val_metrics.sampled is not None,
+        )
 
     @torch.no_grad()
     def _measure_feature_scale(self, features: Tensor, attention_mask: Tensor | None) -> None:
@@ -395,10 +453,14 @@ class DFlash2Module(pl.LightningModule):
                 f"non-finite loss at global step {self.global_step}, batch index {batch_idx} "
                 f"(this rank's loss: {out.loss.item()}, token loss: {out.token_loss.item()}"
                 + (f", selector loss: {out.selector_loss.item()}" if out.selector_loss is not None else "")
-                + "); lower the learning rate, check the data, or use a wider precision")
+                + "); lower the learning rate, check the data, or use a wider precision"
+            )
         b = batch["input_ids"].shape[0]
-        logs = {"train/loss": out.loss, "train/token_loss": out.token_loss,
-                "train/acc": _rate(out.draft_tokens == out.reference, out.blocks.valid)}
+        logs = {
+            "train/loss": out.loss,
+            "train/token_loss": out.token_loss,
+            "train/acc": _rate(out.draft_tokens == out.reference, out.blocks.valid),
+        }
         if out.selector_loss is not None:
             logs["train/selector_loss"] = out.selector_loss
             logs["train/selector_accuracy"] = _rate(out.selector_correct, out.blocks.valid)
@@ -459,11 +521,14 @@ class DFlash2Module(pl.LightningModule):
                 no_decay.append(p)
             else:
                 decay.append(p)
-        groups = [{"params": decay, "weight_decay": hp.weight_decay, "name": "decay"},
-                  {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        ]
         if selector:  # a third group only when scaled, so checkpoints of two-group runs still resume
-            groups.append({"params": selector, "weight_decay": hp.weight_decay, "lr": hp.lr * selector_scale,
-                           "name": "selector"})
+            groups.append(
+                {"params": selector, "weight_decay": hp.weight_decay, "lr": hp.lr * selector_scale, "name": "selector"}
+            )
         return groups
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -472,8 +537,9 @@ class DFlash2Module(pl.LightningModule):
         # fused kernel: it rounds differently from the for-each one, and the shipped CPU runs (tiny,
         # quickstart) must stay bit-for-bit what they were.
         fused = self.device.type == "cuda"
-        optimizer = torch.optim.AdamW(self.parameter_groups(), lr=hp.lr, betas=tuple(hp.betas),
-                                      **({"fused": True} if fused else {}))
+        optimizer = torch.optim.AdamW(
+            self.parameter_groups(), lr=hp.lr, betas=tuple(hp.betas), **({"fused": True} if fused else {})
+        )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = hp.warmup_steps if hp.warmup_steps is not None else int(round(hp.warmup_ratio * total))
         schedule = WarmupCosine(warmup, total, hp.min_lr_ratio)
@@ -497,8 +563,9 @@ class DFlash2Module(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Before any weight is loaded: the checkpoint must be of this target and this draft geometry.
         trainer = self._trainer
-        check_resume(checkpoint, self.target.describe(), self.draft_config.to_hf_dict(),
-                     getattr(trainer, "ckpt_path", None))
+        check_resume(
+            checkpoint, self.target.describe(), self.draft_config.to_hf_dict(), getattr(trainer, "ckpt_path", None)
+        )
         # Resuming a fit: rows a logger wrote after this checkpoint are logged again, so drop the old copies
         # (not when a checkpoint is only validated); so is a validation that was due when it was taken.
         if trainer is not None and trainer.state.fn == "fit":
@@ -518,8 +585,9 @@ class DFlash2Module(pl.LightningModule):
         (``trainer.strategy.lightning_module_state_dict()``: gathered under FSDP), with the feature scale (when
         trained with ``normalize_features``) folded into ``fc``: what the export writes."""
         draft = DraftModel(self.draft_config)
-        draft.load_state_dict({k[len("draft."):]: v.detach().cpu() for k, v in state.items()
-                               if k.startswith("draft.")})
+        draft.load_state_dict(
+            {k[len("draft.") :]: v.detach().cpu() for k, v in state.items() if k.startswith("draft.")}
+        )
         if "feature_scale" in state:  # fc was trained on scaled features: fold the scale into its columns
             with torch.no_grad():
                 draft.fc.weight.mul_(state["feature_scale"].detach().cpu().to(draft.fc.weight.dtype))

@@ -77,8 +77,12 @@ class ObjectiveError(UserError, ValueError):
 
 
 # ----------------------------------------------------------------------------- anchors
-def sample_anchors(loss_mask: Tensor, block_size: int, num_anchors: int,
-                   generator: torch.Generator | Sequence[torch.Generator] | None = None) -> tuple[Tensor, Tensor]:
+def sample_anchors(
+    loss_mask: Tensor,
+    block_size: int,
+    num_anchors: int,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Sample block anchors from the supervised positions ``p`` in ``[0, S - block_size]``.
 
     Per sample, without replacement, uniformly among its candidates; ``N = min(num_anchors, most
@@ -151,8 +155,9 @@ class Blocks:
         return self.anchors.shape[1]
 
 
-def layout_blocks(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, keep: Tensor, block_size: int,
-                  mask_token_id: int) -> Blocks:
+def layout_blocks(
+    input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, keep: Tensor, block_size: int, mask_token_id: int
+) -> Blocks:
     """Lay out ``[anchor, MASK x (bs-1)]`` blocks at ``anchors`` and gather their labels and weights."""
     b, s = input_ids.shape
     n = anchors.shape[1]
@@ -167,14 +172,24 @@ def layout_blocks(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, keep: T
     tokens[:, :, 0] = ids_at[:, :, 0]
     valid = keep[:, :, None] & in_bounds & supervised
     return Blocks(
-        anchors=anchors, keep=keep, tokens=tokens.reshape(b, -1), positions=positions.reshape(b, -1),
-        labels=ids_at[:, :, 1:], predecessors=ids_at[:, :, :-1], sources=clamped[:, :, :-1],
+        anchors=anchors,
+        keep=keep,
+        tokens=tokens.reshape(b, -1),
+        positions=positions.reshape(b, -1),
+        labels=ids_at[:, :, 1:],
+        predecessors=ids_at[:, :, :-1],
+        sources=clamped[:, :, :-1],
         valid=valid[:, :, 1:],  # slot 0 (the anchor) is never supervised
     )
 
 
-def block_attention_mask(anchors: Tensor, seq_len: int, block_size: int, attention_mask: Tensor | None = None,
-                         sliding_window: int | None = None) -> Tensor:
+def block_attention_mask(
+    anchors: Tensor,
+    seq_len: int,
+    block_size: int,
+    attention_mask: Tensor | None = None,
+    sliding_window: int | None = None,
+) -> Tensor:
     """Boolean ``[B, 1, N*bs, S + N*bs]`` mask (True = attend) for ``N`` blocks over an ``S``-long context.
 
     A query in block ``n`` sees context position ``j`` iff ``j < a_n`` (strictly before its anchor),
@@ -274,19 +289,19 @@ class ObjectiveOutput:
     loss: Tensor
     token_loss: Tensor
     selector_loss: Tensor | None
-    slot_loss: Tensor            # per-slot token loss (unweighted)
-    slot_weight: Tensor          # final per-slot weight of the token loss (validity x position weight)
-    logits: Tensor | None        # [B, N, L, V] draft logits of the supervised slots (None when chunked)
+    slot_loss: Tensor  # per-slot token loss (unweighted)
+    slot_weight: Tensor  # final per-slot weight of the token loss (validity x position weight)
+    logits: Tensor | None  # [B, N, L, V] draft logits of the supervised slots (None when chunked)
     blocks: Blocks
-    reference: Tensor            # the token a slot must produce to be accepted
-    draft_tokens: Tensor         # backbone argmax
-    selector_tokens: Tensor | None = None   # the selector's greedy walk (when requested)
-    covered: Tensor | None = None           # reference in the draft's top-k
+    reference: Tensor  # the token a slot must produce to be accepted
+    draft_tokens: Tensor  # backbone argmax
+    selector_tokens: Tensor | None = None  # the selector's greedy walk (when requested)
+    covered: Tensor | None = None  # reference in the draft's top-k
     selector_correct: Tensor | None = None  # teacher-forced selector pick == reference
     # For the expected acceptance under sampling (metrics.SampledAcceptance), no gradient:
-    teacher: Teacher | None = None             # what the target supplied (logits or cached top-k)
+    teacher: Teacher | None = None  # what the target supplied (logits or cached top-k)
     selector_candidates: Tensor | None = None  # [B, N, L, K] the top-k the selector scores
-    selector_scores: Tensor | None = None      # [B, N, L, K] its scores after the teacher-forced predecessor
+    selector_scores: Tensor | None = None  # [B, N, L, K] its scores after the teacher-forced predecessor
 
 
 class DraftObjective:
@@ -309,36 +324,79 @@ class DraftObjective:
             losses run chunked (see the module docstring); at or below it, in one piece.
     """
 
-    def __init__(self, token_loss: TokenLoss = "ce", position_weighting: PositionWeighting = "none",
-                 decay_gamma: float = 7.0, dpace_alpha: float = 0.5, selector_loss_alpha: float = 1.0,
-                 gold_outside_topk: GoldOutsideTopK = "insert_last", num_anchors: int = 256,
-                 labels: LabelSource = "data", logits_chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> None:
+    def __init__(
+        self,
+        token_loss: TokenLoss = "ce",
+        position_weighting: PositionWeighting = "none",
+        decay_gamma: float = 7.0,
+        dpace_alpha: float = 0.5,
+        selector_loss_alpha: float = 1.0,
+        gold_outside_topk: GoldOutsideTopK = "insert_last",
+        num_anchors: int = 256,
+        labels: LabelSource = "data",
+        logits_chunk_elements: int = LOGITS_CHUNK_ELEMENTS,
+    ) -> None:
         check(token_loss in ("ce", "kd"), "token_loss", token_loss, "one of 'ce', 'kd'", error=ObjectiveError)
-        check(position_weighting in ("none", "decay", "dpace"), "position_weighting", position_weighting,
-               "one of 'none', 'decay', 'dpace'", error=ObjectiveError)
+        check(
+            position_weighting in ("none", "decay", "dpace"),
+            "position_weighting",
+            position_weighting,
+            "one of 'none', 'decay', 'dpace'",
+            error=ObjectiveError,
+        )
         check(decay_gamma > 0 and math.isfinite(decay_gamma), "decay_gamma", decay_gamma, "> 0", error=ObjectiveError)
         check(0.0 < dpace_alpha <= 1.0, "dpace_alpha", dpace_alpha, "0 < dpace_alpha <= 1", error=ObjectiveError)
-        check(selector_loss_alpha >= 0, "selector_loss_alpha", selector_loss_alpha,
-              ">= 0 (0 disables it)", error=ObjectiveError)
-        check(gold_outside_topk in ("insert_last", "drop"), "gold_outside_topk", gold_outside_topk,
-               "one of 'insert_last', 'drop'", error=ObjectiveError)
-        check(isinstance(num_anchors, int) and num_anchors >= 1, "num_anchors", num_anchors,
-              "an integer >= 1", error=ObjectiveError)
+        check(
+            selector_loss_alpha >= 0,
+            "selector_loss_alpha",
+            selector_loss_alpha,
+            ">= 0 (0 disables it)",
+            error=ObjectiveError,
+        )
+        check(
+            gold_outside_topk in ("insert_last", "drop"),
+            "gold_outside_topk",
+            gold_outside_topk,
+            "one of 'insert_last', 'drop'",
+            error=ObjectiveError,
+        )
+        check(
+            isinstance(num_anchors, int) and num_anchors >= 1,
+            "num_anchors",
+            num_anchors,
+            "an integer >= 1",
+            error=ObjectiveError,
+        )
         check(labels in ("data", "target"), "labels", labels, "one of 'data', 'target'", error=ObjectiveError)
         self.labels = labels
         self.token_loss, self.position_weighting = token_loss, position_weighting
         self.decay_gamma, self.dpace_alpha = decay_gamma, dpace_alpha
         self.selector_loss_alpha, self.gold_outside_topk = selector_loss_alpha, gold_outside_topk
         self.num_anchors = num_anchors
-        check(isinstance(logits_chunk_elements, int) and logits_chunk_elements >= 1, "logits_chunk_elements",
-              logits_chunk_elements, "an integer >= 1", error=ObjectiveError)
+        check(
+            isinstance(logits_chunk_elements, int) and logits_chunk_elements >= 1,
+            "logits_chunk_elements",
+            logits_chunk_elements,
+            "an integer >= 1",
+            error=ObjectiveError,
+        )
         self.logits_chunk_elements = logits_chunk_elements
 
-    def __call__(self, draft: DraftModel, embed: Fn, head: Fn, input_ids: Tensor, loss_mask: Tensor,
-                 features: Tensor, teacher: Teacher | None = None, attention_mask: Tensor | None = None,
-                 generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                 anchors: tuple[Tensor, Tensor] | None = None, walk: bool = False,
-                 keep_logits: bool = False) -> ObjectiveOutput:
+    def __call__(
+        self,
+        draft: DraftModel,
+        embed: Fn,
+        head: Fn,
+        input_ids: Tensor,
+        loss_mask: Tensor,
+        features: Tensor,
+        teacher: Teacher | None = None,
+        attention_mask: Tensor | None = None,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
+        anchors: tuple[Tensor, Tensor] | None = None,
+        walk: bool = False,
+        keep_logits: bool = False,
+    ) -> ObjectiveOutput:
         """Sample anchors (or take ``anchors = (positions, keep)``), run the draft once, compute the loss.
 
         ``features [B, S, n_t*H]`` are the target's features at every position; ``walk=True`` also runs
@@ -350,16 +408,20 @@ class DraftObjective:
         teacher = teacher or Teacher()
         b, s = input_ids.shape
         if features.shape[:2] != (b, s):
-            raise ObjectiveError(f"features have shape {tuple(features.shape)}: must start with "
-                                 f"[batch, seq_len] = {[b, s]} like input_ids")
+            raise ObjectiveError(
+                f"features have shape {tuple(features.shape)}: must start with "
+                f"[batch, seq_len] = {[b, s]} like input_ids"
+            )
         if anchors is None:
             anchors = sample_anchors(loss_mask, cfg.block_size, self.num_anchors, generator)
         blocks = layout_blocks(input_ids, loss_mask, *anchors, cfg.block_size, cfg.mask_token_id)
         n, bs = blocks.num_blocks, cfg.block_size
         if self.labels == "target":
             if teacher.greedy is None:
-                raise ObjectiveError("labels='target' needs the target's greedy tokens (online, or an offline "
-                                     "cache, which always stores them); the batch has none")
+                raise ObjectiveError(
+                    "labels='target' needs the target's greedy tokens (online, or an offline "
+                    "cache, which always stores them); the batch has none"
+                )
             blocks = dataclasses.replace(blocks, labels=gather_positions(teacher.greedy, blocks.sources))
 
         # One draft pass over every block: the fused context of all S positions, then the N blocks (each layer
@@ -373,10 +435,15 @@ class DraftObjective:
         selector = draft.candidate_selector
         top_k = selector.top_k if selector is not None else 0
         insert_gold = selector is not None and self.gold_outside_topk == "insert_last"
-        if self.token_loss == "kd" and teacher.logits is None and (teacher.topk_values is None
-                                                                   or teacher.topk_indices is None):
-            raise ObjectiveError("token_loss='kd' needs the target's logits (online) or the cached "
-                                 "teacher_topk_values/teacher_topk_indices (offline); the batch has neither")
+        if (
+            self.token_loss == "kd"
+            and teacher.logits is None
+            and (teacher.topk_values is None or teacher.topk_indices is None)
+        ):
+            raise ObjectiveError(
+                "token_loss='kd' needs the target's logits (online) or the cached "
+                "teacher_topk_values/teacher_topk_indices (offline); the batch has neither"
+            )
         rows = b * n * (bs - 1)
         if keep_logits or rows * cfg.vocab_size <= self.logits_chunk_elements:
             # In one piece, as it always was.
@@ -390,7 +457,8 @@ class DraftObjective:
             logits = None
             chunk_rows = max(1, self.logits_chunk_elements // cfg.vocab_size)
             slot_loss, draft_tokens, unary, cand, gold_unary = self._chunked_head(
-                head, hidden, blocks, teacher, top_k, insert_gold, chunk_rows)
+                head, hidden, blocks, teacher, top_k, insert_gold, chunk_rows
+            )
 
         valid = blocks.valid
         weight = valid.float()
@@ -401,12 +469,27 @@ class DraftObjective:
         token_loss = weighted_mean(slot_loss, weight)
 
         # What "right" means for the metrics: the target's greedy token when known, else the data token.
-        reference = gather_positions(teacher.greedy, blocks.sources) if teacher.greedy is not None else (
-            gather_positions(teacher.logits, blocks.sources).argmax(-1) if teacher.logits is not None
-            else blocks.labels)
-        out = ObjectiveOutput(loss=token_loss, token_loss=token_loss, selector_loss=None, slot_loss=slot_loss,
-                              slot_weight=weight, logits=logits, blocks=blocks, reference=reference,
-                              draft_tokens=draft_tokens, teacher=teacher)
+        reference = (
+            gather_positions(teacher.greedy, blocks.sources)
+            if teacher.greedy is not None
+            else (
+                gather_positions(teacher.logits, blocks.sources).argmax(-1)
+                if teacher.logits is not None
+                else blocks.labels
+            )
+        )
+        out = ObjectiveOutput(
+            loss=token_loss,
+            token_loss=token_loss,
+            selector_loss=None,
+            slot_loss=slot_loss,
+            slot_weight=weight,
+            logits=logits,
+            blocks=blocks,
+            reference=reference,
+            draft_tokens=draft_tokens,
+            teacher=teacher,
+        )
         if selector is not None:
             self._selector_terms(out, selector, hidden, unary, cand, gold_unary, walk)
         return out
@@ -417,12 +500,13 @@ class DraftObjective:
             return hard_cross_entropy(logits, labels)
         if teacher.logits is not None:
             return soft_cross_entropy(logits, gather_positions(teacher.logits, sources))
-        return sparse_soft_cross_entropy(logits, gather_positions(teacher.topk_values, sources),
-                                         gather_positions(teacher.topk_indices, sources))
+        return sparse_soft_cross_entropy(
+            logits, gather_positions(teacher.topk_values, sources), gather_positions(teacher.topk_indices, sources)
+        )
 
-    def _chunked_head(self, head: Fn, hidden: Tensor, blocks: Blocks, teacher: Teacher, top_k: int,
-                      insert_gold: bool, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
-                                                                   Tensor | None]:
+    def _chunked_head(
+        self, head: Fn, hidden: Tensor, blocks: Blocks, teacher: Teacher, top_k: int, insert_gold: bool, chunk_rows: int
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
         """The head and what is taken from its logits, ``chunk_rows`` slots at a time.
 
         Returns ``(slot_loss, draft_tokens, unary, candidates, gold_unary)`` shaped like the one-piece
@@ -456,8 +540,12 @@ class DraftObjective:
         grad = torch.is_grad_enabled() and hidden.requires_grad
         pieces = []
         for lo in range(0, flat_hidden.shape[0], chunk_rows):
-            args = (flat_hidden[lo:lo + chunk_rows], labels[lo:lo + chunk_rows], sample[lo:lo + chunk_rows],
-                    sources[lo:lo + chunk_rows])
+            args = (
+                flat_hidden[lo : lo + chunk_rows],
+                labels[lo : lo + chunk_rows],
+                sample[lo : lo + chunk_rows],
+                sources[lo : lo + chunk_rows],
+            )
             pieces.append(checkpoint(one_chunk, *args, use_reentrant=False) if grad else one_chunk(*args))
         joined = [torch.cat(parts) for parts in zip(*pieces)]
         slot_loss, draft_tokens = joined[0].view(shape), joined[1].view(shape)
@@ -468,8 +556,16 @@ class DraftObjective:
             gold_unary = joined[-1].view(*shape, 1)
         return slot_loss, draft_tokens, unary, cand, gold_unary
 
-    def _selector_terms(self, out: ObjectiveOutput, selector: CandidateSelector, hidden: Tensor, unary: Tensor,
-                        cand: Tensor, gold_unary: Tensor | None, walk: bool) -> None:
+    def _selector_terms(
+        self,
+        out: ObjectiveOutput,
+        selector: CandidateSelector,
+        hidden: Tensor,
+        unary: Tensor,
+        cand: Tensor,
+        gold_unary: Tensor | None,
+        walk: bool,
+    ) -> None:
         """The DFlash2 selector loss (teacher-forced) and the selector metrics' inputs, filled into ``out``.
 
         ``unary, cand [B, N, L, K]``: the draft logits' top-k values and tokens; ``gold_unary [B, N, L, 1]``:
@@ -506,7 +602,10 @@ class DraftObjective:
             out.selector_correct = picked == out.reference
             if walk:
                 b, n, length, k = cand.shape
-                path = selector.greedy_path(cand.reshape(b * n, length, k), unary.detach().reshape(b * n, length, k),
-                                            hidden.detach().reshape(b * n, length, -1),
-                                            blocks.tokens.view(b, n, -1)[:, :, 0].reshape(b * n))
+                path = selector.greedy_path(
+                    cand.reshape(b * n, length, k),
+                    unary.detach().reshape(b * n, length, k),
+                    hidden.detach().reshape(b * n, length, -1),
+                    blocks.tokens.view(b, n, -1)[:, :, 0].reshape(b * n),
+                )
                 out.selector_tokens = path.view(b, n, length)

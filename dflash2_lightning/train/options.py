@@ -163,26 +163,36 @@ class ExperimentalOptions:
 
 
 #: The groups in the order ``--print_config`` shows them.
-GROUPS: dict[str, type] = {"draft": DraftOptions, "objective": ObjectiveOptions, "optimizer": OptimizerOptions,
-                           "validation": ValidationOptions, "export": ExportOptions,
-                           "experimental": ExperimentalOptions}
+GROUPS: dict[str, type] = {
+    "draft": DraftOptions,
+    "objective": ObjectiveOptions,
+    "optimizer": OptimizerOptions,
+    "validation": ValidationOptions,
+    "export": ExportOptions,
+    "experimental": ExperimentalOptions,
+}
 
 #: Flat keys of configs written before the option groups -> where they live now (``group.field``).
 MOVED_KEYS: dict[str, str] = {
     **{f.name: f"draft.{f.name}" for f in dataclasses.fields(DraftOptions)},
     **{f.name: f"objective.{f.name}" for f in dataclasses.fields(ObjectiveOptions)},
     **{f.name: f"optimizer.{f.name}" for f in dataclasses.fields(OptimizerOptions)},
-    "val_temperature": "validation.temperature", "val_top_p": "validation.top_p", "val_top_k": "validation.top_k",
-    "export_dir": "export.dir", "export_dtype": "export.dtype",
+    "val_temperature": "validation.temperature",
+    "val_top_p": "validation.top_p",
+    "val_top_k": "validation.top_k",
+    "export_dir": "export.dir",
+    "export_dtype": "export.dtype",
     **{f.name: f"experimental.{f.name}" for f in dataclasses.fields(ExperimentalOptions)},
 }
 
 
 #: how a config and the command line spell a draft setting (``--model.init_args.draft.mask_token_id``)
 DRAFT_SETTING = "model.init_args.draft."
-_MASK_HINT = ("the Qwen3 recipes reserve that id in Qwen3's vocabulary: for this target delete mask_token_id from the "
-              "config's draft settings (or pass --model.init_args.draft '{\"mask_token_id\": null}') to use its "
-              "tokenizer's own mask or pad token, or give an id below vocab_size that it never generates")
+_MASK_HINT = (
+    "the Qwen3 recipes reserve that id in Qwen3's vocabulary: for this target delete mask_token_id from the "
+    "config's draft settings (or pass --model.init_args.draft '{\"mask_token_id\": null}') to use its "
+    "tokenizer's own mask or pad token, or give an id below vocab_size that it never generates"
+)
 
 
 @contextlib.contextmanager
@@ -218,7 +228,9 @@ def as_options(value: Any, cls: type) -> Any:
         if unknown:
             from dflash2_lightning.errors import ConfigError
 
-            raise ConfigError(f"{unknown} {'is' if len(unknown) == 1 else 'are'} not a setting of {cls.__name__} "
-                              f"(its settings: {', '.join(sorted(known))})")
+            raise ConfigError(
+                f"{unknown} {'is' if len(unknown) == 1 else 'are'} not a setting of {cls.__name__} "
+                f"(its settings: {', '.join(sorted(known))})"
+            )
         return cls(**value)
     raise TypeError(f"expected {cls.__name__} or a mapping of its fields, got {type(value).__name__}")

@@ -121,8 +121,10 @@ class Plan:
         if self.capacity is not None and self.peak > CLEAR_MARGIN * self.capacity:
             return f"needs ~{format_bytes(self.peak)} per device, {self.device} has {format_bytes(self.capacity)}"
         if self.disk_fits is False:
-            return (f"the offline cache needs {format_bytes(self.cache_bytes)}, {self.cache_dir} has "
-                    f"{format_bytes(self.free_disk)} free")
+            return (
+                f"the offline cache needs {format_bytes(self.cache_bytes)}, {self.cache_dir} has "
+                f"{format_bytes(self.free_disk)} free"
+            )
         return None
 
     def render(self) -> str:
@@ -137,8 +139,10 @@ class Plan:
             lines.append("  device memory: unknown here (no such device visible): pass --plan.device_memory, e.g. 80GB")
         else:
             verdict = "fits" if self.memory_fits else "DOES NOT FIT"
-            lines.append(f"  device memory {format_bytes(self.capacity)}: {verdict} "
-                         f"({self.peak / self.capacity:.0%} of it; up to {USABLE_SHARE:.0%} counts as fitting)")
+            lines.append(
+                f"  device memory {format_bytes(self.capacity)}: {verdict} "
+                f"({self.peak / self.capacity:.0%} of it; up to {USABLE_SHARE:.0%} counts as fitting)"
+            )
         lines.append("")
         if self.cache_bytes is None:
             lines.append("disk: online mode, no feature cache")
@@ -153,8 +157,10 @@ class Plan:
         if not self.fits:
             lines.append("verdict: does not fit")
         elif self.memory_fits is None:
-            lines.append("verdict: memory not checked (the device is not visible here: --plan.device_memory checks "
-                         "against its size)" + ("; the disk fits" if self.disk_fits else ""))
+            lines.append(
+                "verdict: memory not checked (the device is not visible here: --plan.device_memory checks "
+                "against its size)" + ("; the disk fits" if self.disk_fits else "")
+            )
         else:
             lines.append("verdict: fits")
         lines += [f"  - {a}" for a in self.advice]
@@ -195,7 +201,7 @@ class TargetSize:
     config: Any
     parameters: int
     embedding: int  # parameters of the input embedding
-    head: int       # parameters of the output head (0 when tied to the embedding)
+    head: int  # parameters of the output head (0 when tied to the embedding)
     vocab_size: int
     dtype_bytes: int
 
@@ -208,9 +214,14 @@ def target_size(spec: TargetSpec) -> TargetSize:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    return TargetSize(config=config, parameters=sum(p.numel() for p in model.parameters()),
-                      embedding=embed.numel(), head=0 if head is embed else head.numel(),
-                      vocab_size=int(embed.shape[0]), dtype_bytes=DTYPES[spec.dtype].itemsize)
+    return TargetSize(
+        config=config,
+        parameters=sum(p.numel() for p in model.parameters()),
+        embedding=embed.numel(),
+        head=0 if head is embed else head.numel(),
+        vocab_size=int(embed.shape[0]),
+        dtype_bytes=DTYPES[spec.dtype].itemsize,
+    )
 
 
 def draft_config_for(target: TargetSize, options: DraftOptions) -> DraftConfig:
@@ -221,13 +232,18 @@ def draft_config_for(target: TargetSize, options: DraftOptions) -> DraftConfig:
     cfg = target.config
     heads = int(cfg.num_attention_heads)
     geometry: dict[str, Any] = dict(
-        hidden_size=int(cfg.hidden_size), vocab_size=target.vocab_size, num_target_layers=int(cfg.num_hidden_layers),
-        num_attention_heads=heads, num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        hidden_size=int(cfg.hidden_size),
+        vocab_size=target.vocab_size,
+        num_target_layers=int(cfg.num_hidden_layers),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads),
-        intermediate_size=int(cfg.intermediate_size), rope_theta=rope_theta_of(cfg),
+        intermediate_size=int(cfg.intermediate_size),
+        rope_theta=rope_theta_of(cfg),
         rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
-        mask_token_id=target.vocab_size - 1)
+        mask_token_id=target.vocab_size - 1,
+    )
     geometry.update({k: v for k, v in dataclasses.asdict(options).items() if v is not None})
     with draft_settings_named(options):
         return DraftConfig(**geometry)
@@ -244,19 +260,19 @@ class RunSetup:
     mode: str
     batch_size: int
     seq_len: int
-    accelerator: str      # "cpu" or "cuda"
+    accelerator: str  # "cpu" or "cuda"
     world_size: int
-    sharded: bool         # FSDP / DeepSpeed: weights, gradients and optimiser state divided across devices
-    gather_bytes: int     # bytes of a parameter as FSDP gathers it (DraftFSDPStrategy: float32 master weights)
-    bucket_view: bool     # DDP's gradient_as_bucket_view (no second copy of the gradients)
-    forks: bool           # the strategy forks this process: the GPU's free memory is not asked here
-    device_index: int     # the CUDA device of this process's rank (asked for its free memory)
+    sharded: bool  # FSDP / DeepSpeed: weights, gradients and optimiser state divided across devices
+    gather_bytes: int  # bytes of a parameter as FSDP gathers it (DraftFSDPStrategy: float32 master weights)
+    bucket_view: bool  # DDP's gradient_as_bucket_view (no second copy of the gradients)
+    forks: bool  # the strategy forks this process: the GPU's free memory is not asked here
+    device_index: int  # the CUDA device of this process's rank (asked for its free memory)
     param_bytes: int
     compute_bytes: int
     feature_dtype: str
     teacher_top_k: int
     cache_dir: Path | None
-    samples: int | None   # samples the offline cache will hold (None: not known from the config)
+    samples: int | None  # samples the offline cache will hold (None: not known from the config)
 
 
 def _get(node: Any, dotted: str, default: Any = None) -> Any:
@@ -285,8 +301,12 @@ def strategy_kind(strategy: Any) -> tuple[bool, bool, bool, bool]:
     name = str(_get(strategy, "class_path", strategy) or "").lower()
     sharded = "fsdp" in name or "deepspeed" in name
     forks = "fork" in name or "notebook" in name or str(_get(strategy, "init_args.start_method", "")) == "fork"
-    return (sharded, bool(_get(strategy, "init_args.gradient_as_bucket_view", False)), forks,
-            name.endswith("draftfsdpstrategy"))
+    return (
+        sharded,
+        bool(_get(strategy, "init_args.gradient_as_bucket_view", False)),
+        forks,
+        name.endswith("draftfsdpstrategy"),
+    )
 
 
 def world_size(trainer: Any, accelerator: str) -> int:
@@ -346,8 +366,10 @@ def setup_from_config(config: Any) -> RunSetup:
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
         accelerator = "cuda"
     elif accelerator != "cpu":
-        raise ConfigError(f"trainer.accelerator={accelerator!r}: the plan knows cpu and gpu/cuda; pass "
-                          "--plan.check false to train without it")
+        raise ConfigError(
+            f"trainer.accelerator={accelerator!r}: the plan knows cpu and gpu/cuda; pass "
+            "--plan.check false to train without it"
+        )
     param_bytes, compute_bytes = precision_bytes(_get(trainer, "precision"))
     sharded, bucket_view, forks, float32_gather = strategy_kind(_get(trainer, "strategy"))
     data = _get(config, "data.init_args")
@@ -356,14 +378,26 @@ def setup_from_config(config: Any) -> RunSetup:
     draft.check_sequence_length(seq_len, "data.init_args.seq_len")
     cache_dir = _get(data, "cache_dir")
     return RunSetup(
-        draft=draft, objective=objective, target=target, mode=mode, batch_size=int(_get(data, "batch_size", 8)),
-        seq_len=seq_len, accelerator=accelerator, world_size=world_size(trainer, accelerator), sharded=sharded,
-        gather_bytes=param_bytes if float32_gather else compute_bytes, bucket_view=bucket_view, forks=forks,
-        device_index=local_device_index(_get(trainer, "devices")), param_bytes=param_bytes,
+        draft=draft,
+        objective=objective,
+        target=target,
+        mode=mode,
+        batch_size=int(_get(data, "batch_size", 8)),
+        seq_len=seq_len,
+        accelerator=accelerator,
+        world_size=world_size(trainer, accelerator),
+        sharded=sharded,
+        gather_bytes=param_bytes if float32_gather else compute_bytes,
+        bucket_view=bucket_view,
+        forks=forks,
+        device_index=local_device_index(_get(trainer, "devices")),
+        param_bytes=param_bytes,
         compute_bytes=compute_bytes,
-        feature_dtype=str(_get(data, "feature_dtype", "float16")), teacher_top_k=int(_get(data, "teacher_top_k", 0)),
+        feature_dtype=str(_get(data, "feature_dtype", "float16")),
+        teacher_top_k=int(_get(data, "teacher_top_k", 0)),
         cache_dir=Path(str(cache_dir)).expanduser() if cache_dir else None,
-        samples=count_samples(data) if mode == "offline" else None)
+        samples=count_samples(data) if mode == "offline" else None,
+    )
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -398,8 +432,15 @@ def draft_activations(run: RunSetup, anchors: int) -> tuple[int, int]:
     kv_full = 2 * (c + r) * kv_width * gqa_copy * a  # K and V over context + block, as SDPA saves them
     mask_bias = b * anchors * d.block_size * (run.seq_len + anchors * d.block_size) * a  # the bool mask as a bias
     conv = 2 * r * d.conv_kernel_size * d.conv_num_groups * a if d.is_dflash2 else 0
-    layer = (r * h * hidden_rows + r * q_width * (4 + 3 * a) + r * kv_width * (4 + a) + kv_full + mask_bias
-             + 4 * r * i * a + conv)
+    layer = (
+        r * h * hidden_rows
+        + r * q_width * (4 + 3 * a)
+        + r * kv_width * (4 + a)
+        + kv_full
+        + mask_bias
+        + 4 * r * i * a
+        + conv
+    )
     context = c * nt * h * a + c * h * (4 + 2 * a) + d.num_hidden_layers * c * kv_width * (4 + a)
     final = r * h * (4 + s) + slots * h * (s + (a if mixed else 0))  # final norm, the head's input
     selector = slots * d.selector_rank * (d.selector_top_k * a + 2 * 4) if d.is_dflash2 else 0
@@ -430,8 +471,8 @@ def target_forward(run: RunSetup) -> tuple[int, int]:
     cfg, t, d = run.target.config, run.target.dtype_bytes, run.draft
     c, h, v = run.batch_size * run.seq_len, int(cfg.hidden_size), run.target.vocab_size
     keep_logits = run.objective.token_loss == "kd"
-    states = (int(cfg.num_hidden_layers) + 1) * c * h * t          # output_hidden_states keeps every layer's
-    layer = c * (3 * int(cfg.intermediate_size) + 4 * h) * t       # one layer's MLP and attention, transient
+    states = (int(cfg.num_hidden_layers) + 1) * c * h * t  # output_hidden_states keeps every layer's
+    layer = c * (3 * int(cfg.intermediate_size) + 4 * h) * t  # one layer's MLP and attention, transient
     logits = c * v * t if keep_logits else 0
     features = c * d.num_target_features * h * t
     return states + layer + logits + features, features + logits
@@ -458,8 +499,10 @@ def device_memory(run: RunSetup, option: str | None) -> tuple[str, int | None]:
         if torch.cuda.is_available() and not run.forks:  # initialising CUDA before a fork would break the ranks
             index = run.device_index
             free, total = torch.cuda.mem_get_info(index)
-            return (f"{words}: {torch.cuda.get_device_name(index)} (cuda:{index}, {format_bytes(total)}, free now)",
-                    int(free))
+            return (
+                f"{words}: {torch.cuda.get_device_name(index)} (cuda:{index}, {format_bytes(total)}, free now)",
+                int(free),
+            )
         return f"{words} (none visible here)", None
     words = "CPU" + (f", {run.world_size} processes sharing the host's RAM" if run.world_size > 1 else "")
     if option is not None:
@@ -473,8 +516,10 @@ def device_memory(run: RunSetup, option: str | None) -> tuple[str, int | None]:
 def parse_bytes(text: str) -> int:
     """``80GB``, ``80GiB``, ``141e9`` -> bytes; anything else, and a size that is not positive and finite (``0``,
     ``1e400``), is a :class:`ConfigError` naming ``--plan.device_memory``."""
-    invalid = (f"plan.device_memory={text!r} is invalid: must be a positive, finite size such as 80GB, 80GiB or "
-               "8e10 (--plan.device_memory)")
+    invalid = (
+        f"plan.device_memory={text!r} is invalid: must be a positive, finite size such as 80GB, 80GiB or "
+        "8e10 (--plan.device_memory)"
+    )
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKMGTP]?)(i?)[bB]?\s*", str(text))
     if not match:
         raise ConfigError(invalid)
@@ -499,8 +544,11 @@ def cache_size(run: RunSetup) -> tuple[int, str]:
 
     n = run.samples if run.samples is not None else SAMPLES_UNIT
     shape = (n, run.seq_len)
-    arrays = {"input_ids": np.broadcast_to(np.int32(0), shape), "loss_mask": np.broadcast_to(np.bool_(0), shape),
-              "attention_mask": np.broadcast_to(np.bool_(0), shape)}  # views: nbytes without allocating
+    arrays = {
+        "input_ids": np.broadcast_to(np.int32(0), shape),
+        "loss_mask": np.broadcast_to(np.bool_(0), shape),
+        "attention_mask": np.broadcast_to(np.bool_(0), shape),
+    }  # views: nbytes without allocating
     width = run.draft.num_target_features * run.draft.hidden_size
     total = cache_bytes(arrays, width, run.teacher_top_k, run.feature_dtype)
     per = total / max(n, 1)
@@ -519,24 +567,37 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
     share = run.world_size if run.sharded else 1
     s = run.param_bytes
     how = f"/ {share} devices (FSDP)" if share > 1 else ("replicated (DDP)" if run.world_size > 1 else "")
-    items = [Item("draft weights", params * s // share, f"{params / 1e6:.1f} M parameters x {s} B {how}".strip()),
-             Item("gradients", params * s // share, how),
-             Item("AdamW m, v", 2 * params * s // share, how)]
+    items = [
+        Item("draft weights", params * s // share, f"{params / 1e6:.1f} M parameters x {s} B {how}".strip()),
+        Item("gradients", params * s // share, how),
+        Item("AdamW m, v", 2 * params * s // share, how),
+    ]
     if run.world_size > 1 and not run.sharded and not run.bucket_view:
         items.append(Item("DDP gradient buckets", params * s, "a second copy (gradient_as_bucket_view: false)"))
     if run.sharded and share > 1:
-        items.append(Item("FSDP gathered unit", 2 * unit * run.gather_bytes,
-                          f"the largest layer, unsharded, x2, {run.gather_bytes} B a parameter"))
+        items.append(
+            Item(
+                "FSDP gathered unit",
+                2 * unit * run.gather_bytes,
+                f"the largest layer, unsharded, x2, {run.gather_bytes} B a parameter",
+            )
+        )
     tgt, t = run.target, run.target.dtype_bytes
     if run.mode == "online":
-        items.append(Item("frozen target", tgt.parameters * t,
-                          f"{tgt.parameters / 1e9:.2f} B parameters x {t} B, every device"))
+        items.append(
+            Item("frozen target", tgt.parameters * t, f"{tgt.parameters / 1e9:.2f} B parameters x {t} B, every device")
+        )
     else:
         resident = tgt.embedding + tgt.head
         items.append(Item("target embedding + head", resident * t, "offline: the rest stays on the host"))
     if run.compute_bytes != t and run.param_bytes != run.compute_bytes:
-        items.append(Item("head in the compute dtype", (tgt.head or tgt.embedding) * run.compute_bytes,
-                          "autocast copy of the frozen head"))
+        items.append(
+            Item(
+                "head in the compute dtype",
+                (tgt.head or tgt.embedding) * run.compute_bytes,
+                "autocast copy of the frozen head",
+            )
+        )
     persistent = sum(i.bytes for i in items)
     acts, largest = draft_activations(run, anchors)
     logits, chunking = logits_peak(run, anchors)
@@ -548,26 +609,43 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
     weight_copies = params * run.compute_bytes if run.compute_bytes != run.param_bytes else 0
     step = carried + acts + logits + 2 * largest + weight_copies  # + the largest activation's gradient in and out
     items.append(Item("features for the step", carried, "the target's features (and logits for kd) the step reads"))
-    items.append(Item("draft activations", acts + 2 * largest,
-                      f"{anchors} anchors x block {d.block_size}, seq {run.seq_len}, batch {run.batch_size}"))
+    items.append(
+        Item(
+            "draft activations",
+            acts + 2 * largest,
+            f"{anchors} anchors x block {d.block_size}, seq {run.seq_len}, batch {run.batch_size}",
+        )
+    )
     items.append(Item("logits and loss", logits, chunking))
     if weight_copies:
-        items.append(Item("draft weights, autocast copies", weight_copies,
-                          f"{run.compute_bytes} B a parameter, saved for backward"))
+        items.append(
+            Item(
+                "draft weights, autocast copies",
+                weight_copies,
+                f"{run.compute_bytes} B a parameter, saved for backward",
+            )
+        )
     if run.mode == "online":
-        items.append(Item("target forward (no_grad)", target_peak,
-                          "all hidden states; before the step (the peak takes the larger)"))
+        items.append(
+            Item(
+                "target forward (no_grad)",
+                target_peak,
+                "all hidden states; before the step (the peak takes the larger)",
+            )
+        )
     # The for-each AdamW of a CPU run keeps temporaries of two parameter-sized lists; CUDA runs the fused AdamW
     # (DFlash2Module.configure_optimizers), which updates in place.
     optimizer_step = 2 * params * 4 // share if run.accelerator == "cpu" else 0
     peak = persistent + max(step, target_peak, optimizer_step)
     device, capacity = device_memory(run, options.device_memory)
     strategy = "FSDP" if run.sharded else "DDP" if run.world_size > 1 else "one device"
-    heading = (f"dflash2 plan: {d.architecture}, {d.num_hidden_layers} layers, hidden {d.hidden_size}, vocab "
-               f"{d.vocab_size}; target {tgt.parameters / 1e9:.2f} B parameters ({run.mode})\n"
-               f"{run.world_size} x {run.accelerator}, {strategy}, "
-               f"{'mixed' if run.param_bytes != run.compute_bytes else 'uniform'} precision "
-               f"({run.param_bytes} B weights, {run.compute_bytes} B compute)")
+    heading = (
+        f"dflash2 plan: {d.architecture}, {d.num_hidden_layers} layers, hidden {d.hidden_size}, vocab "
+        f"{d.vocab_size}; target {tgt.parameters / 1e9:.2f} B parameters ({run.mode})\n"
+        f"{run.world_size} x {run.accelerator}, {strategy}, "
+        f"{'mixed' if run.param_bytes != run.compute_bytes else 'uniform'} precision "
+        f"({run.param_bytes} B weights, {run.compute_bytes} B compute)"
+    )
     plan = Plan(heading=heading, memory=items, peak=peak, device=device, capacity=capacity)
     if run.mode == "offline":
         from dflash2_lightning import files
@@ -587,30 +665,44 @@ def advice(plan: Plan, run: RunSetup, anchors: int) -> list[str]:
     out = []
     if plan.memory_fits is False:
         if anchors > 32:
-            out.append(f"fewer anchors: --model.init_args.objective.num_anchors {anchors // 2} (activations and "
-                       "logits scale with it)")
+            out.append(
+                f"fewer anchors: --model.init_args.objective.num_anchors {anchors // 2} (activations and "
+                "logits scale with it)"
+            )
         if run.batch_size > 1:
-            out.append(f"a smaller batch: --data.init_args.batch_size {max(1, run.batch_size // 2)} (with "
-                       f"--trainer.accumulate_grad_batches {2} to keep the samples per step)")
+            out.append(
+                f"a smaller batch: --data.init_args.batch_size {max(1, run.batch_size // 2)} (with "
+                f"--trainer.accumulate_grad_batches {2} to keep the samples per step)"
+            )
         if not run.sharded and run.world_size > 1 and run.accelerator == "cuda":
-            out.append("shard the draft's weights, gradients and optimiser state with this project's FSDP: "
-                       "--trainer.strategy '{\"class_path\": \"dflash2_lightning.train.fsdp.DraftFSDPStrategy\"}'")
+            out.append(
+                "shard the draft's weights, gradients and optimiser state with this project's FSDP: "
+                '--trainer.strategy \'{"class_path": "dflash2_lightning.train.fsdp.DraftFSDPStrategy"}\''
+            )
         if run.mode == "online":
-            out.append("offline mode (the target's features cached on disk, only its embedding and head on the "
-                       "device): --data.init_args.mode offline")
+            out.append(
+                "offline mode (the target's features cached on disk, only its embedding and head on the "
+                "device): --data.init_args.mode offline"
+            )
         if run.param_bytes == run.compute_bytes == 4:
             out.append("mixed precision: --trainer.precision bf16-mixed")
     if plan.disk_fits is False:
-        out.append("another disk for the cache: --data.init_args.cache_dir /a/larger/disk/features, or fewer "
-                   "samples (--data.init_args.max_samples)"
-                   + (", or float16 features (--data.init_args.feature_dtype float16)"
-                      if run.feature_dtype == "float32" else ""))
+        out.append(
+            "another disk for the cache: --data.init_args.cache_dir /a/larger/disk/features, or fewer "
+            "samples (--data.init_args.max_samples)"
+            + (
+                ", or float16 features (--data.init_args.feature_dtype float16)"
+                if run.feature_dtype == "float32"
+                else ""
+            )
+        )
     return out
 
 
 def describe_plan_failure(plan: Plan) -> str:
     """fit's one-line refusal when the plan clearly does not fit."""
-    return (f"this run does not fit: {plan.clearly_too_big} (the plan: `dflash2 plan` with the same arguments); "
-            + "; ".join(plan.advice[:2] or ["change the settings"])
-            + "; or train anyway with --plan.check false")
-
+    return (
+        f"this run does not fit: {plan.clearly_too_big} (the plan: `dflash2 plan` with the same arguments); "
+        + "; ".join(plan.advice[:2] or ["change the settings"])
+        + "; or train anyway with --plan.check false"
+    )

@@ -66,9 +66,15 @@ def plan_of(argv: list[str]) -> Plan:
     # `fit`'s --ckpt_path changes nothing in the plan: accepted so that the fit command line can be reused.
     sys.argv = [saved[0], *without_ckpt_path(argv)]
     try:
-        cli = PlanCLI(model_class=DFlash2Module, subclass_mode_model=True, datamodule_class=DraftDataModule,
-                      subclass_mode_data=True, auto_configure_optimizers=False, run=False,
-                      parser_kwargs={"description": DESCRIPTION, "prog": PROG})
+        cli = PlanCLI(
+            model_class=DFlash2Module,
+            subclass_mode_model=True,
+            datamodule_class=DraftDataModule,
+            subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            run=False,
+            parser_kwargs={"description": DESCRIPTION, "prog": PROG},
+        )
     except ArgumentError as error:  # fit's one-line wording of jsonargparse's errors, with the closest key
         raise UsageError(argument_errors(argv, PROG)(error) or str(error)) from error
     finally:

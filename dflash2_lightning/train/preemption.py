@@ -96,8 +96,9 @@ def resume_command(argv: Sequence[str], prog: str = "dflash2") -> str:
     return shlex.join([prog, *without_ckpt_path(split_debug(argv)[0]), "--ckpt_path", "last"])
 
 
-def stop_point(step: int | None, max_steps: int | None = None, checkpoint: str | None = None,
-               saved: bool = False) -> str:
+def stop_point(
+    step: int | None, max_steps: int | None = None, checkpoint: str | None = None, saved: bool = False
+) -> str:
     """Where a fit stopped, in words: the step, and what became of its checkpoint."""
     if step is None:
         return "before training started (no checkpoint written by this run)"
@@ -115,11 +116,21 @@ class FitInterrupted(UserError):
     """A fit stopped by a signal (rank 0's report): the step it reached, where its checkpoint went (or ``where``,
     in the caller's words), and the command that resumes it. Exit status ``128 + signal``."""
 
-    def __init__(self, signum: int, command: str, step: int | None = None, max_steps: int | None = None,
-                 checkpoint: str | None = None, saved: bool = False, note: str = "", where: str | None = None) -> None:
+    def __init__(
+        self,
+        signum: int,
+        command: str,
+        step: int | None = None,
+        max_steps: int | None = None,
+        checkpoint: str | None = None,
+        saved: bool = False,
+        note: str = "",
+        where: str | None = None,
+    ) -> None:
         where = where if where is not None else stop_point(step, max_steps, checkpoint, saved)
-        super().__init__(f"fit interrupted by {signal_name(signum)} {where}{'; ' + note if note else ''}; "
-                         f"resume with: {command}")
+        super().__init__(
+            f"fit interrupted by {signal_name(signum)} {where}{'; ' + note if note else ''}; resume with: {command}"
+        )
         self.exit_status = 128 + signum
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
@@ -139,9 +150,9 @@ class StopRequest:
     SETUP, TRAINING, FINISHING = "setup", "training", "finishing"
 
     def __init__(self) -> None:
-        self.signum = 0                 # the first stop signal received here (0: none)
+        self.signum = 0  # the first stop signal received here (0: none)
         self.phase = self.SETUP
-        self.agreed = False             # every rank agreed to stop: the processes are on their way out
+        self.agreed = False  # every rank agreed to stop: the processes are on their way out
         self.command = "the same command with --ckpt_path last"
         self.signals: tuple[int, ...] = STOP_SIGNALS
         self.requeue_signal: int | None = None  # SLURM's, when Lightning's auto-requeue is on
@@ -196,9 +207,11 @@ class StopRequest:
     def abort(self, signum: int) -> None:
         """A second stop signal: end this process now, by the signal's own default action."""
         if is_rank_zero():
-            print_error(f"a second signal ({signal_name(signum)}) arrived while the fit was stopping: stopped at once, "
-                        f"without a checkpoint of this step (the last complete checkpoint is kept); resume with: "
-                        f"{self.command}")
+            print_error(
+                f"a second signal ({signal_name(signum)}) arrived while the fit was stopping: stopped at once, "
+                f"without a checkpoint of this step (the last complete checkpoint is kept); resume with: "
+                f"{self.command}"
+            )
         for hook in self.abort_hooks:
             hook()
         sys.stderr.flush()
@@ -231,8 +244,11 @@ class PreemptionSignalConnector(_SignalConnector):
         environment = self.trainer._accelerator_connector.cluster_environment  # where Lightning's own reads it
         signals = list(STOP_SIGNALS)
         STOP.requeue_signal = None
-        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue \
-                and environment.requeue_signal is not None:
+        if (
+            isinstance(environment, SLURMEnvironment)
+            and environment.auto_requeue
+            and environment.requeue_signal is not None
+        ):
             STOP.requeue_signal = int(environment.requeue_signal)
             signals.append(environment.requeue_signal)
         self._replaced = STOP.install(signals)  # already ours under `dflash2 fit`; a bare trainer.fit gets them here
@@ -251,14 +267,15 @@ def requeue_slurm_job() -> str:
     if not job:
         return "no SLURM job id in the environment, so the job was not requeued: submit it again"
     try:
-        done = subprocess.run(["scontrol", "requeue", job], check=False, capture_output=True, text=True,
-                              timeout=60)
+        done = subprocess.run(["scontrol", "requeue", job], check=False, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as error:
         return f"requeueing SLURM job {job} failed ({error}): submit it again"
     if done.returncode != 0:
         reason = (done.stderr or done.stdout).strip().splitlines()
-        return (f"requeueing SLURM job {job} failed (scontrol exit {done.returncode}"
-                f"{': ' + reason[0] if reason else ''}): submit it again")
+        return (
+            f"requeueing SLURM job {job} failed (scontrol exit {done.returncode}"
+            f"{': ' + reason[0] if reason else ''}): submit it again"
+        )
     return f"SLURM job {job} requeued: it resumes by itself when its command has --ckpt_path last"
 
 
@@ -281,8 +298,12 @@ def is_last_step(trainer: Any) -> bool:
     if max_steps is not None and max_steps >= 0 and trainer.global_step >= max_steps:
         return True
     max_epochs = trainer.max_epochs
-    return bool(max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
-                and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+    return bool(
+        max_epochs is not None
+        and max_epochs >= 0
+        and trainer.current_epoch + 1 >= max_epochs
+        and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    )
 
 
 class StopAtStepBoundary(Callback):
@@ -299,8 +320,13 @@ class StopAtStepBoundary(Callback):
         signum = self._agree(trainer)
         if signum:  # a signal during setup's last moments or the sanity check: nothing new to save
             resumed = trainer.ckpt_path
-            raise interruption(signum, STOP.command, step=trainer.global_step, max_steps=trainer.max_steps,
-                               checkpoint=str(resumed) if resumed else None)
+            raise interruption(
+                signum,
+                STOP.command,
+                step=trainer.global_step,
+                max_steps=trainer.max_steps,
+                checkpoint=str(resumed) if resumed else None,
+            )
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._step_seen:  # accumulating gradients: not a step boundary
@@ -321,8 +347,15 @@ class StopAtStepBoundary(Callback):
         note = ""
         if STOP.requeue_signal == signum and trainer.is_global_zero:
             note = requeue_slurm_job()
-        raise interruption(signum, STOP.command, step=trainer.global_step, max_steps=trainer.max_steps,
-                           checkpoint=path, saved=path is not None, note=note)
+        raise interruption(
+            signum,
+            STOP.command,
+            step=trainer.global_step,
+            max_steps=trainer.max_steps,
+            checkpoint=path,
+            saved=path is not None,
+            note=note,
+        )
 
     @staticmethod
     def _agree(trainer: Any) -> int:
@@ -348,5 +381,13 @@ def install_preemption(trainer: Any) -> None:
         trainer.callbacks.append(StopAtStepBoundary())
 
 
-__all__ = ["STOP", "FitInterrupted", "PreemptionSignalConnector", "StopAtStepBoundary", "install_preemption",
-           "requeue_slurm_job", "resume_command", "without_ckpt_path"]
+__all__ = [
+    "STOP",
+    "FitInterrupted",
+    "PreemptionSignalConnector",
+    "StopAtStepBoundary",
+    "install_preemption",
+    "requeue_slurm_job",
+    "resume_command",
+    "without_ckpt_path",
+]

@@ -44,7 +44,8 @@ def peek_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:160]}): it "
             "is truncated or not a Lightning checkpoint; delete it and resume from another checkpoint "
-            "(--ckpt_path <file>), or start the run again") from None
+            "(--ckpt_path <file>), or start the run again"
+        ) from None
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -67,28 +68,40 @@ def _target_words(record: dict[str, Any]) -> str:
     return f"{spec} (fingerprint {record.get('fingerprint')}{', ' + shape if shape else ''})"
 
 
-def check_resume(checkpoint: dict[str, Any], target_record: dict[str, Any], draft_config: dict[str, Any],
-                 where: str | os.PathLike | None = None) -> None:
+def check_resume(
+    checkpoint: dict[str, Any],
+    target_record: dict[str, Any],
+    draft_config: dict[str, Any],
+    where: str | os.PathLike | None = None,
+) -> None:
     """Refuse a checkpoint trained against another target, or holding a draft of another geometry.
 
     ``target_record``: this run's :meth:`Target.describe`; ``draft_config``: this run's ``DraftConfig.to_hf_dict()``.
     Raises :class:`CheckpointError` naming both sides and what to do.
     """
     name = f"checkpoint {where}" if where is not None else "the checkpoint"
-    start_new = ("resume with the target and draft settings it was trained with, or start a new run (another "
-                 "logger version or save_dir)")
+    start_new = (
+        "resume with the target and draft settings it was trained with, or start a new run (another "
+        "logger version or save_dir)"
+    )
     recorded = checkpoint.get(TARGET_KEY)
     if isinstance(recorded, dict):
-        if recorded.get("geometry") != target_record.get("geometry") \
-                or recorded.get("fingerprint") != target_record.get("fingerprint"):
-            raise CheckpointError(f"{name} was trained against another target: it recorded {_target_words(recorded)}, "
-                                  f"this run's target is {_target_words(target_record)}; {start_new}")
+        if recorded.get("geometry") != target_record.get("geometry") or recorded.get(
+            "fingerprint"
+        ) != target_record.get("fingerprint"):
+            raise CheckpointError(
+                f"{name} was trained against another target: it recorded {_target_words(recorded)}, "
+                f"this run's target is {_target_words(target_record)}; {start_new}"
+            )
     saved = checkpoint.get("draft_config")
     if isinstance(saved, dict):
         have, want = _flat(saved), _flat(draft_config)
         # Fields both sides have (a checkpoint of an older version lacks fields added since: not a difference).
-        diffs = [f"{k}={have[k]!r} (this run: {want[k]!r})" for k in sorted(set(have) & set(want))
-                 if k.rsplit(".", 1)[-1] not in _NOT_COMPARED and have[k] != want[k]]
+        diffs = [
+            f"{k}={have[k]!r} (this run: {want[k]!r})"
+            for k in sorted(set(have) & set(want))
+            if k.rsplit(".", 1)[-1] not in _NOT_COMPARED and have[k] != want[k]
+        ]
         if diffs:
             shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
             raise CheckpointError(f"{name} holds a draft of another geometry or target: {shown}; {start_new}")
@@ -106,9 +119,11 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dirs: list[str | os.Path
     if ckpt_path is None or ckpt_path in ("hpc", "registry") or str(ckpt_path).startswith("registry:"):
         return None
     if ckpt_path == "best":
-        raise ConfigError("--ckpt_path best is invalid for fit: 'best' means the best checkpoint of the run in this "
-                          "process, and a fit has none before it trains; resume with --ckpt_path last, or give a "
-                          "checkpoint file (--ckpt_path runs/<name>/<version>/checkpoints/<file>.ckpt)")
+        raise ConfigError(
+            "--ckpt_path best is invalid for fit: 'best' means the best checkpoint of the run in this "
+            "process, and a fit has none before it trains; resume with --ckpt_path last, or give a "
+            "checkpoint file (--ckpt_path runs/<name>/<version>/checkpoints/<file>.ckpt)"
+        )
     if ckpt_path == "last":
         found = [p for d in checkpoint_dirs if Path(d).is_dir() for p in Path(d).glob("last*.ckpt")]
         return max(found, key=lambda p: p.stat().st_mtime) if found else None
@@ -116,8 +131,10 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dirs: list[str | os.Path
         return None  # remote: Lightning's own loader reads it
     path = Path(ckpt_path).expanduser()
     if not path.exists():
-        raise ConfigError(f"--ckpt_path {ckpt_path} does not exist: give a checkpoint file, or 'last' to resume "
-                          "the newest checkpoint of the run directory")
+        raise ConfigError(
+            f"--ckpt_path {ckpt_path} does not exist: give a checkpoint file, or 'last' to resume "
+            "the newest checkpoint of the run directory"
+        )
     if path.is_dir():
         raise ConfigError(f"--ckpt_path {ckpt_path} is a directory: give a checkpoint file (.ckpt) in it, or 'last'")
     return path

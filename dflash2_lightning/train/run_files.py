@@ -69,17 +69,18 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """:class:`TorchCheckpointIO` whose local saves are atomic (temporary file in place + rename)."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
-            raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options; "
-                            f"got {storage_options!r}")
+            raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options; got {storage_options!r}")
         if not _is_local(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_torch_save(checkpoint, path)
 
-    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: str | os.PathLike, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Lightning's loader, but a damaged file is a :class:`CheckpointError` naming it (not a traceback)."""
         try:
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -89,8 +90,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise CheckpointError(
                 f"checkpoint {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:160]}): "
                 "it is truncated or not a Lightning checkpoint; delete it and resume from another checkpoint "
-                "(--ckpt_path <file>), or start the run again") from None
-
+                "(--ckpt_path <file>), or start the run again"
+            ) from None
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -182,8 +183,17 @@ class ResumableCSVLogger(CSVLogger):
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             fields = list(reader.fieldnames or [])
-            rows = [r for r in reader if not r.get("step") or (int(float(r["step"])) < step and not (
-                int(float(r["step"])) == validation_at and any(v for k, v in r.items() if k.startswith("val/"))))]
+            rows = [
+                r
+                for r in reader
+                if not r.get("step")
+                or (
+                    int(float(r["step"])) < step
+                    and not (
+                        int(float(r["step"])) == validation_at and any(v for k, v in r.items() if k.startswith("val/"))
+                    )
+                )
+            ]
         out = io.StringIO()
         table = csv.DictWriter(out, fieldnames=fields)
         table.writeheader()

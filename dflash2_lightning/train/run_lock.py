@@ -111,10 +111,15 @@ class RunLock:
         raise RunLockedError(self._message(holder, checked=holder.get("host") == host_name()))
 
     def _message(self, holder: dict[str, Any] | None, checked: bool = True) -> str:
-        who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
-               if holder else "another process")
-        text = (f"run directory {self.run_dir} is in use by another fit ({who}): wait for it to finish, or give "
-                "this run another logger version or save_dir (in the config's trainer.logger)")
+        who = (
+            f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+            if holder
+            else "another process"
+        )
+        text = (
+            f"run directory {self.run_dir} is in use by another fit ({who}): wait for it to finish, or give "
+            "this run another logger version or save_dir (in the config's trainer.logger)"
+        )
         if not checked:
             text += f"; if no run is active on that host, delete {self.path}"
         return text

@@ -37,8 +37,10 @@ def _target_layers(hf: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
     base = getattr(hf, "model", None)
     layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
     if layers is None or norm is None:
-        raise ConfigError(f"init_from_target: the target ({type(hf).__name__}) has no model.layers / model.norm "
-                          "(a Llama / Qwen-style decoder is needed)")
+        raise ConfigError(
+            f"init_from_target: the target ({type(hf).__name__}) has no model.layers / model.norm "
+            "(a Llama / Qwen-style decoder is needed)"
+        )
     return layers, norm
 
 
@@ -54,16 +56,20 @@ def init_from_target(draft: DraftModel, hf: nn.Module) -> list[int]:
     first = max(cfg.target_layer_ids or [0]) + 1
     source = list(range(first, first + cfg.num_hidden_layers))
     if source[-1] >= len(layers):
-        raise ConfigError(f"init_from_target=true with target_layer_ids={cfg.target_layer_ids} and "
-                          f"num_hidden_layers={cfg.num_hidden_layers}: needs target layers {source}, but the target "
-                          f"has {len(layers)} (0..{len(layers) - 1}); use an earlier feature layer or fewer draft layers")
+        raise ConfigError(
+            f"init_from_target=true with target_layer_ids={cfg.target_layer_ids} and "
+            f"num_hidden_layers={cfg.num_hidden_layers}: needs target layers {source}, but the target "
+            f"has {len(layers)} (0..{len(layers) - 1}); use an earlier feature layer or fewer draft layers"
+        )
     for layer, index in zip(draft.layers, source):
         theirs = dict(layers[index].named_parameters())
         for name, p in layer.named_parameters():
             if name in theirs:
                 if theirs[name].shape != p.shape:
-                    raise ConfigError(f"init_from_target: draft {name} has shape {tuple(p.shape)} but target layer "
-                                      f"{index}'s has {tuple(theirs[name].shape)}: keep the target's geometry")
+                    raise ConfigError(
+                        f"init_from_target: draft {name} has shape {tuple(p.shape)} but target layer "
+                        f"{index}'s has {tuple(theirs[name].shape)}: keep the target's geometry"
+                    )
                 p.copy_(theirs[name].to(p.dtype))
     draft.hidden_norm.weight.copy_(layers[first].input_layernorm.weight.to(draft.hidden_norm.weight.dtype))
     draft.norm.weight.copy_(final_norm.weight.to(draft.norm.weight.dtype))
@@ -86,11 +92,15 @@ def init_selector_from_embedding(selector: CandidateSelector, embedding: torch.T
     """
     vocab, rank = selector.predecessor_codebook.shape
     if embedding.dim() != 2 or embedding.shape[0] != vocab:
-        raise ConfigError(f"selector_init=target_embedding: the target's embedding has shape {tuple(embedding.shape)}, "
-                          f"the selector needs [{vocab}, hidden]")
+        raise ConfigError(
+            f"selector_init=target_embedding: the target's embedding has shape {tuple(embedding.shape)}, "
+            f"the selector needs [{vocab}, hidden]"
+        )
     if rank > embedding.shape[1]:
-        raise ConfigError(f"selector_init=target_embedding: selector_rank={rank} must be <= the embedding width "
-                          f"{embedding.shape[1]} (it takes that many principal directions); use selector_init=random")
+        raise ConfigError(
+            f"selector_init=target_embedding: selector_rank={rank} must be <= the embedding width "
+            f"{embedding.shape[1]} (it takes that many principal directions); use selector_init=random"
+        )
     centred = embedding.double() - embedding.double().mean(0)
     variances, directions = torch.linalg.eigh(centred.T @ centred)  # ascending
     coords = centred @ directions[:, -rank:].flip(-1)

@@ -26,8 +26,9 @@ from dflash2_lightning.reporting import run_command
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.target import Target
 
-RECORDS = [{"text": f"Sample {i}: the numbers {i}, {i + 1} and {i + 2} follow each other. " * (1 + i % 3)}
-           for i in range(13)]
+RECORDS = [
+    {"text": f"Sample {i}: the numbers {i}, {i + 1} and {i + 2} follow each other. " * (1 + i % 3)} for i in range(13)
+]
 BATCH = 2  # 10 training rows -> 5 batches, 3 validation rows -> 2 batches: 7 in all, 4 and 3 per rank
 BATCHES = 7
 WAIT_S = 120  # a rank that is still alive after this is stuck: the test fails instead of hanging
@@ -40,16 +41,25 @@ def write_data(directory: Path) -> str:
 
 
 def data_module(data: str, cache: Path) -> DraftDataModule:
-    return DraftDataModule(TargetSpec(tiny={}), train_files=[data], seq_len=64, block_size=8, batch_size=4,
-                           mode="offline", cache_dir=str(cache), target_layer_ids=[1, 3], teacher_top_k=3,
-                           val_fraction=0.2, cache_batch_size=BATCH)
+    return DraftDataModule(
+        TargetSpec(tiny={}),
+        train_files=[data],
+        seq_len=64,
+        block_size=8,
+        batch_size=4,
+        mode="offline",
+        cache_dir=str(cache),
+        target_layer_ids=[1, 3],
+        teacher_top_k=3,
+        val_fraction=0.2,
+        cache_batch_size=BATCH,
+    )
 
 
 class CountingFeatures:
     """Patches :meth:`Target.features` to count calls and, optionally, fail at call ``fail_at``."""
 
-    def __init__(self, monkeypatch: Any = None, fail_at: int | None = None,
-                 error: BaseException | None = None) -> None:
+    def __init__(self, monkeypatch: Any = None, fail_at: int | None = None, error: BaseException | None = None) -> None:
         self.calls, self.fail_at, self.error, self.real = 0, fail_at, error, Target.features
         counter = self
 
@@ -71,8 +81,9 @@ def worker(rank: int, port: int, data: str, cache: str, out: str, fail_rank: int
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    counter = CountingFeatures(fail_at=2 if rank == fail_rank else None,
-                               error=DataError(f"injected failure on rank {rank}"))
+    counter = CountingFeatures(
+        fail_at=2 if rank == fail_rank else None, error=DataError(f"injected failure on rank {rank}")
+    )
     result: dict[str, Any] = {"rank": rank}
     try:
         dm = data_module(data, Path(cache))
@@ -81,8 +92,13 @@ def worker(rank: int, port: int, data: str, cache: str, out: str, fail_rank: int
         dm.setup("fit")
         result.update(ok=True, train=len(dm.train_dataset), val=len(dm.val_dataset))
     except BaseException as error:
-        result.update(ok=False, kind=type(error).__name__, message=str(error),
-                      cause=type(error.__cause__).__name__, traceback=traceback.format_exc()[-3000:])
+        result.update(
+            ok=False,
+            kind=type(error).__name__,
+            message=str(error),
+            cause=type(error.__cause__).__name__,
+            traceback=traceback.format_exc()[-3000:],
+        )
     result["calls"] = counter.calls
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -217,8 +233,11 @@ def test_features_that_overflow_float16_are_an_error_raised_from_the_writer(tmp_
         return out._replace(features=out.features * 1e6)  # beyond float16's 65504
 
     monkeypatch.setattr(Target, "features", huge)
-    with pytest.raises(DataError, match=r"target features overflow float16 \(max \|x\| = [0-9.e+]+\); "
-                                        r"set feature_dtype='float32'"):
+    with pytest.raises(
+        DataError,
+        match=r"target features overflow float16 \(max \|x\| = [0-9.e+]+\); "
+        r"set feature_dtype='float32'",
+    ):
         one_process_build(data, tmp_path / "cache")
     assert not (tmp_path / "cache").exists() and not list(tmp_path.rglob(MANIFEST))
     assert not list((build_dir_of(tmp_path / "cache") / DONE).iterdir())  # no batch of infinities marked done
@@ -226,9 +245,11 @@ def test_features_that_overflow_float16_are_an_error_raised_from_the_writer(tmp_
 
 def test_a_failure_reported_by_rank_0_is_one_line(capsys):
     """What each process of a failed build prints: rank 0 the error, the others nothing (exit 2 all the same)."""
+
     def fail(error: Exception):
         def command(argv: list[str]) -> None:
             raise error
+
         return command
 
     assert run_command(fail(PeerFailedError("injected failure on rank 1")), []) == 2

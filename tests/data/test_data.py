@@ -20,11 +20,13 @@ from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.target import Target
 
 TINY = TargetSpec(tiny={})
-CHAT = [{"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is 2 plus 3?"},
-        {"role": "assistant", "content": "2 plus 3 is 5."},
-        {"role": "user", "content": "And 4 plus 4?"},
-        {"role": "assistant", "content": "8."}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 plus 3?"},
+    {"role": "assistant", "content": "2 plus 3 is 5."},
+    {"role": "user", "content": "And 4 plus 4?"},
+    {"role": "assistant", "content": "8."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +70,9 @@ def test_lightning_cli_style_arguments_parse_into_the_module():
 
     parser = ArgumentParser()
     parser.add_class_arguments(DraftDataModule, "data")
-    cfg = parser.parse_object({"data": {"target": {"tiny": {"num_hidden_layers": 2}}, "seq_len": 32,
-                                        "block_size": 8, "mode": "offline"}})
+    cfg = parser.parse_object(
+        {"data": {"target": {"tiny": {"num_hidden_layers": 2}}, "seq_len": 32, "block_size": 8, "mode": "offline"}}
+    )
     dm = parser.instantiate(cfg)["data"]
     assert isinstance(dm, DraftDataModule)
     assert dm.target == TargetSpec(tiny={"num_hidden_layers": 2}) and dm.mode == "offline"
@@ -100,26 +103,33 @@ THINK_TEMPLATE = (
     "{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}"
     "{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m.content + '<|im_end|>\n' }}"
     "{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
 MARKER_TEMPLATE = (
     "{%- for m in messages %}{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
     "{%- generation %}{{ m.content + '<|im_end|>' }}{%- endgeneration %}{{ '\n' }}"
-    "{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}")
+    "{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+)
 
 
 @pytest.mark.parametrize("template", [THINK_TEMPLATE, MARKER_TEMPLATE], ids=["content-search", "generation-markers"])
 def test_chat_templates_without_consistent_prefixes(tok, template):
     from transformers import PreTrainedTokenizerFast
 
-    other = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<|endoftext|>",
-                                    pad_token="<|pad|>", chat_template=template)
+    other = PreTrainedTokenizerFast(
+        tokenizer_object=tok.backend_tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>", chat_template=template
+    )
     ids, mask = encode_chat(other, CHAT)
     assert [other.decode(run) for run in spans(ids, mask)] == ["2 plus 3 is 5.<|im_end|>", "8.<|im_end|>"]
 
 
 def test_sharegpt_equals_messages(tmp_path):
-    sharegpt = {"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
-                                   "value": m["content"]} for m in CHAT]}
+    sharegpt = {
+        "conversations": [
+            {"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+            for m in CHAT
+        ]
+    }
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     dm_a = module(tmp_path / "a", [{"messages": CHAT}], val_fraction=0.0)
@@ -131,13 +141,16 @@ def test_sharegpt_equals_messages(tmp_path):
     assert 0 < dm_a.train_dataset[0]["loss_mask"].sum() < dm_a.train_dataset[0]["attention_mask"].sum()
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"text": "ok"', "invalid JSON"),
-    ('{"txt": "x"}', "expected a key 'text', 'messages' or 'conversations'"),
-    ('{"messages": [{"role": "user"}]}', "turn 0 must be an object"),
-    ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown ShareGPT role"),
-    ('[1, 2]', "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"text": "ok"', "invalid JSON"),
+        ('{"txt": "x"}', "expected a key 'text', 'messages' or 'conversations'"),
+        ('{"messages": [{"role": "user"}]}', "turn 0 must be an object"),
+        ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown ShareGPT role"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
 def test_malformed_line_names_file_and_line(tmp_path, line, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, "", line])
     dm = DraftDataModule(TINY, train_files=[path], seq_len=32, block_size=8)
@@ -147,8 +160,13 @@ def test_malformed_line_names_file_and_line(tmp_path, line, message):
 
 def test_samples_without_supervision_are_skipped_and_counted(tmp_path, caplog):
     long_user = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
-    records = [{"text": "kept one"}, {"text": ""}, {"messages": [{"role": "user", "content": "no answer"}]},
-               long_user, {"messages": CHAT}]
+    records = [
+        {"text": "kept one"},
+        {"text": ""},
+        {"messages": [{"role": "user", "content": "no answer"}]},
+        long_user,
+        {"messages": CHAT},
+    ]
     dm = module(tmp_path, records, val_fraction=0.0)
     with caplog.at_level(logging.WARNING, logger="dflash2_lightning.data.datamodule"):
         dm.setup()
@@ -190,8 +208,9 @@ def test_online_batch_layout():
 
 
 # ---------------------------------------------------------------------- offline cache
-RECORDS = [{"text": f"Sample {i}: the numbers {i}, {i + 1} and {i + 2} follow each other."} for i in range(10)] \
-    + [{"messages": CHAT}]
+RECORDS = [{"text": f"Sample {i}: the numbers {i}, {i + 1} and {i + 2} follow each other."} for i in range(10)] + [
+    {"messages": CHAT}
+]
 
 
 def offline(tmp_path: Path, **kw) -> DraftDataModule:
@@ -310,9 +329,14 @@ def test_foreign_directory_is_not_mistaken_for_a_cache(tmp_path):
 def test_validation_holds_out_whole_prompts():
     """A greedy and sampled responses to one prompt land in the same split: validation measures unseen prompts."""
     prompts = [f"question {i}" for i in range(20)]
-    records = [(f"f:{3 * i + k}", {"messages": [{"role": "user", "content": p},
-                                                {"role": "assistant", "content": f"answer {k} to {p}"}]})
-               for i, p in enumerate(prompts) for k in range(3)]
+    records = [
+        (
+            f"f:{3 * i + k}",
+            {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": f"answer {k} to {p}"}]},
+        )
+        for i, p in enumerate(prompts)
+        for k in range(3)
+    ]
     held = held_out_by_prompt(records, n_val=5)
     assert len(held) == 6  # rounded up to two whole prompts
     key = {i: r["messages"][0]["content"] for i, (_, r) in enumerate(records)}

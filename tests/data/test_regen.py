@@ -114,8 +114,23 @@ def test_resume_refuses_other_settings_or_prompts(prompts_file, tmp_path, monkey
 
 def test_regen_command_line(prompts_file, tmp_path, capsys) -> None:
     out = tmp_path / "cli.jsonl"
-    status = regen_main(["--target", json.dumps(TARGET_SPEC), "--prompts", str(prompts_file), "--out", str(out),
-                         "--max-new-tokens", "3", "--batch-size", "4", "--max-prompts", "5", "--no-progress"])
+    status = regen_main(
+        [
+            "--target",
+            json.dumps(TARGET_SPEC),
+            "--prompts",
+            str(prompts_file),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "3",
+            "--batch-size",
+            "4",
+            "--max-prompts",
+            "5",
+            "--no-progress",
+        ]
+    )
     assert status == 0 and f"5 responses in {out}" in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == 5
     with pytest.raises(SystemExit):

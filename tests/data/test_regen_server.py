@@ -52,24 +52,63 @@ def test_bad_settings_are_named(prompts_file, tmp_path):
         regen_server(url, {"tiny": {}}, prompts_file, tmp_path / "o.jsonl", temperature=1.0, top_p=0.0)
 
 
-@pytest.mark.parametrize("answers, raw, needles", [
-    ({"GET /v1/models": "[]"}, None, ["/v1/models answered JSON of another shape: the answer is a list ([])"]),
-    ({"GET /v1/models": '{"data": [1]}'}, None, ["/v1/models answered JSON of another shape: data[0] is a number (1)"]),
-    ({"GET /v1/models": MODELS, "POST /v1/completions": '{"choices": [{"text": ["a"]}]}'}, None,
-     ["/v1/completions answered JSON of another shape: choices[0].text is a list", "0 of 2 responses are kept in"]),
-    ({"GET /v1/models": MODELS, "POST /v1/completions": '{"choices": "none"}'}, None,
-     ["/v1/completions answered JSON of another shape: choices is a string"]),
-    ({"GET /v1/models": (200, '{"data": [{"id": "m"', 300)}, None, ["/v1/models cut its answer off (20 of 300 bytes"]),
-    ({}, b"\x00\x01SSH-2.0-OpenSSH_9.6\r\n", ["/v1/models did not answer in HTTP (it sent '\\x00\\x01SSH-2.0"]),
-], ids=["models-list", "models-data-number", "text-list", "choices-string", "cut-off", "not-http"])
-def test_a_server_answering_wrongly_is_one_line_naming_the_endpoint(prompts_file, tmp_path, capsys, answers, raw,
-                                                                    needles):
+@pytest.mark.parametrize(
+    "answers, raw, needles",
+    [
+        ({"GET /v1/models": "[]"}, None, ["/v1/models answered JSON of another shape: the answer is a list ([])"]),
+        (
+            {"GET /v1/models": '{"data": [1]}'},
+            None,
+            ["/v1/models answered JSON of another shape: data[0] is a number (1)"],
+        ),
+        (
+            {"GET /v1/models": MODELS, "POST /v1/completions": '{"choices": [{"text": ["a"]}]}'},
+            None,
+            [
+                "/v1/completions answered JSON of another shape: choices[0].text is a list",
+                "0 of 2 responses are kept in",
+            ],
+        ),
+        (
+            {"GET /v1/models": MODELS, "POST /v1/completions": '{"choices": "none"}'},
+            None,
+            ["/v1/completions answered JSON of another shape: choices is a string"],
+        ),
+        (
+            {"GET /v1/models": (200, '{"data": [{"id": "m"', 300)},
+            None,
+            ["/v1/models cut its answer off (20 of 300 bytes"],
+        ),
+        ({}, b"\x00\x01SSH-2.0-OpenSSH_9.6\r\n", ["/v1/models did not answer in HTTP (it sent '\\x00\\x01SSH-2.0"]),
+    ],
+    ids=["models-list", "models-data-number", "text-list", "choices-string", "cut-off", "not-http"],
+)
+def test_a_server_answering_wrongly_is_one_line_naming_the_endpoint(
+    prompts_file, tmp_path, capsys, answers, raw, needles
+):
     """JSON of another shape, a cut-off answer, a server that is not HTTP: one line naming the endpoint (and the
     field), exit 2, nothing written but the resumable log."""
     with Broken(answers, raw=raw) as server:
-        code = cli.main(["regen", "--server", server.url + "/v1", "--target", "tiny", "--prompts", str(prompts_file),
-                         "--max-prompts", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "out.jsonl"),
-                         "--no-progress", "--concurrency", "1"])
+        code = cli.main(
+            [
+                "regen",
+                "--server",
+                server.url + "/v1",
+                "--target",
+                "tiny",
+                "--prompts",
+                str(prompts_file),
+                "--max-prompts",
+                "2",
+                "--max-new-tokens",
+                "4",
+                "--out",
+                str(tmp_path / "out.jsonl"),
+                "--no-progress",
+                "--concurrency",
+                "1",
+            ]
+        )
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"dflash2: error: {server.url}/v1/") and err.count("\n") == 1, err
     assert not any(c in err[:-1] for c in "\x00\r"), repr(err)
@@ -79,8 +118,22 @@ def test_a_server_answering_wrongly_is_one_line_naming_the_endpoint(prompts_file
 
 def test_a_timeout_that_is_no_duration_is_refused_when_parsed(prompts_file, tmp_path, capsys):
     for value in ("nan", "0", "-1"):
-        assert cli.main(["regen", "--server", "http://127.0.0.1:9/v1", "--target", "tiny", "--out",
-                         str(tmp_path / "o.jsonl"), "--timeout", value]) == 2
+        assert (
+            cli.main(
+                [
+                    "regen",
+                    "--server",
+                    "http://127.0.0.1:9/v1",
+                    "--target",
+                    "tiny",
+                    "--out",
+                    str(tmp_path / "o.jsonl"),
+                    "--timeout",
+                    value,
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert f"argument --timeout: {value} is invalid" in err and err.count("\n") == 1
 
@@ -101,12 +154,28 @@ def test_greedy_records_match_in_process_regen(served_target, prompts_file, tmp_
     llama, model = served_target
     budget = 24
     with serve(model, threads=2, parallel=2, ctx_size=1024, llama=llama, log_dir=tmp_path) as server:
-        assert regen_main(["--server", server.openai_url, "--target", "smollm2", "--prompts", str(prompts_file),
-                           "--out", str(tmp_path / "server.jsonl"), "--max-new-tokens", str(budget),
-                           "--concurrency", "3", "--no-progress"]) == 0
+        assert (
+            regen_main(
+                [
+                    "--server",
+                    server.openai_url,
+                    "--target",
+                    "smollm2",
+                    "--prompts",
+                    str(prompts_file),
+                    "--out",
+                    str(tmp_path / "server.jsonl"),
+                    "--max-new-tokens",
+                    str(budget),
+                    "--concurrency",
+                    "3",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     assert f"{len(PROMPTS)} responses in" in capsys.readouterr().out
-    local = regen(SMOLLM2, prompts_file, tmp_path / "local.jsonl", max_new_tokens=budget, batch_size=1,
-                  progress=False)
+    local = regen(SMOLLM2, prompts_file, tmp_path / "local.jsonl", max_new_tokens=budget, batch_size=1, progress=False)
     ours, theirs = _records(local), _records(tmp_path / "server.jsonl")
     assert [r["messages"][:-1] for r in theirs] == [r["messages"][:-1] for r in ours]  # same prompts, in order
     texts = [(a["messages"][-1]["content"], b["messages"][-1]["content"]) for a, b in zip(ours, theirs)]
@@ -130,6 +199,7 @@ def test_dead_server_keeps_what_was_written_and_a_rerun_resumes(served_target, p
     url = f"http://127.0.0.1:{port}/v1"
     real_append = server_regen_mod.append_lines
     with serve(model, threads=2, parallel=1, ctx_size=1024, port=port, llama=llama, log_dir=tmp_path) as server:
+
         def append_then_kill(path, lines):
             # Kill the server right after the header and two records are durable: mid-run on any machine
             # (polling the log from another thread raced a fast server, which finished first).
@@ -139,8 +209,7 @@ def test_dead_server_keeps_what_was_written_and_a_rerun_resumes(served_target, p
 
         monkeypatch.setattr(server_regen_mod, "append_lines", append_then_kill)
         with pytest.raises(ServerError) as err:
-            regen_server(url, SMOLLM2, prompts_file, out, max_new_tokens=16, concurrency=1, progress=False,
-                         timeout=120)
+            regen_server(url, SMOLLM2, prompts_file, out, max_new_tokens=16, concurrency=1, progress=False, timeout=120)
         monkeypatch.setattr(server_regen_mod, "append_lines", real_append)
     assert "responses are kept in" in str(err.value) and "rerun the same command" in str(err.value)
     kept = [json.loads(line) for line in log.read_text().splitlines()[1:]]

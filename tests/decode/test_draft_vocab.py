@@ -114,14 +114,32 @@ def test_eval_drafts_with_the_checkpoints_vocabulary_and_can_turn_it_off(tmp_pat
     draft.double()
     responses = tmp_path / "responses.jsonl"
     tok = target.tokenizer
-    responses.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q"},
-                                                          {"role": "assistant", "content": tok.decode(list(c))}]})
-                                 + "\n" for c in continuations()))
+    responses.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": tok.decode(list(c))}]}
+            )
+            + "\n"
+            for c in continuations()
+        )
+    )
     path = make_draft_vocab(draft_dir, responses, target, size=4096)
     ids = read_draft_vocab(draft_dir, _lm_head().weight.shape[0])
     assert set(target.eos_token_ids) <= set(ids) and "covered" in json.loads(path.read_text())["source"]
-    common = ["--draft", str(draft_dir), "--target", json.dumps(TARGET_SPEC), "--max-prompts", "2",
-              "--max-new-tokens", "8", "--no-progress", "--no-estimate", "--threads", "1"]
+    common = [
+        "--draft",
+        str(draft_dir),
+        "--target",
+        json.dumps(TARGET_SPEC),
+        "--max-prompts",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--no-progress",
+        "--no-estimate",
+        "--threads",
+        "1",
+    ]
     assert eval_main(common + ["--out", str(tmp_path / "on")]) == 0
     on = json.loads((tmp_path / "on" / "eval.json").read_text())
     assert on["draft_vocab"]["size"] == len(ids) and on["draft_vocab"]["file"].endswith(DRAFT_VOCAB_FILE)

@@ -97,28 +97,34 @@ def test_scripted_drafter_accepts_exactly_and_cuts_like_greedy() -> None:
     pattern = [3, 0, 2, 1, 3, 3, 0, 1]
 
     got = speculative_generate(target, OracleDrafter(full, pattern, target.vocab_size), prompt, 40)
-    assert got.tokens == full[len(prompt):len(prompt) + 40]
+    assert got.tokens == full[len(prompt) : len(prompt) + 40]
     n = len(got.accepted)
     assert got.accepted == [pattern[i % len(pattern)] for i in range(n)]
     assert got.anchors[0] == len(prompt) and all(
-        b - a == acc + 1 for a, b, acc in zip(got.anchors, got.anchors[1:], got.accepted))
+        b - a == acc + 1 for a, b, acc in zip(got.anchors, got.anchors[1:], got.accepted)
+    )
     assert sum(got.emitted) + 1 == len(got.tokens)  # the prefill token is not a cycle's
 
     # A stop token inside an accepted run: emission stops right after it and that cycle is truncated.
     P = len(prompt)
-    pos = next(a + k for a, acc in zip(got.anchors, got.accepted) if acc == 3 for k in (1, 2)
-               if full[a + k] not in full[P:a + k])  # its first occurrence is an accepted draft
+    pos = next(
+        a + k
+        for a, acc in zip(got.anchors, got.accepted)
+        if acc == 3
+        for k in (1, 2)
+        if full[a + k] not in full[P : a + k]
+    )  # its first occurrence is an accepted draft
     stop_token = full[pos]
     ref = target_greedy(target, prompt, 40, [stop_token])
     cut = speculative_generate(target, OracleDrafter(full, pattern, target.vocab_size), prompt, 40, [stop_token])
-    assert cut.tokens == ref.tokens == full[P:pos + 1]
+    assert cut.tokens == ref.tokens == full[P : pos + 1]
     assert cut.stopped and cut.truncated == [False] * (len(cut.accepted) - 1) + [True]
     assert cut.emitted[-1] == pos - cut.anchors[-1] < cut.accepted[-1] + 1
 
     # The budget cuts inside a cycle: same tokens as greedy with that budget; only the last cycle truncated.
     for budget in (2, 3, 5, 8, 13):
         short = speculative_generate(target, OracleDrafter(full, pattern, target.vocab_size), prompt, budget)
-        assert short.tokens == full[len(prompt):len(prompt) + budget]
+        assert short.tokens == full[len(prompt) : len(prompt) + budget]
         assert not any(short.truncated[:-1])
 
 
@@ -155,8 +161,9 @@ def test_context_cache_is_incremental_and_equals_from_scratch(budget: int) -> No
 
     tokens = torch.tensor([(prompt + got.tokens)[:verified]])
     out = target.hf(input_ids=tokens, output_hidden_states=True)
-    fresh = draft.context_kv(target_features(out.hidden_states, draft.config.target_layer_ids),
-                             torch.arange(verified)[None])
+    fresh = draft.context_kv(
+        target_features(out.hidden_states, draft.config.target_layer_ids), torch.arange(verified)[None]
+    )
     for mine, ref in zip(ctx.layers, fresh.layers):
         torch.testing.assert_close(mine.keys, ref.keys, rtol=0, atol=1e-12)
         torch.testing.assert_close(mine.values, ref.values, rtol=0, atol=1e-12)

@@ -61,8 +61,10 @@ def test_the_record_holds_the_loops_accepted_counts_at_t0(record, draft_dir):
         assert p["continuation_ids"] == list(run.tokens)
         assert p["accepted_per_step"] == [a for a, cut in zip(run.accepted, run.truncated) if not cut]
         assert p["continuation_text"] == target.tokenizer.decode(
-            p["continuation_ids"][:-1] if p["stopped"] else p["continuation_ids"], skip_special_tokens=True,
-            clean_up_tokenization_spaces=False)
+            p["continuation_ids"][:-1] if p["stopped"] else p["continuation_ids"],
+            skip_special_tokens=True,
+            clean_up_tokenization_spaces=False,
+        )
     summary = replay_summary([p["accepted_per_step"] for p in record["prompts"]], 4)
     e = record["expected"]
     assert e["tau"] == summary["tau"] and e["interval"] == summary["interval"] and e["prompts"] == 4
@@ -83,13 +85,27 @@ def test_written_atomically_and_read_back(record, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name != RECORD_NAME]  # no temporary left behind
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "no acceptance record at .* `dflash2 acceptance-record --draft"),
-    ("{trunc", "is not valid JSON"),
-    (json.dumps({"format": "dflash2-acceptance-record/0"}), "has format 'dflash2-acceptance-record/0', not"),
-    (json.dumps({"format": RECORD_FORMAT, "draft": {}, "prompts": [], "max_new_tokens": 8, "stop_token_ids": [],
-                 "path": "selector"}), "holds no prompts"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no acceptance record at .* `dflash2 acceptance-record --draft"),
+        ("{trunc", "is not valid JSON"),
+        (json.dumps({"format": "dflash2-acceptance-record/0"}), "has format 'dflash2-acceptance-record/0', not"),
+        (
+            json.dumps(
+                {
+                    "format": RECORD_FORMAT,
+                    "draft": {},
+                    "prompts": [],
+                    "max_new_tokens": 8,
+                    "stop_token_ids": [],
+                    "path": "selector",
+                }
+            ),
+            "holds no prompts",
+        ),
+    ],
+)
 def test_a_bad_record_is_refused_with_what_to_do(tmp_path, content, message):
     if content is not None:
         (tmp_path / RECORD_NAME).write_text(content)
@@ -99,8 +115,24 @@ def test_a_bad_record_is_refused_with_what_to_do(tmp_path, content, message):
 
 def test_the_action_writes_it(draft_dir, tmp_path, capsys):
     out = tmp_path / "rec.json"
-    assert cli.main(["acceptance-record", "--draft", str(draft_dir), "--target", json.dumps(TARGET_SPEC),
-                     "--num-prompts", "2", "--max-new-tokens", "6", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "acceptance-record",
+                "--draft",
+                str(draft_dir),
+                "--target",
+                json.dumps(TARGET_SPEC),
+                "--num-prompts",
+                "2",
+                "--max-new-tokens",
+                "6",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     record = read_record(out)
     assert len(record["prompts"]) == 2 and record["max_new_tokens"] == 6
     assert f"acceptance record: expected tau {record['expected']['tau']:.2f}" in capsys.readouterr().out
@@ -119,22 +151,42 @@ def no_generation(monkeypatch):
     monkeypatch.setattr(replay, "run_replay", refuse)
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--max-new-tokens", "3000"], ["max_new_tokens=3000 is invalid: must be < the target's context of 2048 positions",
-                                    "lower --max-new-tokens"]),
-    (["--max-new-tokens", "2040"], ["1 of 1 prompts do not fit the target's context", "prompt 1 of",
-                                    "--prompt-overflow truncate"]),
-    (["--max-new-tokens", "4", "--target", '{"tiny": {"hidden_size": 128, "head_dim": 32}}'],
-     ["was not trained for this target: hidden_size 64 vs the target's 128", "pass the target the draft was trained"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (
+            ["--max-new-tokens", "3000"],
+            [
+                "max_new_tokens=3000 is invalid: must be < the target's context of 2048 positions",
+                "lower --max-new-tokens",
+            ],
+        ),
+        (
+            ["--max-new-tokens", "2040"],
+            ["1 of 1 prompts do not fit the target's context", "prompt 1 of", "--prompt-overflow truncate"],
+        ),
+        (
+            ["--max-new-tokens", "4", "--target", '{"tiny": {"hidden_size": 128, "head_dim": 32}}'],
+            [
+                "was not trained for this target: hidden_size 64 vs the target's 128",
+                "pass the target the draft was trained",
+            ],
+        ),
+    ],
+)
 def test_a_budget_past_the_context_or_a_target_of_another_geometry_is_refused_before_generating(
-        draft_dir, tmp_path, capsys, no_generation, args, needles):
+    draft_dir, tmp_path, capsys, no_generation, args, needles
+):
     """As `dflash2 eval` refuses them (the same checks: fit_to_context, Target.check_fits): one line, nothing
     written."""
     out = tmp_path / "rec.json"
     target = ["--target", json.dumps(TARGET_SPEC)] if "--target" not in args else []
-    assert cli.main(["acceptance-record", "--draft", str(draft_dir), *target, "--num-prompts", "1", "--out", str(out),
-                     *args]) == 2
+    assert (
+        cli.main(
+            ["acceptance-record", "--draft", str(draft_dir), *target, "--num-prompts", "1", "--out", str(out), *args]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("dflash2: error: ") and err.count("\n") == 1, err
     assert all(needle in err for needle in needles), err
@@ -146,13 +198,22 @@ def test_fits_record_budget_is_checked_before_training():
     (before any step), naming the setting as the command line writes it."""
     from dflash2_lightning.train.module import DFlash2Module
 
-    with pytest.raises(ConfigError, match=r"model.init_args.export.acceptance_tokens=3000 is invalid: must be < the "
-                                          r"target's context of 2048 positions .*lower "
-                                          r"--model.init_args.export.acceptance_tokens$"):
-        DFlash2Module(target={"tiny": {}}, draft={"block_size": 4, "selector_rank": 8, "selector_top_k": 4},
-                      export={"acceptance_tokens": 3000})
-    DFlash2Module(target={"tiny": {}}, draft={"block_size": 4, "selector_rank": 8, "selector_top_k": 4},
-                  export={"acceptance_tokens": 3000, "acceptance_prompts": 0})  # no record: nothing to check
+    with pytest.raises(
+        ConfigError,
+        match=r"model.init_args.export.acceptance_tokens=3000 is invalid: must be < the "
+        r"target's context of 2048 positions .*lower "
+        r"--model.init_args.export.acceptance_tokens$",
+    ):
+        DFlash2Module(
+            target={"tiny": {}},
+            draft={"block_size": 4, "selector_rank": 8, "selector_top_k": 4},
+            export={"acceptance_tokens": 3000},
+        )
+    DFlash2Module(
+        target={"tiny": {}},
+        draft={"block_size": 4, "selector_rank": 8, "selector_top_k": 4},
+        export={"acceptance_tokens": 3000, "acceptance_prompts": 0},
+    )  # no record: nothing to check
 
 
 def test_a_record_of_other_weights_is_found_and_removed(draft_dir, record, tmp_path):
@@ -181,8 +242,24 @@ def test_eval_with_a_replay_writes_it_into_the_draft(draft_dir, tmp_path):
         if f.name != RECORD_NAME:
             (draft / f.name).write_bytes(f.read_bytes())
     out = tmp_path / "eval"
-    args = ["--draft", str(draft), "--target", json.dumps(TARGET_SPEC), "--out", str(out), "--max-new-tokens", "8",
-            "--max-prompts", "1", "--no-estimate", "--paths", "selector", "--replay-prompts", "3", "--no-progress"]
+    args = [
+        "--draft",
+        str(draft),
+        "--target",
+        json.dumps(TARGET_SPEC),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "8",
+        "--max-prompts",
+        "1",
+        "--no-estimate",
+        "--paths",
+        "selector",
+        "--replay-prompts",
+        "3",
+        "--no-progress",
+    ]
     assert eval_main([*args, "--no-acceptance-record"]) == 0 and not (draft / RECORD_NAME).exists()
     assert eval_main(args) == 0
     report = json.loads((out / "eval.json").read_text())

@@ -54,16 +54,33 @@ def synthetic_record(prompts: int = 6, steps: int = 20, seed: int = 0) -> dict:
         accepted = [rng.choice([0, 0, 1, 1, 2, 3]) for _ in range(steps)]
         length = 1 + sum(a + 1 for a in accepted)
         ids = [rng.randrange(5, 500) for _ in range(length)]
-        items.append({"prompt_ids": [1, 2, 3 + i], "continuation_ids": ids,
-                      "continuation_text": " ".join(f"w{t}" for t in ids), "stopped": False,
-                      "accepted_per_step": accepted})
-    record = {"format": RECORD_FORMAT, "draft": {"dir": "/drafts/mine", "architecture": "DFlash2DraftModel",
-                                                 "block_size": BLOCK, "torch_dtype": "bfloat16",
-                                                 "weights_sha256": "0" * 64},
-              "target": {"spec": None, "path": "/models/target", "gguf": None, "serving_dtype": "bfloat16"},
-              "path": "selector", "temperature": 0.0, "max_new_tokens": max(len(p["continuation_ids"]) for p in items),
-              "stop_token_ids": [0], "prompts_source": "test", "prompts": items,
-              "bootstrap": {"resamples": 400, "seed": 0, "level": 0.95, "unit": "prompt"}}
+        items.append(
+            {
+                "prompt_ids": [1, 2, 3 + i],
+                "continuation_ids": ids,
+                "continuation_text": " ".join(f"w{t}" for t in ids),
+                "stopped": False,
+                "accepted_per_step": accepted,
+            }
+        )
+    record = {
+        "format": RECORD_FORMAT,
+        "draft": {
+            "dir": "/drafts/mine",
+            "architecture": "DFlash2DraftModel",
+            "block_size": BLOCK,
+            "torch_dtype": "bfloat16",
+            "weights_sha256": "0" * 64,
+        },
+        "target": {"spec": None, "path": "/models/target", "gguf": None, "serving_dtype": "bfloat16"},
+        "path": "selector",
+        "temperature": 0.0,
+        "max_new_tokens": max(len(p["continuation_ids"]) for p in items),
+        "stop_token_ids": [0],
+        "prompts_source": "test",
+        "prompts": items,
+        "bootstrap": {"resamples": 400, "seed": 0, "level": 0.95, "unit": "prompt"},
+    }
     record["expected"] = expected(record)
     return record
 
@@ -110,8 +127,12 @@ vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="Qwen/Qwen3-8B"
 vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="Qwen/Qwen3-8B"} 200.0
 # HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
 # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
-""" + "".join(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{e}",model_name="Qwen/Qwen3-8B",'
-              f'position="{k}"}} {v}\n' for e in (0, 1) for k, v in enumerate([50.0, 30.0, 20.0, 10.0, 5.0, 3.0, 2.0]))
+""" + "".join(
+    f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{e}",model_name="Qwen/Qwen3-8B",'
+    f'position="{k}"}} {v}\n'
+    for e in (0, 1)
+    for k, v in enumerate([50.0, 30.0, 20.0, 10.0, 5.0, 3.0, 2.0])
+)
 
 # llama-server 11434 with --metrics: server_task_result_metrics::to_metrics (tools/server/server-task.cpp), values
 # printed by a C++ stream (integers without a decimal point), the per-position counter last.
@@ -199,9 +220,17 @@ def test_outputs_are_compared_by_ids_when_given_else_text():
 
 
 # ----------------------------------------------------------------------------- verdicts
-@pytest.mark.parametrize("engine, options", [
-    (VLLM, {}), (VLLM, {"per_request": False}), (SGLANG, {}), (LLAMA_CPP, {}), (LLAMA_CPP, {"metrics": False}),
-], ids=["vllm-per-request", "vllm-prometheus", "sglang", "llama.cpp", "llama.cpp-no-metrics"])
+@pytest.mark.parametrize(
+    "engine, options",
+    [
+        (VLLM, {}),
+        (VLLM, {"per_request": False}),
+        (SGLANG, {}),
+        (LLAMA_CPP, {}),
+        (LLAMA_CPP, {"metrics": False}),
+    ],
+    ids=["vllm-per-request", "vllm-prometheus", "sglang", "llama.cpp", "llama.cpp-no-metrics"],
+)
 def test_a_faithful_engine_agrees(record, tmp_path, capsys, engine, options):
     with Served(fake(engine, record, **options)) as server:
         code, out, err = run_cli(capsys, record, tmp_path, server)
@@ -220,27 +249,35 @@ def test_a_faithful_engine_agrees(record, tmp_path, capsys, engine, options):
         assert "accepted drafts per prompt: served" in out and "(equal on 6/6, max difference 0)" in out
 
 
-@pytest.mark.parametrize("engine, served_width, cause", [
-    (VLLM, 2, '`num_speculative_tokens` is 2: it must be 3 = block_size - 1'),
-    (SGLANG, 5, "`--speculative-num-draft-tokens` is 6: the block needs 4 (SGLang counts the anchor"),
-    (LLAMA_CPP, 1, "`--spec-draft-n-max` is 1; the block needs 3 (llama.cpp's default is 3)"),
-])
+@pytest.mark.parametrize(
+    "engine, served_width, cause",
+    [
+        (VLLM, 2, "`num_speculative_tokens` is 2: it must be 3 = block_size - 1"),
+        (SGLANG, 5, "`--speculative-num-draft-tokens` is 6: the block needs 4 (SGLang counts the anchor"),
+        (LLAMA_CPP, 1, "`--spec-draft-n-max` is 1; the block needs 3 (llama.cpp's default is 3)"),
+    ],
+)
 def test_an_engine_drafting_another_width_is_named(record, tmp_path, capsys, engine, served_width, cause):
     keep = min(served_width, BLOCK - 1)
     with Served(fake(engine, record, width=served_width, accepted=lambda a: [min(x, keep) for x in a])) as server:
         code, out, _ = run_cli(capsys, record, tmp_path, server)
     assert code == 1
-    assert (f"verdict: DISAGREE — {engine} drafts {served_width} token{'s' if served_width > 1 else ''} per verify "
-            "step; this draft's block drafts 3") in out
+    assert (
+        f"verdict: DISAGREE — {engine} drafts {served_width} token{'s' if served_width > 1 else ''} per verify "
+        "step; this draft's block drafts 3"
+    ) in out
     assert f"likely causes ({engine}):" in out and cause in out
     assert "SERVING.md recommends:" in out
 
 
-@pytest.mark.parametrize("engine, cause", [
-    (VLLM, '`"method": "dflash"` is missing'),
-    (SGLANG, "`--dtype auto` serves a float32 draft as float16"),
-    (LLAMA_CPP, "the GGUF is not this draft's"),
-])
+@pytest.mark.parametrize(
+    "engine, cause",
+    [
+        (VLLM, '`"method": "dflash"` is missing'),
+        (SGLANG, "`--dtype auto` serves a float32 draft as float16"),
+        (LLAMA_CPP, "the GGUF is not this draft's"),
+    ],
+)
 def test_acceptance_below_the_interval_is_caught(record, tmp_path, capsys, engine, cause):
     """Another draft (or a broken one) behind a right target: the outputs are right, the acceptance is not."""
     with Served(fake(engine, record, accepted=lambda a: [x // 2 for x in a])) as server:
@@ -258,11 +295,13 @@ def test_outputs_of_another_target_are_caught_first(record, tmp_path, capsys):
     with Served(fake(VLLM, record, output=other)) as server:
         code, out, _ = run_cli(capsys, record, tmp_path, server)
     assert code == 1
-    assert ("verdict: DISAGREE — served outputs differ from the target's greedy continuation on 2 of 6 prompts "
-            "(prompt 1 from token 5 of") in out
+    assert (
+        "verdict: DISAGREE — served outputs differ from the target's greedy continuation on 2 of 6 prompts "
+        "(prompt 1 from token 5 of"
+    ) in out
     assert "likely causes (vLLM):" in out and "the target runs in another dtype than the record's (bfloat16)" in out
     assert '--speculative-config \'{"method": "dflash", "model": "/drafts/mine"' not in out  # --draft given instead
-    assert "num_speculative_tokens\": 3}" in out
+    assert 'num_speculative_tokens": 3}' in out
 
 
 def test_an_engine_that_does_not_speculate(record, tmp_path, capsys):
@@ -275,13 +314,15 @@ def test_an_engine_that_does_not_speculate(record, tmp_path, capsys):
 
 def test_fewer_prompts_get_their_own_interval(record, tmp_path, capsys):
     with Served(fake(SGLANG, record)) as server:
-        code, out, _ = run_cli(capsys, record, tmp_path, server, "--max-prompts", "3", "--json",
-                               str(tmp_path / "v.json"))
+        code, out, _ = run_cli(
+            capsys, record, tmp_path, server, "--max-prompts", "3", "--json", str(tmp_path / "v.json")
+        )
         assert len(server.fake.requests) == 3
     assert code == 0
     verdict = json.loads((tmp_path / "v.json").read_text())
     assert verdict["expected"]["prompts"] == 3 and verdict["expected"] == {
-        k: v for k, v in expected(record, 3).items() if k in verdict["expected"]}
+        k: v for k, v in expected(record, 3).items() if k in verdict["expected"]
+    }
     assert verdict["agree"] and verdict["served"]["tau"] == pytest.approx(expected(record, 3)["tau"])
 
 
@@ -294,8 +335,10 @@ def test_the_engine_is_detected_without_metrics(record, engine):
 
 def test_vllm_without_any_counters_cannot_be_checked(record):
     with Served(fake(VLLM, record, metrics=False, per_request=False)) as server:
-        with pytest.raises(EngineError, match="vLLM at .* reports no speculative-decoding counters.*"
-                                              "--per-request-spec-decode-metrics summary"):
+        with pytest.raises(
+            EngineError,
+            match="vLLM at .* reports no speculative-decoding counters.*--per-request-spec-decode-metrics summary",
+        ):
             check_serving(server.url, record)
 
 
@@ -317,9 +360,15 @@ def test_help_says_what_it_checks_and_needs(capsys):
     with pytest.raises(SystemExit):
         cli.main(["check-serving", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for needed in ("acceptance record", "--replay-prompts", "token ids at T=0", "/metrics",
-                   "spec_tokens_details", "within the expected 95% interval",
-                   "Exit 0: agree, 1: disagree, 2: could not check"):
+    for needed in (
+        "acceptance record",
+        "--replay-prompts",
+        "token ids at T=0",
+        "/metrics",
+        "spec_tokens_details",
+        "within the expected 95% interval",
+        "Exit 0: agree, 1: disagree, 2: could not check",
+    ):
         assert needed in text, needed
 
 
@@ -349,8 +398,13 @@ def test_a_record_of_other_weights_is_refused_unless_allowed(record, tmp_path, c
         code, out, err = run_cli(capsys, record, tmp_path, server)
         assert server.fake.requests == []
         assert code == 2 and out == ""
-        one_error_line(err, "acceptance record was made for other weights than", "model.safetensors",
-                       f"dflash2 acceptance-record --draft {draft}", "--allow-stale-record")
+        one_error_line(
+            err,
+            "acceptance record was made for other weights than",
+            "model.safetensors",
+            f"dflash2 acceptance-record --draft {draft}",
+            "--allow-stale-record",
+        )
         assert cli.main(["check-serving", "--server", server.url, "--record", str(draft / "acceptance.json")]) == 2
         one_error_line(capsys.readouterr().err, "made for other weights")
         code, out, err = run_cli(capsys, record, tmp_path, server, "--allow-stale-record")
@@ -359,13 +413,20 @@ def test_a_record_of_other_weights_is_refused_unless_allowed(record, tmp_path, c
     # A GGUF's copy describes the GGUF (export-gguf copies only a record of the same weights): not compared.
     write_record({**record, "gguf": {"file": "draft.gguf", "outtype": "f32"}}, draft / "draft.acceptance.json")
     with Served(fake(VLLM, record)) as server:
-        assert cli.main(["check-serving", "--server", server.url, "--record",
-                         str(draft / "draft.acceptance.json")]) == 0
+        assert (
+            cli.main(["check-serving", "--server", server.url, "--record", str(draft / "draft.acceptance.json")]) == 0
+        )
 
 
-@pytest.mark.parametrize("value, needle", [("nan", "nan is invalid: must be a finite number"),
-                                           ("inf", "inf is invalid: must be a finite number"),
-                                           ("0", "0 is invalid: must be > 0"), ("-5", "-5 is invalid: must be > 0")])
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        ("nan", "nan is invalid: must be a finite number"),
+        ("inf", "inf is invalid: must be a finite number"),
+        ("0", "0 is invalid: must be > 0"),
+        ("-5", "-5 is invalid: must be > 0"),
+    ],
+)
 def test_a_timeout_that_is_no_duration_is_refused_when_parsed(record, tmp_path, capsys, value, needle):
     with Served(fake(VLLM, record)) as server:
         code, out, err = run_cli(capsys, record, tmp_path, server, "--timeout", value)
@@ -393,12 +454,21 @@ MALFORMED = [
     ({"GET /v1/models": '{"data": [1]}'}, "/v1/models", "data[0] is a number (1), not a model object"),
     ({"GET /v1/models": '{"data": "m"}'}, "/v1/models", 'data is a string ("m"), not a list of models'),
     ({"POST /v1/completions": "[]"}, "/v1/completions", "the answer is a list ([]), not an object"),
-    ({"POST /v1/completions": '{"choices": [{"text": "a"}], "timings": "garbage"}'}, "/v1/completions",
-     'timings is a string ("garbage"), not an object'),
-    ({"POST /v1/completions": '{"choices": [{"text": "a"}], "timings": {"draft_n": "x"}}'}, "/v1/completions",
-     'timings.draft_n is a string ("x"), not a number'),
-    ({"POST /v1/completions": '{"choices": [{"text": "a", "token_ids": "1 2 3"}]}'}, "/v1/completions",
-     'choices[0].token_ids is a string ("1 2 3"), not a list of token ids'),
+    (
+        {"POST /v1/completions": '{"choices": [{"text": "a"}], "timings": "garbage"}'},
+        "/v1/completions",
+        'timings is a string ("garbage"), not an object',
+    ),
+    (
+        {"POST /v1/completions": '{"choices": [{"text": "a"}], "timings": {"draft_n": "x"}}'},
+        "/v1/completions",
+        'timings.draft_n is a string ("x"), not a number',
+    ),
+    (
+        {"POST /v1/completions": '{"choices": [{"text": "a", "token_ids": "1 2 3"}]}'},
+        "/v1/completions",
+        'choices[0].token_ids is a string ("1 2 3"), not a list of token ids',
+    ),
     ({"POST /v1/completions": '{"choices": [{"text": 7}]}'}, "/v1/completions", "choices[0].text is a number (7)"),
 ]
 
@@ -408,16 +478,19 @@ def test_json_of_another_shape_names_the_endpoint_and_the_field(record, tmp_path
     with Broken({"GET /v1/models": MODELS, **answers}) as server:
         code, out, err = run_cli(capsys, record, tmp_path, server, "--engine", "llama.cpp", "--timeout", "30")
     assert code == 2 and out == ""
-    one_error_line(err, f"{server.url}{endpoint} answered JSON of another shape: {needle}",
-                   "OpenAI-compatible server")
+    one_error_line(err, f"{server.url}{endpoint} answered JSON of another shape: {needle}", "OpenAI-compatible server")
 
 
 def test_a_server_that_is_not_http_or_cuts_its_answer_off_is_said_so(record, tmp_path, capsys):
     with Broken(raw=b"\x00\x01SSH-2.0-OpenSSH_9.6\r\n\x00\x1b[2J more\r\n") as other:
         code, _, err = run_cli(capsys, record, tmp_path, other, "--timeout", "30")
     assert code == 2
-    one_error_line(err, f"{other.url}/v1/models did not answer in HTTP", "\\x00\\x01SSH-2.0-OpenSSH_9.6",
-                   "the server's HTTP address")
+    one_error_line(
+        err,
+        f"{other.url}/v1/models did not answer in HTTP",
+        "\\x00\\x01SSH-2.0-OpenSSH_9.6",
+        "the server's HTTP address",
+    )
     with Broken({"GET /v1/models": (200, '{"data": [{"id": "m"', 500)}) as cut:
         code, _, err = run_cli(capsys, record, tmp_path, cut, "--timeout", "30")
     assert code == 2

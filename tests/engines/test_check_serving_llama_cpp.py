@@ -47,10 +47,15 @@ def pair(trained_smollm2_draft, tmp_path_factory) -> dict:
     assert lo is not None and lo > 1.03, f"the draft accepts too little to tell drafts apart: {record['expected']}"
     target = target_gguf({"gguf": "smollm2"}, "f32")
     other = save_draft(randomize_draft_(DraftModel(smollm2_draft_config()), seed=5), work / "other")
-    return {"draft": draft, "record": record, "target": target,
-            "gguf": export_gguf(draft, target, work / "draft.gguf"),
-            "other_gguf": export_gguf(other, target, work / "other.gguf"),
-            "other_target": other_revision(target, work / "other-target.gguf"), "work": work}
+    return {
+        "draft": draft,
+        "record": record,
+        "target": target,
+        "gguf": export_gguf(draft, target, work / "draft.gguf"),
+        "other_gguf": export_gguf(other, target, work / "other.gguf"),
+        "other_target": other_revision(target, work / "other-target.gguf"),
+        "work": work,
+    }
 
 
 def other_revision(target: Path, out: Path) -> Path:

@@ -28,10 +28,19 @@ def test_every_contract_tensor_has_a_distinct_llama_cpp_name(tiny_draft_config, 
     cfg = tiny_draft_config(projector_type=projector)
     names = {gguf_tensor_name(n) for n in expected_tensors(cfg)}
     assert len(names) == len(expected_tensors(cfg))
-    assert {"fc.weight", "enc.output_norm.weight", "output_norm.weight", "blk.1.attn_q.weight",
-            "blk.1.ffn_down.weight"} <= names
-    conv = {"blk.0.attn_conv_base", "blk.0.ffn_conv_proj.weight", "selector_predecessor.weight",
-            "selector_hidden.weight"}
+    assert {
+        "fc.weight",
+        "enc.output_norm.weight",
+        "output_norm.weight",
+        "blk.1.attn_q.weight",
+        "blk.1.ffn_down.weight",
+    } <= names
+    conv = {
+        "blk.0.attn_conv_base",
+        "blk.0.ffn_conv_proj.weight",
+        "selector_predecessor.weight",
+        "selector_hidden.weight",
+    }
     assert (conv <= names) == (projector == "dflash2")
     with pytest.raises(GGUFExportError, match="embed_tokens"):
         gguf_tensor_name("embed_tokens.weight")
@@ -55,8 +64,12 @@ def test_keys_and_tensors_round_trip(tmp_path, tiny_draft_config, projector):
     assert value["tokenizer.ggml.merges"] == ["t 1", "t 2"]
     conv_keys = {"dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank", "dflash.selector_top_k"}
     if projector == "dflash2":
-        assert [value[k] for k in sorted(conv_keys)] == [cfg.conv_group_size, cfg.conv_kernel_size,
-                                                        cfg.selector_rank, cfg.selector_top_k]
+        assert [value[k] for k in sorted(conv_keys)] == [
+            cfg.conv_group_size,
+            cfg.conv_kernel_size,
+            cfg.selector_rank,
+            cfg.selector_top_k,
+        ]
     else:
         assert not conv_keys & set(value)
     from safetensors.torch import load_file
@@ -108,22 +121,44 @@ def test_bad_inputs_are_named(tmp_path, tiny_draft_config):
 def test_cli_needs_the_target_gguf_for_an_hf_target(tmp_path, tiny_draft_config, capsys):
     cfg = tiny_draft_config()
     draft = _draft_dir(tmp_path, cfg)
-    assert cli.main(["export-gguf", "--draft", str(draft), "--target", str(tmp_path), "--out",
-                     str(tmp_path / "d.gguf")]) == 2
+    assert (
+        cli.main(["export-gguf", "--draft", str(draft), "--target", str(tmp_path), "--out", str(tmp_path / "d.gguf")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("dflash2: error: ") and "--target-gguf" in err and len(err.splitlines()) == 1
     target = vocab_gguf(tmp_path / "target.gguf", cfg.vocab_size)
-    assert export_gguf_main(["--draft", str(draft), "--target", str(tmp_path), "--target-gguf", str(target),
-                             "--out", str(tmp_path / "d.gguf"), "--outtype", "bf16"]) == 0
+    assert (
+        export_gguf_main(
+            [
+                "--draft",
+                str(draft),
+                "--target",
+                str(tmp_path),
+                "--target-gguf",
+                str(target),
+                "--out",
+                str(tmp_path / "d.gguf"),
+                "--outtype",
+                "bf16",
+            ]
+        )
+        == 0
+    )
     fields, _ = gguf_contents(tmp_path / "d.gguf")
     assert fields["general.file_type"][1] == int(gguf.LlamaFileType.MOSTLY_BF16)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("projector,outtype,dtype", [  # every outtype, both projectors, a bf16 checkpoint
-    ("dflash2", "f32", torch.float32), ("dflash2", "q8_0", torch.float32), ("dflash2", "bf16", torch.bfloat16),
-    ("dflash", "f16", torch.float32),
-])
+@pytest.mark.parametrize(
+    "projector,outtype,dtype",
+    [  # every outtype, both projectors, a bf16 checkpoint
+        ("dflash2", "f32", torch.float32),
+        ("dflash2", "q8_0", torch.float32),
+        ("dflash2", "bf16", torch.bfloat16),
+        ("dflash", "f16", torch.float32),
+    ],
+)
 def test_equal_to_llama_cpp_converter(tmp_path, projector, outtype, dtype):
     """Field by field and tensor by tensor (bytes) equal to what llama.cpp's convert_hf_to_gguf.py writes."""
     from dflash2_lightning.engines.llama_cpp import LlamaCpp

@@ -20,8 +20,9 @@ def _fake_build(cache: Path, tools=llamacpp.TOOLS) -> Path:
     (root / "build" / "bin").mkdir(parents=True)
     for t in tools:
         (root / "build" / "bin" / t).write_text("")
-    (root / "build.json").write_text(json.dumps({"tools": list(tools), "build_seconds": 1.0,
-                                                 "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0]}))
+    (root / "build.json").write_text(
+        json.dumps({"tools": list(tools), "build_seconds": 1.0, "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0]})
+    )
     return root
 
 
@@ -79,10 +80,32 @@ def test_speculative_simple_loads_the_exported_draft_and_drafts(tmp_path):
     target = target_gguf.target_gguf({"gguf": "smollm2"}, "f32")
     draft = save_draft(randomize_draft_(DraftModel(smollm2_draft_config()), seed=3), tmp_path / "draft")
     gguf_path = export_gguf(draft, target, tmp_path / "draft.gguf")
-    done = subprocess.run([str(llama.tool("llama-speculative-simple")), "-m", str(target), "-md", str(gguf_path),
-                           "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "--temp", "0", "--top-k", "1",
-                           "-p", "The capital of France is", "-n", "12", "-t", "2"],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            str(llama.tool("llama-speculative-simple")),
+            "-m",
+            str(target),
+            "-md",
+            str(gguf_path),
+            "--spec-type",
+            "draft-dflash",
+            "--spec-draft-n-max",
+            "3",
+            "--temp",
+            "0",
+            "--top-k",
+            "1",
+            "-p",
+            "The capital of France is",
+            "-n",
+            "12",
+            "-t",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]
     assert "block_size=4, mask_token_id=4, n_extract=1" in log  # our metadata, as llama.cpp read it
@@ -134,10 +157,13 @@ def test_a_server_that_crashes_while_loading_starts_again_without_repacking(tmp_
     assert len(list(tmp_path.glob("llama-server-*.log"))) == 2  # both attempts keep their logs
 
 
-@pytest.mark.parametrize("crash_when, extra, message", [
-    ("True", (), "exited with -11"),  # crashes with --no-repack too: one retry, then the error
-    ("False", ("--exit-1",), "exited with 1"),  # a refusal, not a crash: no retry
-])
+@pytest.mark.parametrize(
+    "crash_when, extra, message",
+    [
+        ("True", (), "exited with -11"),  # crashes with --no-repack too: one retry, then the error
+        ("False", ("--exit-1",), "exited with 1"),  # a refusal, not a crash: no retry
+    ],
+)
 def test_a_server_that_keeps_failing_is_an_error(tmp_path, crash_when, extra, message):
     llama = _fake_llama(tmp_path, crash_when)
     with pytest.raises(llamacpp.LlamaCppError, match=message):

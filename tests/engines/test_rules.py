@@ -61,8 +61,11 @@ def test_fit_exports_float32_when_asked_and_warns_about_the_bf16_target(tmp_path
 
 # ----------------------------------------------------------------------------- warnings at export
 def test_fit_warns_at_export_about_a_top_k_sglang_cannot_serve(tmp_path):
-    with pytest.warns(UserWarning, match=r"\[SGLang 0.5.23\] selector_top_k=6 is not a power of two.*"
-                                         r"Fix: retrain with selector_top_k=8 or 4"):
+    with pytest.warns(
+        UserWarning,
+        match=r"\[SGLang 0.5.23\] selector_top_k=6 is not a power of two.*"
+        r"Fix: retrain with selector_top_k=8 or 4",
+    ):
         _fit(tmp_path, TargetSpec(tiny={}), selector_top_k=6)
     assert (tmp_path / "hf" / "model.safetensors").is_file()  # a warning, not a failure
 
@@ -72,8 +75,10 @@ def test_power_of_two_top_k_rule(tiny_draft_config, top_k, warned):
     findings = engine_findings(tiny_draft_config(selector_top_k=top_k))
     assert any("not a power of two" in f.message and f.level == "warning" for f in findings) == warned
     # the DFlash baseline has no selector: nothing to warn about
-    assert not any("power of two" in f.message
-                   for f in engine_findings(tiny_draft_config(projector_type="dflash", selector_top_k=top_k)))
+    assert not any(
+        "power of two" in f.message
+        for f in engine_findings(tiny_draft_config(projector_type="dflash", selector_top_k=top_k))
+    )
 
 
 def test_every_export_states_the_vllm_block_size_rule(tiny_draft_config):
@@ -85,28 +90,37 @@ def test_every_export_states_the_vllm_block_size_rule(tiny_draft_config):
     assert "pass 16" in sglang.fix
 
 
-@pytest.mark.parametrize("dtype, target_dtype, expected", [
-    ("float32", None, "SGLang's --dtype auto serves it as float16"),
-    ("float32", "bfloat16", "the draft is float32 but the target is bfloat16"),
-    ("bfloat16", "float16", "the draft is bfloat16 but the target is float16"),
-    ("float64", None, "serve bfloat16, float16 or float32 drafts only"),
-    ("bfloat16", "bfloat16", None),
-    ("bfloat16", None, None),
-])
+@pytest.mark.parametrize(
+    "dtype, target_dtype, expected",
+    [
+        ("float32", None, "SGLang's --dtype auto serves it as float16"),
+        ("float32", "bfloat16", "the draft is float32 but the target is bfloat16"),
+        ("bfloat16", "float16", "the draft is bfloat16 but the target is float16"),
+        ("float64", None, "serve bfloat16, float16 or float32 drafts only"),
+        ("bfloat16", "bfloat16", None),
+        ("bfloat16", None, None),
+    ],
+)
 def test_dtype_warnings(tiny_draft_config, dtype, target_dtype, expected):
     target = TargetInfo(dtype=target_dtype) if target_dtype else None
-    warnings = [f.message for f in engine_findings(tiny_draft_config(torch_dtype=dtype, selector_top_k=4), target)
-                if f.level == "warning"]
+    warnings = [
+        f.message
+        for f in engine_findings(tiny_draft_config(torch_dtype=dtype, selector_top_k=4), target)
+        if f.level == "warning"
+    ]
     assert (warnings == []) if expected is None else any(expected in w for w in warnings), warnings
 
 
 # ----------------------------------------------------------------------------- layer ids, before any training
-@pytest.mark.parametrize("ids, message", [
-    ([2, 1], r"target_layer_ids=\[2, 1\] is invalid: not in increasing order.*use \[1, 2\]"),
-    ([1, 1], r"target_layer_ids=\[1, 1\] is invalid: duplicate ids \[1\]"),
-    ([3], r"target_layer_ids=\[3\] is invalid: ids \[3\] are out of range.*layer 3 is the target's last layer"),
-    ([0, 7], r"target_layer_ids=\[0, 7\] is invalid: ids \[7\] are out of range.*0 \.\. num_target_layers - 2 = 2"),
-])
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([2, 1], r"target_layer_ids=\[2, 1\] is invalid: not in increasing order.*use \[1, 2\]"),
+        ([1, 1], r"target_layer_ids=\[1, 1\] is invalid: duplicate ids \[1\]"),
+        ([3], r"target_layer_ids=\[3\] is invalid: ids \[3\] are out of range.*layer 3 is the target's last layer"),
+        ([0, 7], r"target_layer_ids=\[0, 7\] is invalid: ids \[7\] are out of range.*0 \.\. num_target_layers - 2 = 2"),
+    ],
+)
 def test_layer_ids_are_refused_when_the_module_is_built(ids, message):
     with pytest.raises(ConfigError, match=message):  # the tiny target has 4 layers
         DFlash2Module(target=TargetSpec(tiny={}), **grouped(target_layer_ids=ids, **SMALL))
@@ -123,8 +137,9 @@ def test_fit_with_bad_layer_ids_stops_before_training(tmp_path, monkeypatch, cap
 # ----------------------------------------------------------------------------- what fit knows about its target
 def _stub_target(spec: TargetSpec, dtype=torch.float32):
     tokenizer = SimpleNamespace(get_vocab=lambda: {"<|MASK|>": 9})
-    return SimpleNamespace(spec=spec, dtype=dtype, tokenizer=tokenizer, num_layers=6, hidden_size=32,
-                           vocab_size=96, rope_theta=1e4)
+    return SimpleNamespace(
+        spec=spec, dtype=dtype, tokenizer=tokenizer, num_layers=6, hidden_size=32, vocab_size=96, rope_theta=1e4
+    )
 
 
 def test_target_info_of_an_hf_directory_target_reads_its_declared_dtype(tmp_path):

@@ -59,8 +59,23 @@ def test_selector_and_backbone_paths_differ() -> None:
 def test_eval_report_and_plot(tmp_path) -> None:
     draft_dir = save_draft(trained_draft("dflash2"), tmp_path / "draft", dtype=torch.float64)
     out = tmp_path / "eval"
-    status = eval_main(["--draft", str(draft_dir), "--target", json.dumps(TARGET_SPEC), "--out", str(out),
-                        "--max-new-tokens", "12", "--max-prompts", "3", "--replay-prompts", "5", "--no-progress"])
+    status = eval_main(
+        [
+            "--draft",
+            str(draft_dir),
+            "--target",
+            json.dumps(TARGET_SPEC),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "12",
+            "--max-prompts",
+            "3",
+            "--replay-prompts",
+            "5",
+            "--no-progress",
+        ]
+    )
     assert status == 0
     report = json.loads((out / "eval.json").read_text())
     assert report["prompts"] == 3 and report["block_size"] == BLOCK_SIZE
@@ -182,12 +197,26 @@ def test_held_out_prompts_share_none_with_the_seed_prompts() -> None:
 
 def test_eval_at_temperature_reports_every_setting_with_intervals() -> None:
     target, draft = tiny_target(), trained_draft("dflash2")
-    kw = dict(estimate=False, progress=False, temperatures=(0.0, 1.0), top_p=0.9, samples=2, seed=7, resamples=300,
-              stop_token_ids=[])  # no stop: every generation runs its whole budget
+    kw = dict(
+        estimate=False,
+        progress=False,
+        temperatures=(0.0, 1.0),
+        top_p=0.9,
+        samples=2,
+        seed=7,
+        resamples=300,
+        stop_token_ids=[],
+    )  # no stop: every generation runs its whole budget
     report = evaluate_draft(draft, target, prompts()[:3], 10, **kw)
     assert list(report["temperatures"]) == ["0", "1"]
-    assert report["sampling"] == {"temperatures": [0.0, 1.0], "top_p": 0.9, "top_k": 0, "seed": 7,
-                                  "samples_per_prompt": 2, "bootstrap_resamples": 300}
+    assert report["sampling"] == {
+        "temperatures": [0.0, 1.0],
+        "top_p": 0.9,
+        "top_k": 0,
+        "seed": 7,
+        "samples_per_prompt": 2,
+        "bootstrap_resamples": 300,
+    }
     greedy, sampled = report["temperatures"]["0"], report["temperatures"]["1"]
     assert report["paths"] == greedy["paths"] and report["tau"] == greedy["tau"]
     assert greedy["samples_per_prompt"] == 1 and sampled["samples_per_prompt"] == 2
@@ -217,18 +246,47 @@ def test_eval_at_temperature_reports_every_setting_with_intervals() -> None:
 def test_eval_cli_samples_and_bad_settings(tmp_path) -> None:
     draft_dir = save_draft(trained_draft("dflash2"), tmp_path / "draft", dtype=torch.float64)
     out = tmp_path / "eval"
-    status = eval_main(["--draft", str(draft_dir), "--target", json.dumps(TARGET_SPEC), "--out", str(out),
-                        "--max-new-tokens", "8", "--max-prompts", "2", "--no-progress", "--no-estimate",
-                        "--paths", "backbone", "--temperature", "0", "--temperature", "0.7", "--top-k", "50", "--samples", "2",
-                        "--seed", "3", "--resamples", "100"])
+    status = eval_main(
+        [
+            "--draft",
+            str(draft_dir),
+            "--target",
+            json.dumps(TARGET_SPEC),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "8",
+            "--max-prompts",
+            "2",
+            "--no-progress",
+            "--no-estimate",
+            "--paths",
+            "backbone",
+            "--temperature",
+            "0",
+            "--temperature",
+            "0.7",
+            "--top-k",
+            "50",
+            "--samples",
+            "2",
+            "--seed",
+            "3",
+            "--resamples",
+            "100",
+        ]
+    )
     assert status == 0
     report = json.loads((out / "eval.json").read_text())
     assert report["sampling"]["top_k"] == 50 and list(report["temperatures"]) == ["0", "0.7"]
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     target, draft = tiny_target(), trained_draft("dflash2")
-    for kwargs, field in [({"temperatures": (1.0, 1.0)}, "temperatures"), ({"samples": 0}, "samples"),
-                          ({"temperatures": (-1.0,)}, "temperature"),
-                          ({"top_p": 0.0, "temperatures": (1.0,)}, "top_p")]:
+    for kwargs, field in [
+        ({"temperatures": (1.0, 1.0)}, "temperatures"),
+        ({"samples": 0}, "samples"),
+        ({"temperatures": (-1.0,)}, "temperature"),
+        ({"top_p": 0.0, "temperatures": (1.0,)}, "top_p"),
+    ]:
         with pytest.raises(ValueError, match=field):
             evaluate_draft(draft, target, prompts()[:1], 4, progress=False, estimate=False, **kwargs)
 
@@ -243,8 +301,19 @@ SAMPLED_TAU_TOLERANCE = 0.10
 
 def test_sampled_estimate_agrees_with_the_measured_tau_at_temperature() -> None:
     target, draft = tiny_target(), trained_draft("dflash2")
-    report = evaluate_draft(draft, target, prompts(), 24, temperatures=(0.7,), top_p=0.9, samples=3, seed=1,
-                            progress=False, resamples=200, stop_token_ids=[])
+    report = evaluate_draft(
+        draft,
+        target,
+        prompts(),
+        24,
+        temperatures=(0.7,),
+        top_p=0.9,
+        samples=3,
+        seed=1,
+        progress=False,
+        resamples=200,
+        stop_token_ids=[],
+    )
     for name, res in report["paths"].items():
         measured, estimated = res["measured"]["tau"], res["estimated"]
         assert estimated["kind"] == "sampled" and len(estimated["alpha"]) == BLOCK_SIZE - 1

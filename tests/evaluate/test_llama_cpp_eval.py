@@ -21,9 +21,31 @@ def test_llama_cpp_accepts_what_the_project_loop_accepts(trained_smollm2_draft, 
 
     llama_cpp_or_skip()
     out = tmp_path / "eval"
-    code = eval_main(["--draft", str(trained_smollm2_draft), "--target", "smollm2", "--out", str(out),
-                      "--max-prompts", "4", "--max-new-tokens", "48", "--paths", "selector", "--no-estimate",
-                      "--engine", "torch", "llama.cpp", "--llama-target", "f32", "--no-progress", "--threads", "2"])
+    code = eval_main(
+        [
+            "--draft",
+            str(trained_smollm2_draft),
+            "--target",
+            "smollm2",
+            "--out",
+            str(out),
+            "--max-prompts",
+            "4",
+            "--max-new-tokens",
+            "48",
+            "--paths",
+            "selector",
+            "--no-estimate",
+            "--engine",
+            "torch",
+            "llama.cpp",
+            "--llama-target",
+            "f32",
+            "--no-progress",
+            "--threads",
+            "2",
+        ]
+    )
     report = json.loads((out / "eval.json").read_text())
     section = report["llama.cpp"]
     assert code == 0  # the project loop is lossless
@@ -54,8 +76,16 @@ def test_shipped_quantised_target_runs(trained_smollm2_draft, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir_of(TargetSpec(gguf="smollm2"))))
     prompts = [encode_prompt(tok, m) for m in read_prompts(EVAL_PROMPTS, 2)]
-    section = evaluate_llama_cpp(trained_smollm2_draft, {"gguf": "smollm2"}, prompts, 32, target_gguf="shipped",
-                                 stop_token_ids=[2], work_dir=tmp_path, draft_outtype="q8_0")
+    section = evaluate_llama_cpp(
+        trained_smollm2_draft,
+        {"gguf": "smollm2"},
+        prompts,
+        32,
+        target_gguf="shipped",
+        stop_token_ids=[2],
+        work_dir=tmp_path,
+        draft_outtype="q8_0",
+    )
     assert section["target_gguf"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert section["speculative"]["verify_steps"] > 0 and section["speculative"]["lossless"]
 

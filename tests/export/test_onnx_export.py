@@ -102,10 +102,14 @@ def test_inputs_outputs_are_named_and_dynamic(dflash2):
     kv_shape = ["batch", CFG.num_key_value_heads, "capacity", CFG.head_dim]
     assert all(_dims(i) == kv_shape for i in step.graph.input[: len(names)])
     assert [(o.name, _dims(o)) for o in step.graph.output] == [
-        ("tokens", ["batch", CFG.block_size - 1]), ("hidden", ["batch", CFG.block_size - 1, CFG.hidden_size])]
+        ("tokens", ["batch", CFG.block_size - 1]),
+        ("hidden", ["batch", CFG.block_size - 1, CFG.hidden_size]),
+    ]
     context = _load(dflash2.dir, "context.onnx")
     assert [(i.name, _dims(i)) for i in context.graph.input] == [
-        ("features", ["batch", "context", CFG.num_target_features * CFG.hidden_size]), ("positions", ["batch", "context"])]
+        ("features", ["batch", "context", CFG.num_target_features * CFG.hidden_size]),
+        ("positions", ["batch", "context"]),
+    ]
     assert [o.name for o in context.graph.output] == names
     assert all(_dims(o) == ["batch", CFG.num_key_value_heads, "context", CFG.head_dim] for o in context.graph.output)
     manifest = json.loads((dflash2.dir / "drafter.json").read_text())
@@ -145,8 +149,9 @@ def test_selector_walk_matters_in_the_checked_tokens(dflash2):
     cache = draft.context_kv(torch.randn(6, 9, CFG.num_target_features * CFG.hidden_size), torch.arange(9).expand(6, 9))
     anchor = torch.arange(6)
     with torch.no_grad():
-        tokens, hidden = DraftStepGraph(draft, embed, head)([t for kv in cache.layers for t in (kv.keys, kv.values)],
-                                                            torch.full((6,), 9), anchor, torch.full((6,), 9))
+        tokens, hidden = DraftStepGraph(draft, embed, head)(
+            [t for kv in cache.layers for t in (kv.keys, kv.values)], torch.full((6,), 9), anchor, torch.full((6,), 9)
+        )
         assert torch.equal(tokens, draft.draft_block(anchor, cache, embed, head, 9))  # the graph module == torch draft
         assert not torch.equal(tokens, head(hidden).argmax(-1))
         assert torch.equal(choice_margins(draft, hidden, anchor, head)[0], tokens)
@@ -161,14 +166,22 @@ EXPORTED_IR_VERSION = 10
 def test_reference_bodies_equal_the_torch_ops_on_their_own(opset):
     """Each op's function body, alone in a model, against the eager op: odd shapes, several taps, ties."""
     value = helper.make_tensor_value_info
-    conv = helper.make_node(ops.BLOCK_CONV, ["x", "base", "delta"], ["y"], domain="dflash", block_size=3,
-                            **ops.PLUGIN_ATTRIBUTES)
-    graph = helper.make_graph([conv], "conv", [value("x", TensorProto.FLOAT, ["B", "S", 12]),
-                                               value("base", TensorProto.FLOAT, ["T", 12]),
-                                               value("delta", TensorProto.FLOAT, ["B", "S", "T", "G"])],
-                              [value("y", TensorProto.FLOAT, ["B", "S", 12])])
-    model = ops.attach_functions(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
-                                                   ir_version=EXPORTED_IR_VERSION))
+    conv = helper.make_node(
+        ops.BLOCK_CONV, ["x", "base", "delta"], ["y"], domain="dflash", block_size=3, **ops.PLUGIN_ATTRIBUTES
+    )
+    graph = helper.make_graph(
+        [conv],
+        "conv",
+        [
+            value("x", TensorProto.FLOAT, ["B", "S", 12]),
+            value("base", TensorProto.FLOAT, ["T", 12]),
+            value("delta", TensorProto.FLOAT, ["B", "S", "T", "G"]),
+        ],
+        [value("y", TensorProto.FLOAT, ["B", "S", 12])],
+    )
+    model = ops.attach_functions(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=EXPORTED_IR_VERSION)
+    )
     onnx.checker.check_model(model, full_check=True)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     gen = torch.Generator().manual_seed(0)
@@ -177,17 +190,29 @@ def test_reference_bodies_equal_the_torch_ops_on_their_own(opset):
         got = session.run(None, {"x": x.numpy(), "base": base.numpy(), "delta": delta.numpy()})[0]
         assert np.array_equal(got, block_conv(x, base, delta, 3).numpy())  # same products, same order: exact
 
-    walk = helper.make_node(ops.LATTICE_WALK, ["cand", "unary", "proj", "anchor", "pred", "succ"], ["tokens"],
-                            domain="dflash", **ops.PLUGIN_ATTRIBUTES)
-    graph = helper.make_graph([walk], "walk", [value("cand", TensorProto.INT64, ["B", "L", "K"]),
-                                               value("unary", TensorProto.FLOAT, ["B", "L", "K"]),
-                                               value("proj", TensorProto.FLOAT, ["B", "L", "r"]),
-                                               value("anchor", TensorProto.INT64, ["B"]),
-                                               value("pred", TensorProto.FLOAT, ["V", "r"]),
-                                               value("succ", TensorProto.FLOAT, ["V", "r"])],
-                              [value("tokens", TensorProto.INT64, ["B", "L"])])
-    model = ops.attach_functions(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
-                                                   ir_version=EXPORTED_IR_VERSION))
+    walk = helper.make_node(
+        ops.LATTICE_WALK,
+        ["cand", "unary", "proj", "anchor", "pred", "succ"],
+        ["tokens"],
+        domain="dflash",
+        **ops.PLUGIN_ATTRIBUTES,
+    )
+    graph = helper.make_graph(
+        [walk],
+        "walk",
+        [
+            value("cand", TensorProto.INT64, ["B", "L", "K"]),
+            value("unary", TensorProto.FLOAT, ["B", "L", "K"]),
+            value("proj", TensorProto.FLOAT, ["B", "L", "r"]),
+            value("anchor", TensorProto.INT64, ["B"]),
+            value("pred", TensorProto.FLOAT, ["V", "r"]),
+            value("succ", TensorProto.FLOAT, ["V", "r"]),
+        ],
+        [value("tokens", TensorProto.INT64, ["B", "L"])],
+    )
+    model = ops.attach_functions(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=EXPORTED_IR_VERSION)
+    )
     onnx.checker.check_model(model, full_check=True)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     for b, length, k, r, v, tied in ((1, 1, 1, 2, 5, False), (4, 7, 5, 3, 40, False), (3, 6, 4, 2, 9, True)):
@@ -212,8 +237,22 @@ def test_cli_exports_fp16_opset23_sliding_window_and_verifies(tmp_path, capsys):
     cfg = DraftConfig(**{**TINY_DRAFT, "num_hidden_layers": 1, "target_layer_ids": [2], "sliding_window": 8})
     save_draft(randomize_draft_(DraftModel(cfg), seed=4), tmp_path / "draft")
     out = tmp_path / "onnx"
-    code = cli.main(["--draft", str(tmp_path / "draft"), "--target", "tiny", "--out", str(out), "--dtype", "fp16",
-                     "--opset", "23", "--verify-cases", "1x6,4x21,2x40"])
+    code = cli.main(
+        [
+            "--draft",
+            str(tmp_path / "draft"),
+            "--target",
+            "tiny",
+            "--out",
+            str(out),
+            "--dtype",
+            "fp16",
+            "--opset",
+            "23",
+            "--verify-cases",
+            "1x6,4x21,2x40",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "draft_step.trt.onnx" in printed and "DFlashBlockConv x4, DFlashLatticeWalk x1" in printed
@@ -245,11 +284,18 @@ def test_dflash_baseline_exports_argmax_without_custom_nodes(tmp_path):
     assert "dflash" not in {o.domain for o in step.opset_import}
     session = ort.InferenceSession(str(tmp_path / "draft_step.onnx"), providers=["CPUExecutionProvider"])
     for batch, context in ((1, 3), (5, 12)):  # torch's own cache in, tokens must be identical
-        cache = draft.context_kv(torch.randn(batch, context, cfg.num_target_features * cfg.hidden_size),
-                                 torch.arange(context).expand(batch, context))
+        cache = draft.context_kv(
+            torch.randn(batch, context, cfg.num_target_features * cfg.hidden_size),
+            torch.arange(context).expand(batch, context),
+        )
         anchor, start = torch.randint(0, cfg.vocab_size, (batch,)), torch.full((batch,), context)
-        feeds = {"k_0": cache.layers[0].keys.numpy(), "v_0": cache.layers[0].values.numpy(),
-                 "length": start.numpy(), "anchor": anchor.numpy(), "start": start.numpy()}
+        feeds = {
+            "k_0": cache.layers[0].keys.numpy(),
+            "v_0": cache.layers[0].values.numpy(),
+            "length": start.numpy(),
+            "anchor": anchor.numpy(),
+            "start": start.numpy(),
+        }
         tokens, hidden = session.run(None, feeds)
         expected = draft.draft_block(anchor, cache, embed, head, start)
         assert np.array_equal(tokens, expected.numpy())
@@ -306,16 +352,32 @@ def test_an_opset_outside_the_supported_range_is_refused_when_parsed(tmp_path, c
     from dflash2_lightning.export.onnx.export import MIN_OPSET, max_opset
 
     assert max_opset() == onnx.defs.onnx_opset_version() < 29
-    code = dflash2.main(["export-onnx", "--draft", str(tmp_path / "no-draft"), "--target", "tiny", "--out",
-                         str(tmp_path / "onnx"), f"--opset={opset}"])
+    code = dflash2.main(
+        [
+            "export-onnx",
+            "--draft",
+            str(tmp_path / "no-draft"),
+            "--target",
+            "tiny",
+            "--out",
+            str(tmp_path / "onnx"),
+            f"--opset={opset}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert (f"dflash2: error: dflash2 export-onnx: argument --opset: {opset} is invalid: must be >= {MIN_OPSET} and "
-            f"<= {max_opset()}") in err
+    assert (
+        f"dflash2: error: dflash2 export-onnx: argument --opset: {opset} is invalid: must be >= {MIN_OPSET} and "
+        f"<= {max_opset()}"
+    ) in err
     assert not (tmp_path / "onnx").exists()
     with pytest.raises(ValueError, match=rf"opset={opset} is invalid: must be from 18 to {max_opset()}"):
-        export_drafter(DraftModel(CFG), *random_embedding_and_head(CFG.vocab_size, CFG.hidden_size), tmp_path / "o",
-                       opset=int(opset))
+        export_drafter(
+            DraftModel(CFG),
+            *random_embedding_and_head(CFG.vocab_size, CFG.hidden_size),
+            tmp_path / "o",
+            opset=int(opset),
+        )
 
 
 def test_the_export_script_refuses_an_opset_in_one_line(tmp_path):
@@ -323,7 +385,22 @@ def test_the_export_script_refuses_an_opset_in_one_line(tmp_path):
     import sys
 
     script = Path(__file__).resolve().parents[2] / "export" / "to_onnx.py"
-    done = subprocess.run([sys.executable, str(script), "--draft", str(tmp_path), "--target", "tiny", "--out",
-                           str(tmp_path / "onnx"), "--opset", "3"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--draft",
+            str(tmp_path),
+            "--target",
+            "tiny",
+            "--out",
+            str(tmp_path / "onnx"),
+            "--opset",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "argument --opset: 3 is invalid: must be >= 18" in done.stderr and not (tmp_path / "onnx").exists()

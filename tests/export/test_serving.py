@@ -26,6 +26,7 @@ def edit_config(change: Callable[[dict], None]) -> Callable[[Path], None]:
         data = json.loads((directory / "config.json").read_text())
         change(data)
         (directory / "config.json").write_text(json.dumps(data))
+
     return apply
 
 
@@ -34,6 +35,7 @@ def edit_weights(change: Callable[[dict], None]) -> Callable[[Path], None]:
         state = load_file(str(directory / "model.safetensors"))
         change(state)
         save_file(state, str(directory / "model.safetensors"))
+
     return apply
 
 
@@ -41,6 +43,7 @@ def truncate(name: str, keep: int) -> Callable[[Path], None]:
     def apply(directory: Path) -> None:
         path = directory / name
         path.write_bytes(path.read_bytes()[:keep])
+
     return apply
 
 
@@ -56,29 +59,56 @@ def _nan(state: dict) -> None:
 
 # (id, how to break a good DFlash2 checkpoint, what the refusal must say)
 BROKEN = [
-    ("llama-architecture", edit_config(lambda d: d.update(architectures=["LlamaForCausalLM"])),
-     r"architectures=\['LlamaForCausalLM'\] is invalid: must be exactly one of \['DFlash2DraftModel', "
-     r"'DFlashDraftModel'\]"),
-    ("dflash-architecture-over-dflash2-config", edit_config(lambda d: d.update(architectures=["DFlashDraftModel"])),
-     r"architectures=\['DFlashDraftModel'\] is invalid for this checkpoint: dflash_config has DFlash2 settings"),
-    ("dflash-config-over-dflash2-weights", edit_config(_strip_dflash2),
-     r"architectures=\['DFlashDraftModel'\] but model.safetensors holds 11 DFlash2 tensors"),
-    ("two-block-sizes", edit_config(lambda d: d.update(block_size=8)),
-     r"block_size=8 \(top level\) disagrees with dflash_config.block_size=4"),
+    (
+        "llama-architecture",
+        edit_config(lambda d: d.update(architectures=["LlamaForCausalLM"])),
+        r"architectures=\['LlamaForCausalLM'\] is invalid: must be exactly one of \['DFlash2DraftModel', "
+        r"'DFlashDraftModel'\]",
+    ),
+    (
+        "dflash-architecture-over-dflash2-config",
+        edit_config(lambda d: d.update(architectures=["DFlashDraftModel"])),
+        r"architectures=\['DFlashDraftModel'\] is invalid for this checkpoint: dflash_config has DFlash2 settings",
+    ),
+    (
+        "dflash-config-over-dflash2-weights",
+        edit_config(_strip_dflash2),
+        r"architectures=\['DFlashDraftModel'\] but model.safetensors holds 11 DFlash2 tensors",
+    ),
+    (
+        "two-block-sizes",
+        edit_config(lambda d: d.update(block_size=8)),
+        r"block_size=8 \(top level\) disagrees with dflash_config.block_size=4",
+    ),
     ("nan-weights", edit_weights(_nan), r"non-finite weights in 1 tensors: fc.weight \(1 NaN, 0 inf\)"),
     ("truncated-weights", truncate("model.safetensors", 3000), r"model.safetensors is truncated"),
     ("truncated-header", truncate("model.safetensors", 5), r"is truncated: 5 bytes"),
     ("truncated-config", truncate("config.json", 40), r"config.json is not valid JSON"),
-    ("unsorted-layer-ids", edit_config(lambda d: d["dflash_config"].update(target_layer_ids=[4, 1, 2])),
-     r"target_layer_ids=\[4, 1, 2\] is invalid: not in increasing order"),
-    ("last-layer-id", edit_config(lambda d: d["dflash_config"].update(target_layer_ids=[1, 2, 5])),
-     r"target_layer_ids=\[1, 2, 5\] is invalid: .*last layer"),
-    ("string-mask-id", edit_config(lambda d: d["dflash_config"].update(mask_token_id="95")),
-     r"dflash_config.mask_token_id='95' is invalid: must be an integer"),
-    ("output-multiplier", edit_config(lambda d: d["dflash_config"].update(output_multiplier=2.0)),
-     r"dflash_config.output_multiplier=2.0 is not supported: vLLM and SGLang apply it"),
-    ("missing-tensor", edit_weights(lambda s: s.pop("layers.1.mlp_conv.base_kernel")),
-     r"missing 1: layers\.1\.mlp_conv\.base_kernel"),
+    (
+        "unsorted-layer-ids",
+        edit_config(lambda d: d["dflash_config"].update(target_layer_ids=[4, 1, 2])),
+        r"target_layer_ids=\[4, 1, 2\] is invalid: not in increasing order",
+    ),
+    (
+        "last-layer-id",
+        edit_config(lambda d: d["dflash_config"].update(target_layer_ids=[1, 2, 5])),
+        r"target_layer_ids=\[1, 2, 5\] is invalid: .*last layer",
+    ),
+    (
+        "string-mask-id",
+        edit_config(lambda d: d["dflash_config"].update(mask_token_id="95")),
+        r"dflash_config.mask_token_id='95' is invalid: must be an integer",
+    ),
+    (
+        "output-multiplier",
+        edit_config(lambda d: d["dflash_config"].update(output_multiplier=2.0)),
+        r"dflash_config.output_multiplier=2.0 is not supported: vLLM and SGLang apply it",
+    ),
+    (
+        "missing-tensor",
+        edit_weights(lambda s: s.pop("layers.1.mlp_conv.base_kernel")),
+        r"missing 1: layers\.1\.mlp_conv\.base_kernel",
+    ),
 ]
 
 
@@ -121,15 +151,22 @@ def test_check_passes_a_good_checkpoint_and_states_the_engine_facts(good, capsys
 
 def write_target(directory: Path, **overrides) -> Path:
     """A target directory as the checks read it: config.json (+ tokenizer.json), no weights."""
-    config = dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=6, hidden_size=32, vocab_size=96,
-                  torch_dtype="bfloat16", rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    config = dict(
+        architectures=["Qwen3ForCausalLM"],
+        num_hidden_layers=6,
+        hidden_size=32,
+        vocab_size=96,
+        torch_dtype="bfloat16",
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    )
     mask = overrides.pop("mask_id", None)
     config.update(overrides)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     if mask is not None:
-        (directory / "tokenizer.json").write_text(json.dumps(
-            {"added_tokens": [{"id": mask, "content": "<|MASK|>"}], "model": {"vocab": {}}}))
+        (directory / "tokenizer.json").write_text(
+            json.dumps({"added_tokens": [{"id": mask, "content": "<|MASK|>"}], "model": {"vocab": {}}})
+        )
     return directory
 
 
@@ -138,17 +175,25 @@ def test_check_against_a_target_finds_every_mismatch(good, tmp_path, capsys):
     assert cli.main(["check", "--draft", str(good), "--target", str(fits)]) == 0
     assert "error" not in capsys.readouterr().out
 
-    other = write_target(tmp_path / "other", num_hidden_layers=4, hidden_size=64, vocab_size=128, mask_id=7,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    other = write_target(
+        tmp_path / "other",
+        num_hidden_layers=4,
+        hidden_size=64,
+        vocab_size=128,
+        mask_id=7,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     assert cli.main(["check", "--draft", str(good), "--target", str(other)]) == 1
     out = capsys.readouterr().out
-    for expected in ("error: [all engines] hidden_size=32 but the target has 64",
-                     "error: [all engines] vocab_size=96 but the target has 128",
-                     "error: [all engines] num_target_layers=6 but the target has 4",
-                     "error: [all engines] target_layer_ids=[1, 2, 4] reach past layer 2",
-                     "warning: [all engines] rope_theta=10000 but the target's RoPE base is 1e+06",
-                     "error: [SGLang 0.5.23] mask_token_id=95 but the target tokenizer's <|MASK|> is id 7",
-                     "warning: [all engines] the draft is float32 but the target is bfloat16"):
+    for expected in (
+        "error: [all engines] hidden_size=32 but the target has 64",
+        "error: [all engines] vocab_size=96 but the target has 128",
+        "error: [all engines] num_target_layers=6 but the target has 4",
+        "error: [all engines] target_layer_ids=[1, 2, 4] reach past layer 2",
+        "warning: [all engines] rope_theta=10000 but the target's RoPE base is 1e+06",
+        "error: [SGLang 0.5.23] mask_token_id=95 but the target tokenizer's <|MASK|> is id 7",
+        "warning: [all engines] the draft is float32 but the target is bfloat16",
+    ):
         assert expected in out, out
 
 

@@ -26,8 +26,9 @@ def test_plugins_register_with_tensorrt():
         assert registry.get_creator(op, PLUGIN_VERSION, PLUGIN_NAMESPACE) is not None
 
 
-@pytest.mark.parametrize("dtype_name,dtype", [("float32", torch.float32), ("float16", torch.float16),
-                                              ("bfloat16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype_name,dtype", [("float32", torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16)]
+)
 def test_single_op_engines_equal_the_reference(tmp_path, dtype_name, dtype):
     from dflash2_lightning.export.tensorrt import build
     from dflash2_lightning.ops.tensorrt_plugins import register_plugins
@@ -36,8 +37,9 @@ def test_single_op_engines_equal_the_reference(tmp_path, dtype_name, dtype):
     for name, path in single_op_graphs(tmp_path / "graphs", dtype_name).items():
         inputs, _ = build.read_graph(path)
         shapes = build.profile_shapes(inputs, (1, 8, 64), (1, 1, 1), {})
-        plan, summary = build.build_engine(build.GraphFiles(name, path, None), shapes, tmp_path / "timing.cache",
-                                           tf32=False, workspace_gib=0)
+        plan, summary = build.build_engine(
+            build.GraphFiles(name, path, None), shapes, tmp_path / "timing.cache", tf32=False, workspace_gib=0
+        )
         assert len(summary["plugin_layers"]) == 1
         feed = engine_inputs(name, dtype, 8)
         got = next(iter(build.run_engine(plan, feed).values()))
@@ -56,11 +58,14 @@ def _run_without_plugin_code(plan: bytes, feed: dict, want: torch.Tensor, engine
     engine_path.write_bytes(plan)
     feed_path = engine_path.with_suffix(".inputs.pt")
     torch.save(feed, feed_path)
-    code = ("import sys, torch; from dflash2_lightning.export.tensorrt import build; "
-            "out = build.run_engine(open(sys.argv[1], 'rb').read(), torch.load(sys.argv[2])); "
-            "assert 'dflash2_lightning.ops.tensorrt_plugins' not in sys.modules; torch.save(out, sys.argv[2] + '.out')")
-    proc = subprocess.run([sys.executable, "-c", code, str(engine_path), str(feed_path)],
-                          capture_output=True, text=True, timeout=300)
+    code = (
+        "import sys, torch; from dflash2_lightning.export.tensorrt import build; "
+        "out = build.run_engine(open(sys.argv[1], 'rb').read(), torch.load(sys.argv[2])); "
+        "assert 'dflash2_lightning.ops.tensorrt_plugins' not in sys.modules; torch.save(out, sys.argv[2] + '.out')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(engine_path), str(feed_path)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = next(iter(torch.load(str(feed_path) + ".out").values()))
     if got.dtype.is_floating_point:

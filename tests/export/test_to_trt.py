@@ -19,11 +19,17 @@ HAS_TRT_AND_GPU = importlib.util.find_spec("tensorrt") is not None and torch.cud
 def test_stops_at_once_without_tensorrt_or_gpu(tmp_path):
     if HAS_TRT_AND_GPU:
         pytest.skip("TensorRT and a GPU are present")
-    out = subprocess.run([sys.executable, str(SCRIPT), "--onnx", str(tmp_path), "--out", str(tmp_path / "e.engine")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--onnx", str(tmp_path), "--out", str(tmp_path / "e.engine")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == to_trt.EXIT_MISSING == 2
-    assert out.stderr.startswith("dflash2: error: cannot build a TensorRT engine here: (1) ") \
-        and out.stderr.count("\n") == 1, out.stderr  # one line, every missing requirement numbered in it
+    assert (
+        out.stderr.startswith("dflash2: error: cannot build a TensorRT engine here: (1) ")
+        and out.stderr.count("\n") == 1
+    ), out.stderr  # one line, every missing requirement numbered in it
     if importlib.util.find_spec("tensorrt") is None:
         assert "TensorRT is not installed" in out.stderr
         assert "--extra-index-url https://pypi.nvidia.com" in out.stderr and "tensorrt-cu13" in out.stderr
@@ -40,9 +46,9 @@ def test_parse_range():
 
 
 def test_dim_role():
-    assert [to_trt.dim_role(n) for n in ("batch", "batch_size", "context", "ctx_len", "past_len", "num_tokens",
-                                         "capacity")] == ["batch", "batch", "context", "context", "context", "context",
-                                                          "context"]
+    assert [
+        to_trt.dim_role(n) for n in ("batch", "batch_size", "context", "ctx_len", "past_len", "num_tokens", "capacity")
+    ] == ["batch", "batch", "context", "context", "context", "context", "context"]
     assert to_trt.dim_role("nblocks") is None
 
 
@@ -56,7 +62,9 @@ def test_find_graphs_prefers_the_tensorrt_copy(tmp_path):
         _touch(tmp_path / name)
     graphs = to_trt.find_graphs(tmp_path)
     assert [(g.name, g.trt_path.name, g.ort_path.name) for g in graphs] == [
-        ("context", "context.trt.onnx", "context.onnx"), ("draft_step", "draft_step.onnx", "draft_step.onnx")]
+        ("context", "context.trt.onnx", "context.onnx"),
+        ("draft_step", "draft_step.onnx", "draft_step.onnx"),
+    ]
     assert [g.name for g in to_trt.find_graphs(tmp_path, ["draft_step"])] == ["draft_step"]
     one = to_trt.find_graphs(tmp_path / "context.onnx")[0]
     assert (one.trt_path.name, one.ort_path.name) == ("context.trt.onnx", "context.onnx")
@@ -78,6 +86,7 @@ def test_profile_shapes():
 
 def test_read_graph_on_the_single_op_graphs(tmp_path):
     import gpu_helpers as gpu_check
+
     paths = gpu_check.single_op_graphs(tmp_path, "float16")
     inputs, custom = to_trt.read_graph(paths["block_conv"])
     assert custom == 1
@@ -91,6 +100,7 @@ def test_read_graph_on_the_single_op_graphs(tmp_path):
 def test_dflash_nodes_get_the_aot_switch(tmp_path):
     import gpu_helpers as gpu_check
     import onnx
+
     path = gpu_check.single_op_graphs(tmp_path, "float32")["block_conv"]
     model = onnx.load_from_string(to_trt.with_aot_attribute(path))
     (node,) = model.graph.node

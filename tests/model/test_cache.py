@@ -25,8 +25,10 @@ def test_cycles_on_the_preallocated_cache_equal_the_reference_bit_for_bit(overri
     """Append, draft, roll back, for several cycles: hidden states and tokens identical to ContextKV's."""
     draft = _draft(**overrides)
     cfg, gen = draft.config, torch.Generator().manual_seed(0)
-    embed, head = frozen_embedding_and_head(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
-                                            torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+    embed, head = frozen_embedding_and_head(
+        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
+        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
+    )
     batch, length = 2, 7
     first = draft.context_kv(_features(cfg, batch, length, gen), torch.arange(length).expand(batch, length))
     ref, cache = first, DraftCache.for_model(draft, batch, 64).append(first)
@@ -58,27 +60,41 @@ def test_the_exported_step_ignores_whatever_lies_past_the_valid_length():
     """DraftStepGraph (the ONNX draft_step) over whole buffers + length == the torch draft over the context."""
     draft = _draft()
     cfg, gen = draft.config, torch.Generator().manual_seed(1)
-    embed, head = frozen_embedding_and_head(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
-                                            torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+    embed, head = frozen_embedding_and_head(
+        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
+        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
+    )
     lengths = [5, 11]
     step = DraftStepGraph(draft, embed, head)
     anchor = torch.randint(0, cfg.vocab_size, (2,), generator=gen)
-    buffers = [1e3 * torch.randn(2, cfg.num_key_value_heads, 20, cfg.head_dim, generator=gen)
-               for _ in range(2 * cfg.num_hidden_layers)]  # large garbage everywhere
+    buffers = [
+        1e3 * torch.randn(2, cfg.num_key_value_heads, 20, cfg.head_dim, generator=gen)
+        for _ in range(2 * cfg.num_hidden_layers)
+    ]  # large garbage everywhere
     expected = []
     for row, n in enumerate(lengths):
         ctx = draft.context_kv(_features(cfg, 1, n, gen), torch.arange(n)[None])
         for i, layer in enumerate(ctx.layers):
             buffers[2 * i][row, :, :n], buffers[2 * i + 1][row, :, :n] = layer.keys[0], layer.values[0]
-        expected.append((draft.draft_block(anchor[row:row + 1], ctx, embed, head, n),
-                         draft(embed(torch.cat([anchor[row:row + 1, None],
-                                                torch.full((1, cfg.block_size - 1), cfg.mask_token_id)], 1)),
-                               (n + torch.arange(cfg.block_size))[None], ctx)[:, 1:]))
+        expected.append(
+            (
+                draft.draft_block(anchor[row : row + 1], ctx, embed, head, n),
+                draft(
+                    embed(
+                        torch.cat(
+                            [anchor[row : row + 1, None], torch.full((1, cfg.block_size - 1), cfg.mask_token_id)], 1
+                        )
+                    ),
+                    (n + torch.arange(cfg.block_size))[None],
+                    ctx,
+                )[:, 1:],
+            )
+        )
     length = torch.tensor(lengths)
     tokens, hidden = step(buffers, length, anchor, length.clone())
     for row, (want_tokens, want_hidden) in enumerate(expected):
-        torch.testing.assert_close(hidden[row:row + 1], want_hidden, rtol=1e-5, atol=1e-5)
-        assert torch.equal(tokens[row:row + 1], want_tokens)
+        torch.testing.assert_close(hidden[row : row + 1], want_hidden, rtol=1e-5, atol=1e-5)
+        assert torch.equal(tokens[row : row + 1], want_tokens)
 
 
 def test_bounds_are_named():
@@ -86,8 +102,9 @@ def test_bounds_are_named():
     with pytest.raises(ValueError, match="capacity=0"):
         DraftCache.for_model(draft, 1, 0)
     cache = DraftCache.for_model(draft, 1, 4)
-    kv = draft.context_kv(torch.randn(1, 5, draft.config.num_target_features * draft.config.hidden_size),
-                          torch.arange(5)[None])
+    kv = draft.context_kv(
+        torch.randn(1, 5, draft.config.num_target_features * draft.config.hidden_size), torch.arange(5)[None]
+    )
     with pytest.raises(ValueError, match="exceeds capacity=4"):
         cache.append(kv)
     with pytest.raises(ValueError, match=r"length=2 is invalid: must be in \[0, 0\]"):

@@ -19,9 +19,11 @@ def contract(num_layers, h, v, n_t, nh, nkv, hd, inter, taps, group, rank, dflas
     """The spec's table (6 global + 15 per layer), written out independently of the library."""
     names = {"fc.weight": [h, n_t * h], "hidden_norm.weight": [h], "norm.weight": [h]}
     if dflash2:
-        names |= {"candidate_selector.predecessor_codebook": [v, rank],
-                  "candidate_selector.successor_codebook": [v, rank],
-                  "candidate_selector.hidden_projection.weight": [rank, h]}
+        names |= {
+            "candidate_selector.predecessor_codebook": [v, rank],
+            "candidate_selector.successor_codebook": [v, rank],
+            "candidate_selector.hidden_projection.weight": [rank, h],
+        }
     g = h // group
     for i in range(num_layers):
         names |= {
@@ -59,8 +61,20 @@ def test_saved_tensors_are_exactly_the_contract(tiny_draft_config, tmp_path, num
     cfg = tiny_draft_config(num_hidden_layers=num_layers, projector_type=projector, conv_kernel_size=3)
     save_draft(DraftModel(cfg), tmp_path)
     shapes = header_shapes(tmp_path / "model.safetensors")
-    expected = contract(num_layers, h=32, v=96, n_t=3, nh=4, nkv=2, hd=8, inter=48, taps=3, group=8, rank=6,
-                        dflash2=projector == "dflash2")
+    expected = contract(
+        num_layers,
+        h=32,
+        v=96,
+        n_t=3,
+        nh=4,
+        nkv=2,
+        hd=8,
+        inter=48,
+        taps=3,
+        group=8,
+        rank=6,
+        dflash2=projector == "dflash2",
+    )
     assert shapes == expected
     assert len(shapes) == (6 + 15 * num_layers if projector == "dflash2" else 3 + 11 * num_layers)
     assert not [k for k in shapes if "embed" in k or "lm_head" in k or "rotary" in k or "inv_freq" in k]
@@ -69,8 +83,9 @@ def test_saved_tensors_are_exactly_the_contract(tiny_draft_config, tmp_path, num
 
 def test_five_layer_draft_has_81_tensors_with_non_square_geometry(tiny_draft_config, tmp_path):
     # head_dim * heads != hidden and a non-default group, so swapped dimensions cannot hide.
-    cfg = tiny_draft_config(num_hidden_layers=5, head_dim=12, conv_group_size=4, intermediate_size=40,
-                            target_layer_ids=[0, 3])
+    cfg = tiny_draft_config(
+        num_hidden_layers=5, head_dim=12, conv_group_size=4, intermediate_size=40, target_layer_ids=[0, 3]
+    )
     save_draft(DraftModel(cfg), tmp_path)
     shapes = header_shapes(tmp_path / "model.safetensors")
     assert len(shapes) == 81
@@ -153,8 +168,11 @@ def test_load_names_a_misshapen_tensor(saved):
     directory, state = saved
     state["layers.0.self_attn.k_proj.weight"] = torch.zeros(32, 32)
     rewrite(directory, state)
-    with pytest.raises(CheckpointError, match=r"wrong shape 1: layers\.0\.self_attn\.k_proj\.weight: "
-                                              r"\(32, 32\) \(expected \(16, 32\)\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"wrong shape 1: layers\.0\.self_attn\.k_proj\.weight: "
+        r"\(32, 32\) \(expected \(16, 32\)\)",
+    ):
         load_draft(directory)
 
 

@@ -19,7 +19,7 @@ def training_mask(context_len: int, anchors: list[int], block_size: int, batch: 
     for i, a in enumerate(anchors):
         rows = slice(i * block_size, (i + 1) * block_size)
         mask[rows, :a] = True
-        mask[rows, context_len + i * block_size: context_len + (i + 1) * block_size] = True
+        mask[rows, context_len + i * block_size : context_len + (i + 1) * block_size] = True
     return mask.expand(batch, 1, *mask.shape)
 
 
@@ -69,7 +69,9 @@ def test_fresh_dflash2_is_bitwise_its_dflash_backbone(tiny_draft_config):
         m1 = baseline(noise, pos, baseline.context_kv(features, ctx_pos), mask)
         assert torch.equal(m2, m1)
         # The selector starts as the head's own ranking: same tokens as the argmax.
-        assert torch.equal(model.propose(h2[:, 1:], anchor_tokens, head), baseline.propose(h1[:, 1:], anchor_tokens, head))
+        assert torch.equal(
+            model.propose(h2[:, 1:], anchor_tokens, head), baseline.propose(h1[:, 1:], anchor_tokens, head)
+        )
         assert torch.equal(model.propose(m2, anchor_tokens, head), head(m1).argmax(-1))
 
 
@@ -111,12 +113,16 @@ def test_multi_block_layout_equals_one_block_at_a_time(tiny_draft_config, random
     features, noise, ctx_pos = inputs(model.config, dtype=torch.float64)
     anchors = [1, 6, 10]
     with torch.no_grad():
-        together = model(noise, block_positions(anchors, BS, 2), model.context_kv(features, ctx_pos),
-                         training_mask(12, anchors, BS, 2))
+        together = model(
+            noise,
+            block_positions(anchors, BS, 2),
+            model.context_kv(features, ctx_pos),
+            training_mask(12, anchors, BS, 2),
+        )
         for i, a in enumerate(anchors):
             context = model.context_kv(features[:, :a], ctx_pos[:, :a])
-            alone = model(noise[:, i * BS:(i + 1) * BS], torch.arange(a, a + BS).expand(2, -1), context)
-            torch.testing.assert_close(together[:, i * BS:(i + 1) * BS], alone, rtol=0, atol=1e-10)
+            alone = model(noise[:, i * BS : (i + 1) * BS], torch.arange(a, a + BS).expand(2, -1), context)
+            torch.testing.assert_close(together[:, i * BS : (i + 1) * BS], alone, rtol=0, atol=1e-10)
 
 
 def test_perturbing_one_block_position_moves_only_that_block(tiny_draft_config, randomized_draft):
@@ -134,7 +140,7 @@ def test_perturbing_one_block_position_moves_only_that_block(tiny_draft_config, 
             out = model(bumped, pos, context, mask)
             moved = (out != ref).any(-1)
             own = torch.zeros_like(moved)
-            own[0, (j // BS) * BS:(j // BS + 1) * BS] = True
+            own[0, (j // BS) * BS : (j // BS + 1) * BS] = True
             # Inside its block everything moves (non-causal attention); nothing outside, nor the other row.
             assert torch.equal(moved, own), f"position {j}"
 
@@ -152,7 +158,7 @@ def test_context_feature_moves_only_blocks_anchored_after_it(tiny_draft_config, 
             moved = (model(noise, pos, model.context_kv(bumped, ctx_pos), mask) != ref).any(-1)
             expected = torch.zeros_like(moved)
             for i, a in enumerate(anchors):
-                expected[1, i * BS:(i + 1) * BS] = j < a
+                expected[1, i * BS : (i + 1) * BS] = j < a
             assert torch.equal(moved, expected), f"context position {j}"
 
 
@@ -163,7 +169,8 @@ def test_context_cache_append_and_crop(tiny_draft_config, randomized_draft):
     with torch.no_grad():
         full = model.context_kv(features, ctx_pos)
         joined = model.context_kv(features[:, :7], ctx_pos[:, :7]).append(
-            model.context_kv(features[:, 7:], ctx_pos[:, 7:]))
+            model.context_kv(features[:, 7:], ctx_pos[:, 7:])
+        )
         cropped = full.crop(5)
         first5 = model.context_kv(features[:, :5], ctx_pos[:, :5])
     assert full.length == joined.length == 12 and cropped.length == 5
@@ -220,8 +227,9 @@ def test_every_parameter_gets_a_gradient(tiny_draft_config, randomized_draft):
     model = randomized_draft(tiny_draft_config()).train()
     features, noise, ctx_pos = inputs(model.config)
     anchors = [2, 5, 9]
-    hidden = model(noise, block_positions(anchors, BS, 2), model.context_kv(features, ctx_pos),
-                   training_mask(12, anchors, BS, 2))
+    hidden = model(
+        noise, block_positions(anchors, BS, 2), model.context_kv(features, ctx_pos), training_mask(12, anchors, BS, 2)
+    )
     head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
     unary, cand = head(hidden).topk(model.config.selector_top_k, dim=-1)
     predecessor = torch.randint(0, model.config.vocab_size, cand.shape[:-1])

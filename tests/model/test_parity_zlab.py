@@ -30,8 +30,9 @@ def load_reference(model, directory):
 def layout(cfg, batch=2, seed=0):
     """Context features at positions 0..C-1 and one block at C..C+bs-1 (as a server drafts)."""
     gen = torch.Generator().manual_seed(seed)
-    features = torch.randn(batch, CONTEXT, cfg.num_target_features * cfg.hidden_size, generator=gen,
-                           dtype=torch.float64)
+    features = torch.randn(
+        batch, CONTEXT, cfg.num_target_features * cfg.hidden_size, generator=gen, dtype=torch.float64
+    )
     noise = torch.randn(batch, cfg.block_size, cfg.hidden_size, generator=gen, dtype=torch.float64)
     positions = torch.arange(CONTEXT + cfg.block_size).expand(batch, -1)
     return features, noise, positions

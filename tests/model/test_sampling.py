@@ -116,7 +116,7 @@ def naive_probabilities(row: list[float], s: Sampling) -> list[float]:
     """One row, written directly from the definitions (temperature, then top-k, then top-p)."""
     scaled = [x / s.temperature for x in row]
     order = sorted(range(len(row)), key=lambda i: (-scaled[i], i))
-    keep = order[:s.top_k] if s.top_k else order
+    keep = order[: s.top_k] if s.top_k else order
     z = sum(math.exp(scaled[i]) for i in keep)
     probs = {i: math.exp(scaled[i]) / z for i in keep}
     if s.top_p < 1:
@@ -130,8 +130,9 @@ def naive_probabilities(row: list[float], s: Sampling) -> list[float]:
     return [probs.get(i, 0.0) for i in range(len(row))]
 
 
-@pytest.mark.parametrize("settings", [(1.0, 1.0, 0), (0.5, 1.0, 0), (1.0, 0.9, 0), (0.8, 1.0, 3),
-                                      (1.3, 0.6, 4), (1.0, 1.0, 100)])
+@pytest.mark.parametrize(
+    "settings", [(1.0, 1.0, 0), (0.5, 1.0, 0), (1.0, 0.9, 0), (0.8, 1.0, 3), (1.3, 0.6, 4), (1.0, 1.0, 100)]
+)
 def test_probabilities_match_the_definition(settings: tuple[float, float, int]) -> None:
     s = Sampling(*settings)
     gen = torch.Generator().manual_seed(1)
@@ -144,9 +145,14 @@ def test_probabilities_match_the_definition(settings: tuple[float, float, int]) 
 
 
 def test_sampling_settings_are_validated() -> None:
-    for kwargs, field in [({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-                          ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
-                          ({"top_k": 2.5}, "top_k")]:
+    for kwargs, field in [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+    ]:
         with pytest.raises(ValueError, match=field):
             Sampling(**kwargs)
     with pytest.raises(ValueError, match="temperature=0"):
@@ -158,9 +164,17 @@ def tiny_hf(seed: int = 0, vocab: int = V):
     """A float64 Qwen3 with a tiny vocabulary; its head is scaled so the next-token laws are uneven."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False,
-                      max_position_embeddings=64)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf = Qwen3ForCausalLM(cfg).double().eval()
@@ -170,10 +184,24 @@ def tiny_hf(seed: int = 0, vocab: int = V):
 
 
 def tiny_draft(projector: str = "dflash2", seed: int = 1, vocab: int = V) -> DraftModel:
-    cfg = DraftConfig(hidden_size=16, vocab_size=vocab, num_target_layers=2, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                      block_size=BLOCK, mask_token_id=vocab - 1, target_layer_ids=[0], selector_top_k=3,
-                      selector_rank=4, conv_group_size=8, max_position_embeddings=64, projector_type=projector)
+    cfg = DraftConfig(
+        hidden_size=16,
+        vocab_size=vocab,
+        num_target_layers=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        block_size=BLOCK,
+        mask_token_id=vocab - 1,
+        target_layer_ids=[0],
+        selector_top_k=3,
+        selector_rank=4,
+        conv_group_size=8,
+        max_position_embeddings=64,
+        projector_type=projector,
+    )
     return randomize_draft_(DraftModel(cfg).double(), seed).eval()
 
 
@@ -184,7 +212,7 @@ def exact_law(hf, prompt: list[int], n: int, s: Sampling, stop: Sequence[int] = 
     vocab = hf.config.vocab_size
     seqs = list(itertools.product(range(vocab), repeat=n))
     ids = torch.tensor([prompt + list(q[:-1]) for q in seqs])
-    probs = probabilities(hf(input_ids=ids).logits[:, len(prompt) - 1:], s)  # [N, n, V]
+    probs = probabilities(hf(input_ids=ids).logits[:, len(prompt) - 1 :], s)  # [N, n, V]
     law: dict[tuple[int, ...], float] = {}
     for q, pr in zip(seqs, probs):
         p = math.prod(float(pr[i, t]) for i, t in enumerate(q))
@@ -224,8 +252,7 @@ def test_selector_walk_reports_and_follows_its_law() -> None:
                 want[c] = p
             torch.testing.assert_close(one.probs[0, i], want)
         n = 20000
-        many = sample_selector_walk(sel, logits.expand(n, -1, -1), hidden.expand(n, -1, -1),
-                                    anchor.expand(n), s, gen)
+        many = sample_selector_walk(sel, logits.expand(n, -1, -1), hidden.expand(n, -1, -1), anchor.expand(n), s, gen)
     assert_law([tuple(t) for t in many.tokens.tolist()], {k: v for k, v in paths.items() if v > 0})
 
 
@@ -259,9 +286,11 @@ def _verify_samples(draft_kind: str, rule: Callable, n: int = 10000) -> tuple[li
     for d, f in zip(drafts, fills.tolist()):
         a, token = rule(d, q, p, gen)
         accepted.append(a)
-        samples.append(tuple(d[:a].tolist()) + (token,) + tuple(f[a + 1:]))
-    exact = {seq: math.prod(float(p[i, t]) for i, t in enumerate(seq))
-             for seq in itertools.product(range(vocab), repeat=length + 1)}
+        samples.append(tuple(d[:a].tolist()) + (token,) + tuple(f[a + 1 :]))
+    exact = {
+        seq: math.prod(float(p[i, t]) for i, t in enumerate(seq))
+        for seq in itertools.product(range(vocab), repeat=length + 1)
+    }
     return samples, exact, accepted
 
 
@@ -304,7 +333,7 @@ class TargetDrafter:
             self.sequence = list(self.prompt)
         else:
             last_start, last_tokens = self.last
-            self.sequence = self.sequence[:last_start + 1] + last_tokens[:start - last_start - 1]
+            self.sequence = self.sequence[: last_start + 1] + last_tokens[: start - last_start - 1]
         assert len(self.sequence) == start
         self.sequence.append(int(anchor))
         seq, tokens, qs = list(self.sequence), [], []
@@ -317,14 +346,25 @@ class TargetDrafter:
         return sampling_mod.Proposal(torch.tensor([tokens]), torch.stack(qs)[None])
 
 
-def run_loop(hf, draft, n_samples: int, new: int, s: Sampling, stop: Sequence[int] = (), seed: int = 0,
-             path: str | None = None) -> tuple[list[tuple[int, ...]], list[int]]:
+def run_loop(
+    hf, draft, n_samples: int, new: int, s: Sampling, stop: Sequence[int] = (), seed: int = 0, path: str | None = None
+) -> tuple[list[tuple[int, ...]], list[int]]:
     """``n_samples`` seeded speculative generations: their token tuples and the untruncated cycles' accepted counts."""
     gen = torch.Generator().manual_seed(seed)
     samples, accepted = [], []
     for _ in range(n_samples):
-        r = speculative_generate(hf, draft, PROMPT, new, stop, path=path, temperature=s.temperature,
-                                 top_p=s.top_p, top_k=s.top_k, generator=gen)
+        r = speculative_generate(
+            hf,
+            draft,
+            PROMPT,
+            new,
+            stop,
+            path=path,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            generator=gen,
+        )
         samples.append(tuple(r.tokens))
         accepted += r.accepted
     return samples, accepted
@@ -344,8 +384,9 @@ def test_sampled_loop_follows_the_target_law_with_real_randomness() -> None:
 def test_target_sample_follows_the_target_law() -> None:
     hf, s = tiny_hf(), Sampling(0.9, top_k=4)
     gen = torch.Generator().manual_seed(5)
-    samples = [tuple(target_sample(hf, PROMPT, 3, temperature=0.9, top_k=4, generator=gen).tokens)
-               for _ in range(N_LOOP)]
+    samples = [
+        tuple(target_sample(hf, PROMPT, 3, temperature=0.9, top_k=4, generator=gen).tokens) for _ in range(N_LOOP)
+    ]
     assert_law(samples, exact_law(hf, PROMPT, 3, s))
 
 
@@ -431,14 +472,20 @@ class Enumerator:
         return law, 1.0 - sum(law.values()), runs
 
 
-def loop_law(monkeypatch, hf, draft, new: int, s: Sampling, stop: Sequence[int] = (),
-             path: str | None = None) -> tuple[dict, int]:
+def loop_law(
+    monkeypatch, hf, draft, new: int, s: Sampling, stop: Sequence[int] = (), path: str | None = None
+) -> tuple[dict, int]:
     """The exact law of the speculative loop's output (every run enumerated), and how many runs it took."""
     enum = Enumerator()
     monkeypatch.setattr(sampling_mod, "draw", enum.draw)
     monkeypatch.setattr(spec, "draw", enum.draw)
-    law, missing, runs = enum.law(lambda: tuple(speculative_generate(
-        hf, draft, PROMPT, new, stop, path=path, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k).tokens))
+    law, missing, runs = enum.law(
+        lambda: tuple(
+            speculative_generate(
+                hf, draft, PROMPT, new, stop, path=path, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
+            ).tokens
+        )
+    )
     assert missing < 1e-9
     return law, runs
 
@@ -480,6 +527,7 @@ def test_loop_law_exact_when_every_draft_is_accepted(monkeypatch) -> None:
         out = original(drafts, q, p, generator)
         cycles.append(out[0])
         return out
+
     monkeypatch.setattr(spec, "verify", record)
     got, _ = loop_law(monkeypatch, hf, drafter, 4, s)
     assert set(cycles) == {BLOCK - 1}
@@ -500,8 +548,9 @@ def test_loop_law_exact_with_a_stop_token_inside_the_block(monkeypatch) -> None:
     assert_same_law(got, want)
 
 
-@pytest.mark.parametrize("broken", [_accept_all, _resample_from_p, _shifted],
-                         ids=["accept-all", "residual-is-p", "off-by-one"])
+@pytest.mark.parametrize(
+    "broken", [_accept_all, _resample_from_p, _shifted], ids=["accept-all", "residual-is-p", "off-by-one"]
+)
 def test_enumeration_catches_a_broken_rule(broken: Callable, monkeypatch) -> None:
     """Negative controls: the same exact comparison fails for each broken acceptance rule."""
     vocab, projector, path, s = EXACT["backbone-top_k"]
@@ -524,15 +573,19 @@ def _grid_law(scores: torch.Tensor, settings: Sampling, points: int = 20000, chu
     counts = torch.zeros(rows, vocab, dtype=torch.float64)
     grid = (torch.arange(points, dtype=torch.float64) + 0.5) / points
     for u in grid.split(chunk):  # every row under every uniform of the chunk, in one call
-        picks = draw_rows(scores.repeat(len(u), 1), settings, [None] * (rows * len(u)),
-                          uniforms=u.repeat_interleave(rows))
-        counts.index_put_((torch.arange(rows).repeat(len(u)), picks), torch.ones(len(picks), dtype=torch.float64),
-                          accumulate=True)
+        picks = draw_rows(
+            scores.repeat(len(u), 1), settings, [None] * (rows * len(u)), uniforms=u.repeat_interleave(rows)
+        )
+        counts.index_put_(
+            (torch.arange(rows).repeat(len(u)), picks), torch.ones(len(picks), dtype=torch.float64), accumulate=True
+        )
     return counts / points
 
 
-@pytest.mark.parametrize("settings", [Sampling(0.8, 0.95), Sampling(1.0, 0.5), Sampling(0.7, 1.0, 20),
-                                      Sampling(1.0, 0.9, 300), Sampling(1.3)])
+@pytest.mark.parametrize(
+    "settings",
+    [Sampling(0.8, 0.95), Sampling(1.0, 0.5), Sampling(0.7, 1.0, 20), Sampling(1.0, 0.9, 300), Sampling(1.3)],
+)
 def test_batched_row_draws_follow_the_processed_law(settings, monkeypatch) -> None:
     """draw_rows keeps exactly probabilities()' tokens and draws them with its probabilities (to 1 / grid)."""
     monkeypatch.setattr(sampling_mod, "ROW_CANDIDATES", 32)  # small enough that the flat rows overflow it
@@ -549,7 +602,8 @@ def test_batched_row_draws_follow_the_processed_law(settings, monkeypatch) -> No
     # With real generators: one draw per row, seeded per row, independent of the batch it shares.
     gens = [torch.Generator().manual_seed(i) for i in range(len(scores))]
     first = draw_rows(scores, settings, gens)
-    alone = torch.stack([draw_rows(scores[i:i + 1], settings, [torch.Generator().manual_seed(i)])[0]
-                         for i in range(len(scores))])
+    alone = torch.stack(
+        [draw_rows(scores[i : i + 1], settings, [torch.Generator().manual_seed(i)])[0] for i in range(len(scores))]
+    )
     assert torch.equal(first, alone)
     assert (want.gather(1, first[:, None]) > 0).all()

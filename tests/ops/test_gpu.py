@@ -57,8 +57,7 @@ def test_lattice_walk_kernel_sends_ties_to_the_lowest_index():
     from dflash2_lightning.ops.lattice_walk.triton_kernel import lattice_walk
 
     cand, _, proj, anchor, pred, _ = walk_inputs(4, BS - 1, TOP_K, RANK, V, torch.float32, seed=1)
-    flat = (cand, torch.zeros_like(cand, dtype=torch.float32), proj, anchor, pred,
-            torch.zeros(V, RANK, device=DEVICE))
+    flat = (cand, torch.zeros_like(cand, dtype=torch.float32), proj, anchor, pred, torch.zeros(V, RANK, device=DEVICE))
     assert torch.equal(lattice_walk(*flat), cand[:, :, 0])
 
 
@@ -68,8 +67,12 @@ def test_the_ops_dispatch_to_the_kernels_with_gradients(monkeypatch):
     assert dispatch.cuda_block_conv is not None and dispatch.cuda_lattice_walk is not None  # installed on import
     calls = {"conv": 0, "walk": 0}
     conv, walk = dispatch.cuda_block_conv, dispatch.cuda_lattice_walk
-    monkeypatch.setattr(dispatch, "cuda_block_conv", lambda *a: calls.__setitem__("conv", calls["conv"] + 1) or conv(*a))
-    monkeypatch.setattr(dispatch, "cuda_lattice_walk", lambda *a: calls.__setitem__("walk", calls["walk"] + 1) or walk(*a))
+    monkeypatch.setattr(
+        dispatch, "cuda_block_conv", lambda *a: calls.__setitem__("conv", calls["conv"] + 1) or conv(*a)
+    )
+    monkeypatch.setattr(
+        dispatch, "cuda_lattice_walk", lambda *a: calls.__setitem__("walk", calls["walk"] + 1) or walk(*a)
+    )
     x, base, both = conv_inputs(2, BS, H, TAPS, GROUPS, torch.float32)
     x.requires_grad_(True)
     base = base.clone().requires_grad_(True)
@@ -93,8 +96,16 @@ def test_a_dflash2_draft_drafts_the_same_tokens_with_and_without_the_kernels(mon
     from dflash2_lightning.ops import dispatch
 
     torch.manual_seed(0)
-    cfg = DraftConfig(hidden_size=H, vocab_size=V, num_target_layers=8, num_hidden_layers=2, num_attention_heads=9,
-                      num_key_value_heads=3, head_dim=64, block_size=BS)
+    cfg = DraftConfig(
+        hidden_size=H,
+        vocab_size=V,
+        num_target_layers=8,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        block_size=BS,
+    )
     model = DraftModel(cfg).to(DEVICE).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -124,8 +135,9 @@ def test_ahead_of_time_block_conv_ptx_launches_as_tensorrt_launches_it(dtype, na
     x, base, both = conv_inputs(8, BS, H, TAPS, GROUPS, dtype)
     delta = both[:, :, 1].contiguous()
     y = torch.empty_like(x)
-    scalars, grid = block_conv_launch(x.shape, base.shape, delta.shape, BS, kernel.constants["BLOCK_ROWS"],
-                                      kernel.constants["BLOCK_H"])
+    scalars, grid = block_conv_launch(
+        x.shape, base.shape, delta.shape, BS, kernel.constants["BLOCK_ROWS"], kernel.constants["BLOCK_H"]
+    )
     CudaDriver().launch(kernel, grid, [x, base, delta, *scalars, y])
     err = (y.float() - ops.block_conv_reference(x.float(), base.float(), delta.float(), BS)).abs().max().item()
     assert err <= TOL[dtype] * 10

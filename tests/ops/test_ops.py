@@ -58,8 +58,9 @@ def test_block_conv_matches_the_formula(taps):
 
 def test_block_conv_on_many_blocks_is_the_reference_per_block():
     x, base, delta = conv_inputs(blocks=3, block_size=4)
-    per_block = torch.cat([block_conv_reference(x[:, i:i + 4], base, delta[:, i:i + 4], 4)
-                           for i in range(0, 12, 4)], dim=1)
+    per_block = torch.cat(
+        [block_conv_reference(x[:, i : i + 4], base, delta[:, i : i + 4], 4) for i in range(0, 12, 4)], dim=1
+    )
     assert torch.equal(block_conv(x, base, delta, 4), per_block)
 
 
@@ -111,7 +112,9 @@ def test_grouped_conv_module_is_causal_within_block():
         assert moved_positions(fin, conv.finish(y_sub, delta2)) == {(0, j)}
         bumped_y = y_sub.clone()
         bumped_y[1, j] += 1.0
-        assert moved_positions(fin, conv.finish(bumped_y, delta)) == {(1, i) for i in range(j, min(j + taps, block_end))}
+        assert moved_positions(fin, conv.finish(bumped_y, delta)) == {
+            (1, i) for i in range(j, min(j + taps, block_end))
+        }
 
 
 def test_block_conv_rejects_partial_blocks():
@@ -123,8 +126,9 @@ def test_block_conv_rejects_partial_blocks():
 
 
 def test_block_conv_backward_equals_autograd_of_reference():
-    x, base, delta = (t.requires_grad_() for t in conv_inputs(batch=2, blocks=2, block_size=4, hidden=4,
-                                                              taps=3, groups=2))
+    x, base, delta = (
+        t.requires_grad_() for t in conv_inputs(batch=2, blocks=2, block_size=4, hidden=4, taps=3, groups=2)
+    )
     grad_out = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ours = torch.autograd.grad(block_conv(x, base, delta, 4), (x, base, delta), grad_out)
     ref = torch.autograd.grad(block_conv_reference(x, base, delta, 4), (x, base, delta), grad_out)
@@ -147,8 +151,11 @@ def test_opcheck_block_conv():
     # With gradients: schema, autograd registration and fake impl. (AOT-tracing the backward with
     # dynamic shapes costs ~10 s; the backward's values are pinned by the gradcheck above.)
     grads = tuple(t.clone().requires_grad_() for t in (x, base, delta))
-    torch.library.opcheck(torch.ops.dflash.block_conv.default, (*grads, 4),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.dflash.block_conv.default,
+        (*grads, 4),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
 
 
 # ----------------------------------------------------------------------------- lattice walk
@@ -158,12 +165,15 @@ def naive_walk(cand, unary, proj, anchor, pred, succ):
     for b in range(cand.shape[0]):
         prev, path = int(anchor[b]), []
         for pos in range(cand.shape[1]):
-            scores = [float(unary[b, pos, k]) + float((pred[prev] * proj[b, pos] * succ[cand[b, pos, k]]).sum())
-                      for k in range(cand.shape[2])]
+            scores = [
+                float(unary[b, pos, k]) + float((pred[prev] * proj[b, pos] * succ[cand[b, pos, k]]).sum())
+                for k in range(cand.shape[2])
+            ]
             best = max(scores)
             first = scores.index(best)
-            ties += sum(1 for k, v in enumerate(scores)
-                        if v == best and int(cand[b, pos, k]) != int(cand[b, pos, first]))
+            ties += sum(
+                1 for k, v in enumerate(scores) if v == best and int(cand[b, pos, k]) != int(cand[b, pos, first])
+            )
             prev = int(cand[b, pos, first])
             path.append(prev)
         tokens.append(path)
@@ -172,8 +182,9 @@ def naive_walk(cand, unary, proj, anchor, pred, succ):
 
 def walk_inputs(batch, length, k, vocab, rank, dtype, seed, integer=False):
     gen = torch.Generator().manual_seed(seed)
-    cand = torch.stack([torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(length)])
-                        for _ in range(batch)])
+    cand = torch.stack(
+        [torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(length)]) for _ in range(batch)]
+    )
     anchor = torch.randint(0, vocab, (batch,), generator=gen)
     if integer:
         # Small integers: every score is exact in any summation order, and ties are common.
@@ -212,8 +223,8 @@ def test_lattice_walk_rows_are_independent():
     inputs = walk_inputs(batch=3, length=6, k=4, vocab=30, rank=5, dtype=torch.float32, seed=4)
     batched = lattice_walk(*inputs)
     for b in range(3):
-        row = [t[b:b + 1] for t in inputs[:4]] + list(inputs[4:])
-        assert torch.equal(lattice_walk(*row), batched[b:b + 1])
+        row = [t[b : b + 1] for t in inputs[:4]] + list(inputs[4:])
+        assert torch.equal(lattice_walk(*row), batched[b : b + 1])
 
 
 def test_lattice_walk_is_seeded_by_the_anchor():
@@ -227,8 +238,9 @@ def test_lattice_walk_is_seeded_by_the_anchor():
 
 
 def test_edge_scores_table_matches_definition():
-    cand, unary, proj, anchor, pred, succ = walk_inputs(batch=2, length=4, k=3, vocab=20, rank=5,
-                                                        dtype=torch.float64, seed=6)
+    cand, unary, proj, anchor, pred, succ = walk_inputs(
+        batch=2, length=4, k=3, vocab=20, rank=5, dtype=torch.float64, seed=6
+    )
     scores = edge_scores(cand, unary, proj, anchor, pred, succ)
     assert scores.shape == (2, 4, 3, 3)
     for b in range(2):
@@ -246,8 +258,9 @@ def test_host_and_device_pointer_walks_agree():
 
 
 def test_lattice_walk_rejects_mismatched_shapes():
-    cand, unary, proj, anchor, pred, succ = walk_inputs(batch=2, length=4, k=3, vocab=20, rank=5,
-                                                        dtype=torch.float32, seed=8)
+    cand, unary, proj, anchor, pred, succ = walk_inputs(
+        batch=2, length=4, k=3, vocab=20, rank=5, dtype=torch.float32, seed=8
+    )
     with pytest.raises(ValueError, match="lattice_walk"):
         lattice_walk(cand, unary[:, :, :2], proj, anchor, pred, succ)
     with pytest.raises(ValueError, match="lattice_walk shapes disagree"):
@@ -269,8 +282,10 @@ def test_eager_inference_skips_the_dispatcher_with_the_same_numbers():
     anchor, books = torch.randint(0, 50, (2,), generator=gen), torch.randn(2, 50, 5, generator=gen)
     with torch.no_grad():
         assert torch.equal(block_conv(x, base, delta, 4), torch.ops.dflash.block_conv(x, base, delta, 4))
-        assert torch.equal(lattice_walk(cand, unary, proj, anchor, books[0], books[1]),
-                           torch.ops.dflash.lattice_walk(cand, unary, proj, anchor, books[0], books[1]))
+        assert torch.equal(
+            lattice_walk(cand, unary, proj, anchor, books[0], books[1]),
+            torch.ops.dflash.lattice_walk(cand, unary, proj, anchor, books[0], books[1]),
+        )
     base.requires_grad_(True)  # with autograd the op (and its backward) is used
     block_conv(x, base, delta, 4).sum().backward()
     assert base.grad is not None and base.grad.shape == base.shape

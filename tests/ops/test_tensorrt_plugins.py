@@ -22,17 +22,20 @@ def test_block_conv_output_shape():
     assert conv_plugin.block_conv_output_shape((None, None, 64), (3, 64), (None, None, 3, 4), 8) == (None, None, 64)
 
 
-@pytest.mark.parametrize("x,base,delta,block_size,message", [
-    ((2, 32), (2, 576), (2, 32, 2, 36), 16, "x has shape"),
-    ((2, 32, 576), (2, 512), (2, 32, 2, 36), 16, r"base hidden size \(base\[1\]\) vs x\[2\]: 512 != 576"),
-    ((2, 32, 576), (2, 576), (3, 32, 2, 36), 16, "delta batch"),
-    ((2, 32, 576), (2, 576), (2, 32, 3, 36), 16, "delta taps"),
-    ((2, 32, 576), (2, 576), (2, 32, 2, 35), 16, r"groups \(delta\[3\]\) = 35 is invalid"),
-    ((2, 24, 576), (2, 576), (2, 24, 2, 36), 16, r"x\[1\] = 24 is invalid: must be a multiple of block_size=16"),
-    ((2, 32, 576), (2, 576), (2, 32, 2, 36), 0, "block_size=0 is invalid"),
-    ((2, 32, 576), (2, 576), (2, 32, 2, 36), 2.5, "block_size=2.5 is invalid"),
-    ((2, 32, 576), (2, 576), (2, 32, 2, 36), "16x", "block_size='16x' is invalid"),
-])
+@pytest.mark.parametrize(
+    "x,base,delta,block_size,message",
+    [
+        ((2, 32), (2, 576), (2, 32, 2, 36), 16, "x has shape"),
+        ((2, 32, 576), (2, 512), (2, 32, 2, 36), 16, r"base hidden size \(base\[1\]\) vs x\[2\]: 512 != 576"),
+        ((2, 32, 576), (2, 576), (3, 32, 2, 36), 16, "delta batch"),
+        ((2, 32, 576), (2, 576), (2, 32, 3, 36), 16, "delta taps"),
+        ((2, 32, 576), (2, 576), (2, 32, 2, 35), 16, r"groups \(delta\[3\]\) = 35 is invalid"),
+        ((2, 24, 576), (2, 576), (2, 24, 2, 36), 16, r"x\[1\] = 24 is invalid: must be a multiple of block_size=16"),
+        ((2, 32, 576), (2, 576), (2, 32, 2, 36), 0, "block_size=0 is invalid"),
+        ((2, 32, 576), (2, 576), (2, 32, 2, 36), 2.5, "block_size=2.5 is invalid"),
+        ((2, 32, 576), (2, 576), (2, 32, 2, 36), "16x", "block_size='16x' is invalid"),
+    ],
+)
 def test_block_conv_output_shape_rejects(x, base, delta, block_size, message):
     with pytest.raises(ValueError, match=message):
         conv_plugin.block_conv_output_shape(x, base, delta, block_size)
@@ -50,14 +53,17 @@ def test_lattice_walk_output_shape():
     assert walk_plugin.lattice_walk_output_shape(*dynamic) == (None, 15)
 
 
-@pytest.mark.parametrize("index,shape,message", [
-    (0, (4, 15), "cand has shape"),
-    (1, (4, 15, 8), r"unary\[2\] \(K\) vs cand\[2\]: 8 != 16"),
-    (2, (4, 14, 256), r"proj\[1\] \(L\) vs cand\[1\]"),
-    (3, (5,), r"anchor\[0\] \(B\) vs cand\[0\]"),
-    (4, (49152, 128), r"pred_codebook\[1\] \(r\) vs proj\[2\]"),
-    (5, (100, 256), "succ_codebook shape vs pred_codebook"),
-])
+@pytest.mark.parametrize(
+    "index,shape,message",
+    [
+        (0, (4, 15), "cand has shape"),
+        (1, (4, 15, 8), r"unary\[2\] \(K\) vs cand\[2\]: 8 != 16"),
+        (2, (4, 14, 256), r"proj\[1\] \(L\) vs cand\[1\]"),
+        (3, (5,), r"anchor\[0\] \(B\) vs cand\[0\]"),
+        (4, (49152, 128), r"pred_codebook\[1\] \(r\) vs proj\[2\]"),
+        (5, (100, 256), "succ_codebook shape vs pred_codebook"),
+    ],
+)
 def test_lattice_walk_output_shape_rejects(index, shape, message):
     shapes = [(4, 15, 16), (4, 15, 16), (4, 15, 256), (4,), (49152, 256), (49152, 256)]
     shapes[index] = shape

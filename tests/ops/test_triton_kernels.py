@@ -55,13 +55,16 @@ def _conv_inputs(b, s, h, taps, groups, seed=0, dtype=torch.float32):
 
 # ----------------------------------------------------------------------------- block conv
 @interp
-@pytest.mark.parametrize("b,s,h,taps,groups,bs", [
-    (1, 4, 8, 1, 8, 4),       # one tap = a per-channel scale; group size 1
-    (2, 8, 12, 2, 3, 4),      # H not a power of two, two blocks per row
-    (3, 12, 20, 3, 4, 6),     # taps > 2, batch > 1
-    (2, 8, 300, 2, 12, 8),    # several channel tiles and row tiles
-    (1, 16, 16, 8, 2, 8),     # taps == block_size
-])
+@pytest.mark.parametrize(
+    "b,s,h,taps,groups,bs",
+    [
+        (1, 4, 8, 1, 8, 4),  # one tap = a per-channel scale; group size 1
+        (2, 8, 12, 2, 3, 4),  # H not a power of two, two blocks per row
+        (3, 12, 20, 3, 4, 6),  # taps > 2, batch > 1
+        (2, 8, 300, 2, 12, 8),  # several channel tiles and row tiles
+        (1, 16, 16, 8, 2, 8),  # taps == block_size
+    ],
+)
 def test_block_conv_matches_reference(b, s, h, taps, groups, bs):
     x, base, both = _conv_inputs(b, s, h, taps, groups)
     for side in (0, 1):  # a strided slice of the [B,S,2,T,G] projection, used in place
@@ -125,12 +128,15 @@ def _reference_walk(*args):
 
 
 @interp
-@pytest.mark.parametrize("b,length,k,r,vocab", [
-    (1, 1, 1, 1, 5),        # degenerate: one candidate
-    (2, 3, 4, 8, 20),
-    (3, 7, 16, 24, 50),     # the released top-k, batch > 1
-    (2, 4, 5, 300, 40),     # K not a power of two; r in several chunks
-])
+@pytest.mark.parametrize(
+    "b,length,k,r,vocab",
+    [
+        (1, 1, 1, 1, 5),  # degenerate: one candidate
+        (2, 3, 4, 8, 20),
+        (3, 7, 16, 24, 50),  # the released top-k, batch > 1
+        (2, 4, 5, 300, 40),  # K not a power of two; r in several chunks
+    ],
+)
 def test_lattice_walk_matches_reference(b, length, k, r, vocab):
     args = _walk_inputs(b, length, k, r, vocab)
     got = lattice_walk.lattice_walk(*args)
@@ -208,8 +214,7 @@ def test_plugin_launch_arguments_drive_the_kernels():
     block_rows, block_h, _ = block_conv.block_conv_tiles(20)
     scalars, grid = conv_plugin.block_conv_launch(x.shape, base.shape, delta.shape, 4, block_rows, block_h)
     assert len(scalars) == len(block_conv.BLOCK_CONV_SCALARS)
-    launchable(block_conv.block_conv_kernel)[grid](x, base, delta, *scalars, y, BLOCK_ROWS=block_rows,
-                                                   BLOCK_H=block_h)
+    launchable(block_conv.block_conv_kernel)[grid](x, base, delta, *scalars, y, BLOCK_ROWS=block_rows, BLOCK_H=block_h)
     torch.testing.assert_close(y, ops.block_conv_reference(x, base, delta, 4), rtol=1e-5, atol=1e-5)
 
     args = _walk_inputs(3, 5, 6, 12, 40, seed=8)
@@ -224,8 +229,10 @@ def test_plugin_launch_arguments_drive_the_kernels():
 # ----------------------------------------------------------------------------- dispatch
 @parent
 def test_package_import_is_lazy_without_cuda():
-    code = ("import sys, dflash2_lightning.ops.dispatch as k; "
-            "print(k.cuda_block_conv is None, k.cuda_lattice_walk is None, 'triton' in sys.modules)")
+    code = (
+        "import sys, dflash2_lightning.ops.dispatch as k; "
+        "print(k.cuda_block_conv is None, k.cuda_lattice_walk is None, 'triton' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     if torch.cuda.is_available():
@@ -253,8 +260,9 @@ def test_cuda_kernels_and_op_dispatch(monkeypatch):
 
 # ----------------------------------------------------------------------------- ahead of time
 @parent
-@pytest.mark.parametrize("arch,kind,dtype", [(80, "conv", "fp32"), (90, "conv", "bf16"),
-                                             (80, "walk", "fp16"), (90, "walk", "fp32")])
+@pytest.mark.parametrize(
+    "arch,kind,dtype", [(80, "conv", "fp32"), (90, "conv", "bf16"), (80, "walk", "fp16"), (90, "walk", "fp32")]
+)
 def test_aot_ptx_for_sm80_and_sm90(arch, kind, dtype):
     if kind == "conv":
         kernel = block_conv.compile_block_conv(dtype, hidden=576, arch=arch)
@@ -280,8 +288,10 @@ def test_aot_refuses_to_compile_while_interpreting():
 
 @parent
 def test_aot_refuses_to_drop_a_used_parameter():
-    ptx = (".visible .entry k(\n\t.param .u64 k_param_0,\n\t.param .u64 k_param_1\n)\n{\n"
-           "\tld.param.u64 %rd1, [k_param_1];\n}\n")
+    ptx = (
+        ".visible .entry k(\n\t.param .u64 k_param_0,\n\t.param .u64 k_param_1\n)\n{\n"
+        "\tld.param.u64 %rd1, [k_param_1];\n}\n"
+    )
     with pytest.raises(RuntimeError, match="k_param_1"):
         aot._drop_unused_params(ptx, "k", keep=1)
     unused = ptx.replace("[k_param_1]", "[k_param_0]")

@@ -38,11 +38,35 @@ def restore_torch_threads():
 
 def _tiny_argv(out: Path) -> list[str]:
     # One thread: tiny shapes gain nothing from more, and a shared CI box loses a lot to oversubscription.
-    return ["--target", "tiny", "--out", str(out), "--threads", "1", "--num-prompts", "6", "--max-new-tokens", "16",
-            "--max-steps", "3", "--eval-prompts", "2", "--eval-max-new-tokens", "12", "--eval-replay-prompts", "4",
-            "--eval-replay-max-new-tokens", "10", "--no-progress",
-            "--set", "data.init_args.seq_len=64", "--set", "data.init_args.batch_size=4",
-            "--set", "trainer.enable_progress_bar=false"]
+    return [
+        "--target",
+        "tiny",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+        "--num-prompts",
+        "6",
+        "--max-new-tokens",
+        "16",
+        "--max-steps",
+        "3",
+        "--eval-prompts",
+        "2",
+        "--eval-max-new-tokens",
+        "12",
+        "--eval-replay-prompts",
+        "4",
+        "--eval-replay-max-new-tokens",
+        "10",
+        "--no-progress",
+        "--set",
+        "data.init_args.seq_len=64",
+        "--set",
+        "data.init_args.batch_size=4",
+        "--set",
+        "trainer.enable_progress_bar=false",
+    ]
 
 
 @pytest.mark.slow
@@ -81,8 +105,11 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
         assert res["estimated"] is not None and "tau" in res["estimated"], name
     assert summary["tau"] == report["tau"]
     assert list(report["temperatures"]) == ["0", "1"]  # the quickstart measures greedy and T=1
-    assert all(r["interval"]["tau"][0] <= r["measured"]["tau"] <= r["interval"]["tau"][1]
-               for blk in report["temperatures"].values() for r in blk["paths"].values())
+    assert all(
+        r["interval"]["tau"][0] <= r["measured"]["tau"] <= r["interval"]["tau"][1]
+        for blk in report["temperatures"].values()
+        for r in blk["paths"].values()
+    )
     assert artifacts["eval plot"].read_bytes()[:8] == PNG_MAGIC
     assert artifacts["training acceptance plot"].read_bytes()[:8] == PNG_MAGIC
 
@@ -130,23 +157,42 @@ def test_quickstart_end_to_end_on_tiny_target_then_resumes(tmp_path, monkeypatch
 
 
 def test_fit_config_points_the_run_at_out(tmp_path):
-    base = {"trainer": {"max_steps": 300, "val_check_interval": 100,
-                        "logger": [{"class_path": "CSVLogger", "init_args": {"save_dir": "runs", "name": "x"}}],
-                        "callbacks": [{"class_path": "ModelCheckpoint", "init_args": {"every_n_train_steps": 100}}]},
-            "model": {"init_args": {"target": {"gguf": "smollm2"}, "draft": {"target_layer_ids": [1, 27]},
-                                    "optimizer": {"lr": 1e-3}}},
-            "data": {"init_args": {"seq_len": 192}}}
+    base = {
+        "trainer": {
+            "max_steps": 300,
+            "val_check_interval": 100,
+            "logger": [{"class_path": "CSVLogger", "init_args": {"save_dir": "runs", "name": "x"}}],
+            "callbacks": [{"class_path": "ModelCheckpoint", "init_args": {"every_n_train_steps": 100}}],
+        },
+        "model": {
+            "init_args": {
+                "target": {"gguf": "smollm2"},
+                "draft": {"target_layer_ids": [1, 27]},
+                "optimizer": {"lr": 1e-3},
+            }
+        },
+        "data": {"init_args": {"seq_len": 192}},
+    }
     out = tmp_path / "runs" / "mine"
-    cfg = fit_config(base, out, {"tiny": {}}, max_steps=7, overrides=["model.init_args.optimizer.lr=0.01",
-                                                                       "trainer.logger.0.init_args.flush_logs_every_n_steps=5"])
+    cfg = fit_config(
+        base,
+        out,
+        {"tiny": {}},
+        max_steps=7,
+        overrides=["model.init_args.optimizer.lr=0.01", "trainer.logger.0.init_args.flush_logs_every_n_steps=5"],
+    )
     assert cfg["model"]["init_args"]["target"] == {"tiny": {}}
     assert "target_layer_ids" not in cfg["model"]["init_args"]["draft"]  # they numbered the config's own target
     same = fit_config(base, out, {"gguf": "smollm2"}, max_steps=None, overrides=[])
     assert same["model"]["init_args"]["draft"]["target_layer_ids"] == [1, 27]
     assert cfg["model"]["init_args"]["optimizer"]["lr"] == 0.01
     assert cfg["data"]["init_args"]["train_files"] == [str(out / "data" / "responses.jsonl")]
-    assert cfg["trainer"]["logger"][0]["init_args"] == {"save_dir": str(out.parent), "name": "mine",
-                                                        "version": "train", "flush_logs_every_n_steps": 5}
+    assert cfg["trainer"]["logger"][0]["init_args"] == {
+        "save_dir": str(out.parent),
+        "name": "mine",
+        "version": "train",
+        "flush_logs_every_n_steps": 5,
+    }
     # max_steps below the validation / checkpoint intervals pulls them in, so the run validates and saves
     assert cfg["trainer"]["max_steps"] == 7 and cfg["trainer"]["val_check_interval"] == 7
     assert cfg["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] == 7
@@ -155,14 +201,18 @@ def test_fit_config_points_the_run_at_out(tmp_path):
 
 def test_fit_config_trains_in_float32_where_the_cpu_emulates_bf16(tmp_path):
     """Without bf16 hardware the shipped bf16 settings become float32 (slower emulated); overrides still win."""
-    base = {"trainer": {"precision": "bf16-mixed"}, "model": {"init_args": {}},
-            "data": {"init_args": {"feature_autocast": "bf16"}}}
+    base = {
+        "trainer": {"precision": "bf16-mixed"},
+        "model": {"init_args": {}},
+        "data": {"init_args": {"feature_autocast": "bf16"}},
+    }
     amx = fit_config(base, tmp_path, None, max_steps=None, overrides=[], bf16_hardware=True)
     assert amx["trainer"]["precision"] == "bf16-mixed" and amx["data"]["init_args"]["feature_autocast"] == "bf16"
     plain = fit_config(base, tmp_path, None, max_steps=None, overrides=[], bf16_hardware=False)
     assert plain["trainer"]["precision"] == "32-true" and plain["data"]["init_args"]["feature_autocast"] == "none"
-    forced = fit_config(base, tmp_path, None, max_steps=None, overrides=["trainer.precision=bf16-mixed"],
-                        bf16_hardware=False)
+    forced = fit_config(
+        base, tmp_path, None, max_steps=None, overrides=["trainer.precision=bf16-mixed"], bf16_hardware=False
+    )
     assert forced["trainer"]["precision"] == "bf16-mixed"
     assert base["trainer"]["precision"] == "bf16-mixed"  # the base config is not modified
     assert uses_bf16(base) and not uses_bf16(plain)  # the quickstart says it switched only when it did
@@ -185,24 +235,30 @@ def test_shipped_quickstart_config_is_a_valid_fit_config(capsys, monkeypatch):
     assert "DFlash2Module" in printed and "mode: offline" in printed and "gguf: smollm2" in printed
 
 
-@pytest.mark.parametrize("load, own, expected", [
-    (None, 0, 2),  # no load average (not Linux): all cores
-    (0.1, 0, 2),   # an idle machine
-    (1.0, 0, 1),   # one other busy process takes one of the two cores
-    (2.1, 2, 2),   # the load is this process's own two threads: keep them
-    (3.0, 1, 1),   # two other busy processes: still at least one thread
-])
+@pytest.mark.parametrize(
+    "load, own, expected",
+    [
+        (None, 0, 2),  # no load average (not Linux): all cores
+        (0.1, 0, 2),  # an idle machine
+        (1.0, 0, 1),  # one other busy process takes one of the two cores
+        (2.1, 2, 2),  # the load is this process's own two threads: keep them
+        (3.0, 1, 1),  # two other busy processes: still at least one thread
+    ],
+)
 def test_auto_threads_leaves_cores_that_other_processes_use(monkeypatch, load, own, expected):
     monkeypatch.setattr(threads, "load_average", lambda: None if load is None else [load, load, load])
     monkeypatch.setattr(threads, "busy_cores", lambda window: None)  # no /proc/stat: the load average alone
     assert threads.auto_threads(2, own) == expected
 
 
-@pytest.mark.parametrize("busy_now, expected", [
-    (0.05, 2),  # the job behind the load average has ended: take both cores
-    (1.0, 1),   # it is still running
-    (1.9, 1),   # busier now than the average says: the average (1.0) rules, never fewer than it allows
-])
+@pytest.mark.parametrize(
+    "busy_now, expected",
+    [
+        (0.05, 2),  # the job behind the load average has ended: take both cores
+        (1.0, 1),  # it is still running
+        (1.9, 1),  # busier now than the average says: the average (1.0) rules, never fewer than it allows
+    ],
+)
 def test_auto_threads_trusts_a_fresh_sample_over_the_lagging_average(monkeypatch, busy_now, expected):
     monkeypatch.setattr(threads, "load_average", lambda: [1.0, 1.0, 1.0])
     monkeypatch.setattr(threads, "busy_cores", lambda window: busy_now)
@@ -230,17 +286,21 @@ def test_own_load_follows_the_kernels_one_minute_average():
 def test_eval_sampling_options_are_checked_before_any_work():
     from dflash2_lightning.quickstart.run import QuickstartOptions, build_parser
 
-    args = build_parser().parse_args(["--eval-temperature", "0", "0.7", "--eval-temperature", "1.2",
-                                      "--eval-samples", "3", "--eval-top-p", "0.9"])
+    args = build_parser().parse_args(
+        ["--eval-temperature", "0", "0.7", "--eval-temperature", "1.2", "--eval-samples", "3", "--eval-top-p", "0.9"]
+    )
     assert args.eval_temperature == [0.0, 0.7, 1.2] and args.eval_samples == 3 and args.eval_top_p == 0.9
     assert build_parser().parse_args([]).eval_temperature is None  # the options' default (T=0 and T=1) applies
     assert QuickstartOptions().eval_temperatures == [0.0, 1.0]
-    for kwargs, field in [({"eval_temperatures": [1.0, 1.0]}, "eval_temperatures"),
-                          ({"eval_temperatures": [-0.5]}, "eval_temperature"),
-                          ({"eval_top_p": 0.0}, "eval_top_p"), ({"eval_samples": 0}, "eval_samples"),
-                          ({"eval_replay_prompts": -1}, "eval_replay_prompts=-1"),
-                          ({"check_prompts": 0}, "check_prompts=0"),
-                          ({"eval_replay_max_new_tokens": 0}, "eval_replay_max_new_tokens=0")]:
+    for kwargs, field in [
+        ({"eval_temperatures": [1.0, 1.0]}, "eval_temperatures"),
+        ({"eval_temperatures": [-0.5]}, "eval_temperature"),
+        ({"eval_top_p": 0.0}, "eval_top_p"),
+        ({"eval_samples": 0}, "eval_samples"),
+        ({"eval_replay_prompts": -1}, "eval_replay_prompts=-1"),
+        ({"check_prompts": 0}, "check_prompts=0"),
+        ({"eval_replay_max_new_tokens": 0}, "eval_replay_max_new_tokens=0"),
+    ]:
         with pytest.raises(QuickstartError, match=field):
             QuickstartOptions(**kwargs)
 
@@ -248,11 +308,19 @@ def test_eval_sampling_options_are_checked_before_any_work():
 def test_the_serving_check_line_puts_the_served_tau_beside_the_expected():
     from dflash2_lightning.quickstart.report import serving_check_line
 
-    verdict = {"engine": "llama.cpp", "target_gguf": "/cache/SmolLM2-f32.gguf", "agree": True, "problems": [],
-               "served": {"tau": 1.4812}, "outputs_equal": 4,
-               "expected": {"tau": 1.4931, "interval": [1.41, 1.58], "prompts": 4}}
-    assert serving_check_line(verdict) == ("check-serving (llama.cpp, target SmolLM2-f32.gguf): served tau 1.48 vs "
-                                           "expected 1.49 [1.41, 1.58] on 4 prompts, outputs 4/4 equal: agree")
+    verdict = {
+        "engine": "llama.cpp",
+        "target_gguf": "/cache/SmolLM2-f32.gguf",
+        "agree": True,
+        "problems": [],
+        "served": {"tau": 1.4812},
+        "outputs_equal": 4,
+        "expected": {"tau": 1.4931, "interval": [1.41, 1.58], "prompts": 4},
+    }
+    assert serving_check_line(verdict) == (
+        "check-serving (llama.cpp, target SmolLM2-f32.gguf): served tau 1.48 vs "
+        "expected 1.49 [1.41, 1.58] on 4 prompts, outputs 4/4 equal: agree"
+    )
     verdict.update(agree=False, problems=[{"code": "width", "message": "llama.cpp drafts 1 token per verify step"}])
     assert serving_check_line(verdict).endswith("equal: DISAGREE (llama.cpp drafts 1 token per verify step)")
     assert serving_check_line({"error": "nothing answers"}) == "check-serving could not run: nothing answers"

@@ -23,8 +23,14 @@ from dflash2_lightning.target.spec import TargetError, TargetSpec
 needs_mkl = pytest.mark.skipif(not packing_available(torch.zeros(1)), reason="torch built without MKL packing")
 
 
-def _layer(setting: str = "packed", inp: int = 96, out: int = 160, bias: bool = True, seed: int = 0,
-           kernels: CpuLinears | None = None) -> FewRowLinear:
+def _layer(
+    setting: str = "packed",
+    inp: int = 96,
+    out: int = 160,
+    bias: bool = True,
+    seed: int = 0,
+    kernels: CpuLinears | None = None,
+) -> FewRowLinear:
     """A FewRowLinear over a fresh nn.Linear; "packed" by default: declared rows always pack here."""
     torch.manual_seed(seed)
     return FewRowLinear.from_linear(nn.Linear(inp, out, bias=bias), kernels or CpuLinears(setting))
@@ -110,7 +116,7 @@ def test_the_few_row_kernel_is_the_set_one_or_the_faster_one(setting):
     if setting != "auto":
         assert torch.equal(got, rows_first if setting == "rows_first" else stock) and not kernels.rows_first_choices
     else:  # timed once for this shape, dtype, bucket and thread count, held on the CpuLinears, then reused
-        (key, choice), = kernels.rows_first_choices.items()
+        ((key, choice),) = kernels.rows_first_choices.items()
         assert key == (torch.float32, (160, 96), 4, torch.get_num_threads())  # up to 8 rows: per row count
         assert torch.equal(got, rows_first if choice else stock)
         kernels.rows_first_choices[key] = not choice  # the remembered choice is what runs next time
@@ -141,8 +147,11 @@ def test_install_keeps_tied_weights_and_the_state_dict():
 
 
 def test_the_setting_is_checked_and_named():
-    with pytest.raises(TargetError, match=r"TargetSpec.cpu_linear='fast' is invalid: must be one of auto, stock, "
-                                          r"rows_first, packed"):
+    with pytest.raises(
+        TargetError,
+        match=r"TargetSpec.cpu_linear='fast' is invalid: must be one of auto, stock, "
+        r"rows_first, packed",
+    ):
         TargetSpec(tiny={}, cpu_linear="fast")
     assert "cpu_linear" not in TargetSpec(tiny={}).key()  # the default keeps the key of older run logs
     assert '"cpu_linear": "stock"' in TargetSpec(tiny={}, cpu_linear="stock").key()
@@ -157,8 +166,9 @@ def test_packed_rows_equal_linear_and_only_the_declared_count_packs(bias):
     with torch.no_grad():
         for shape in [(4, 96), (1, 4, 96), (2, 2, 96)]:  # any leading dims holding 4 rows
             x = torch.randn(*shape)
-            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+            )
         assert set(layer.packed) == {4}
         x = torch.randn(3, 96)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
@@ -174,11 +184,13 @@ def test_a_changed_weight_is_packed_again():
     with torch.no_grad():
         layer(x)
         layer.weight.mul_(2)  # in place: same storage, new version
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+        )
         layer.weight = nn.Parameter(torch.randn(160, 96))  # replaced: new storage
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+        )
 
 
 @needs_mkl
@@ -200,8 +212,9 @@ def test_packing_is_skipped_with_a_note_when_memory_is_short(monkeypatch, capsys
     x = torch.randn(4, 96)
     with torch.no_grad():
         for _ in range(2):
-            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+            )
     err = capsys.readouterr().err
     assert err.count("not packing a (160, 96) weight for 4-row products") == 1 and "MiB available" in err
     assert not layer.packed

@@ -57,12 +57,19 @@ def test_eos_rows_leave_the_batch_without_changing_the_rest() -> None:
         assert not stops or stops[0] == len(tokens) - 1  # a response ends at its first eos
     # Make "every token that row 0 emitted first" an eos: row 0 stops at once, the others must not move.
     first = out[0][0]
-    short = generate(target.hf, prompts, 16, list(eos) + [first], target.tokenizer.pad_token_id,
-                     Sampling(temperature=2.0), list(range(6)))
+    short = generate(
+        target.hf,
+        prompts,
+        16,
+        list(eos) + [first],
+        target.tokenizer.pad_token_id,
+        Sampling(temperature=2.0),
+        list(range(6)),
+    )
     assert short[0] == [first]
     for full, cut in zip(out[1:], short[1:]):
         stop = next((i for i, t in enumerate(full) if t == first), None)
-        assert cut == (full if stop is None else full[:stop + 1])
+        assert cut == (full if stop is None else full[: stop + 1])
 
 
 def test_filters_keep_the_right_tokens() -> None:
@@ -74,8 +81,10 @@ def test_filters_keep_the_right_tokens() -> None:
     nucleus = probabilities(logits, Sampling(temperature=1.0, top_p=0.8))
     assert torch.allclose(nucleus, torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
     # The most likely token always survives, however small top_p.
-    assert torch.equal(probabilities(logits, Sampling(temperature=1.0, top_p=0.01)) > 0,
-                       torch.tensor([[True, False, False, False, False]]))
+    assert torch.equal(
+        probabilities(logits, Sampling(temperature=1.0, top_p=0.01)) > 0,
+        torch.tensor([[True, False, False, False, False]]),
+    )
     cold = probabilities(logits, Sampling(temperature=0.5))
     assert torch.allclose(cold, torch.softmax(logits / 0.5, -1))
 
@@ -90,19 +99,37 @@ def test_regen_with_sampled_responses(tmp_path) -> None:
     target = tiny_target()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(SEED_PROMPTS.read_text().splitlines()[:3]) + "\n")
-    out = regen(target, prompts, tmp_path / "out.jsonl", 8, 4, progress=False, sampled=2,
-                sampling=Sampling(temperature=1.0), seed=5)
+    out = regen(
+        target,
+        prompts,
+        tmp_path / "out.jsonl",
+        8,
+        4,
+        progress=False,
+        sampled=2,
+        sampling=Sampling(temperature=1.0),
+        seed=5,
+    )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     chats = read_prompts(prompts)
     assert len(records) == 9
     for i, chat in enumerate(chats):
-        group = records[3 * i:3 * i + 3]
+        group = records[3 * i : 3 * i + 3]
         assert all(r["messages"][:-1] == chat for r in group)
         greedy = target_greedy(target, encode_prompt(target.tokenizer, chat), 8, target.eos_token_ids).tokens
         assert group[0]["messages"][-1]["content"] == target.tokenizer.decode(greedy, skip_special_tokens=True)
     # Same seed, other batch size: the same file, byte for byte.
-    again = regen(target, prompts, tmp_path / "again.jsonl", 8, 1, progress=False, sampled=2,
-                  sampling=Sampling(temperature=1.0), seed=5)
+    again = regen(
+        target,
+        prompts,
+        tmp_path / "again.jsonl",
+        8,
+        1,
+        progress=False,
+        sampled=2,
+        sampling=Sampling(temperature=1.0),
+        seed=5,
+    )
     assert again.read_bytes() == out.read_bytes()
     with pytest.raises(ValueError, match="temperature"):
         regen(target, prompts, tmp_path / "x.jsonl", 8, 4, progress=False, sampled=1, sampling=Sampling())
@@ -112,11 +139,20 @@ def _tiny_family(family: str) -> torch.nn.Module:
     """A tiny random float64 causal LM of one family, on the tiny tokenizer's 512 ids."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    geometry = dict(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=3,
-                    num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    geometry = dict(
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
-    model = (LlamaForCausalLM(LlamaConfig(**geometry)) if family == "llama"
-             else Qwen3ForCausalLM(Qwen3Config(**geometry)))
+    model = (
+        LlamaForCausalLM(LlamaConfig(**geometry)) if family == "llama" else Qwen3ForCausalLM(Qwen3Config(**geometry))
+    )
     return model.to(torch.float64).eval()
 
 

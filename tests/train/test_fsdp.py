@@ -36,8 +36,15 @@ WORLD = 2
 LAYERS = 3
 MAX_NORM = 1e-3  # far below the gradients' norm: clipping must act
 LR = 1e-2  # one AdamW step at weight_decay 0.1: a parameter in the wrong group moves by LR * 0.1 * itself
-SETTINGS = dict(block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=8, num_anchors=4,
-                num_hidden_layers=LAYERS, weight_decay=0.1)
+SETTINGS = dict(
+    block_size=4,
+    conv_group_size=16,
+    selector_rank=8,
+    selector_top_k=8,
+    num_anchors=4,
+    num_hidden_layers=LAYERS,
+    weight_decay=0.1,
+)
 
 
 def build_module() -> DFlash2Module:
@@ -48,15 +55,19 @@ def build_module() -> DFlash2Module:
 def batch() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 500, (2, 16), generator=gen)
-    return {"input_ids": ids, "loss_mask": torch.ones(2, 16, dtype=torch.bool),
-            "attention_mask": torch.ones(2, 16, dtype=torch.bool)}
+    return {
+        "input_ids": ids,
+        "loss_mask": torch.ones(2, 16, dtype=torch.bool),
+        "attention_mask": torch.ones(2, 16, dtype=torch.bool),
+    }
 
 
 def loss_of(module: DFlash2Module, call: Any) -> torch.Tensor:
     """The training loss of :func:`batch`, computed by ``call()`` with ``module.forward`` redirected to it (as
     Lightning redirects ``training_step`` through the FSDP root's forward, which gathers the root's weights)."""
-    module.forward = types.MethodType(lambda self: self.forward_batch(batch(), torch.Generator().manual_seed(1)).loss,
-                                      module)
+    module.forward = types.MethodType(
+        lambda self: self.forward_batch(batch(), torch.Generator().manual_seed(1)).loss, module
+    )
     try:
         return call()
     finally:
@@ -71,9 +82,13 @@ def group_names(module: DFlash2Module) -> dict[str, set[str]]:
 
 def wrap(module: DFlash2Module, strategy: DraftFSDPStrategy) -> FullyShardedDataParallel:
     """What ``strategy._setup_model`` builds, with the CPU as the device."""
-    return FullyShardedDataParallel(module, mixed_precision=strategy.mixed_precision_config,
-                                    sharding_strategy=strategy.sharding_strategy, device_id=torch.device("cpu"),
-                                    **strategy.kwargs)
+    return FullyShardedDataParallel(
+        module,
+        mixed_precision=strategy.mixed_precision_config,
+        sharding_strategy=strategy.sharding_strategy,
+        device_id=torch.device("cpu"),
+        **strategy.kwargs,
+    )
 
 
 def worker(rank: int, init: str, out: str) -> None:
@@ -87,8 +102,11 @@ def worker(rank: int, init: str, out: str) -> None:
         ref_loss = loss_of(reference, lambda: reference())
         ref_loss.backward()
         report["reference_loss"] = float(ref_loss)
-        report["reference_grad_norm"] = float(torch.linalg.vector_norm(torch.stack(
-            [p.grad.norm() for p in reference.draft.parameters() if p.grad is not None])))
+        report["reference_grad_norm"] = float(
+            torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in reference.draft.parameters() if p.grad is not None])
+            )
+        )
         report["reference_groups"] = group_names(reference)
         torch.nn.utils.clip_grad_norm_(reference.draft.parameters(), MAX_NORM)
         torch.optim.AdamW(reference.parameter_groups(), lr=LR).step()
@@ -97,8 +115,9 @@ def worker(rank: int, init: str, out: str) -> None:
         # Lightning's stock precision config under bf16-mixed: what the draft's buffers would become.
         stock = build_module()
         lightning_mp = FSDPPrecision("bf16-mixed").mixed_precision_config
-        stock_wrapped = FullyShardedDataParallel(stock, mixed_precision=lightning_mp, device_id=torch.device("cpu"),
-                                                 use_orig_params=True)
+        stock_wrapped = FullyShardedDataParallel(
+            stock, mixed_precision=lightning_mp, device_id=torch.device("cpu"), use_orig_params=True
+        )
         loss_of(stock, lambda: stock_wrapped())
         report["stock_inv_freq_dtype"] = str(stock.draft.rotary.inv_freq.dtype)
 
@@ -241,8 +260,11 @@ def test_lightnings_own_fsdp_precision_refuses_norm_clipping() -> None:
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
 def test_the_batch_keeps_its_dtype_where_lightnings_fsdp_plugin_casts_it_to_float32(precision: str) -> None:
     """Offline bf16 features and teacher logits reach the step in bf16 (as under DDP), not doubled to float32."""
-    batch = {"features": torch.ones(2, 3, dtype=torch.bfloat16), "logits": torch.ones(2, dtype=torch.float16),
-             "input_ids": torch.ones(2, dtype=torch.long)}
+    batch = {
+        "features": torch.ones(2, 3, dtype=torch.bfloat16),
+        "logits": torch.ones(2, dtype=torch.float16),
+        "input_ids": torch.ones(2, dtype=torch.long),
+    }
     if precision != "32-true":  # the reason for the override: Lightning's own plugin casts under mixed precision
         assert FSDPPrecision(precision).convert_input(batch)["features"].dtype == torch.float32
     converted = DraftFSDPPrecision(precision).convert_input(batch)

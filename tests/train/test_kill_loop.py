@@ -27,8 +27,14 @@ STEPS = 16
 def _config(tmp_path: Path) -> Path:
     config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     trainer = config["trainer"]
-    trainer.update(max_steps=STEPS, val_check_interval=8, limit_val_batches=1, log_every_n_steps=1,
-                   enable_progress_bar=False, plugins=[{"class_path": "kill_helpers.StallingCheckpointIO"}])
+    trainer.update(
+        max_steps=STEPS,
+        val_check_interval=8,
+        limit_val_batches=1,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        plugins=[{"class_path": "kill_helpers.StallingCheckpointIO"}],
+    )
     trainer["callbacks"].append({"class_path": "kill_helpers.StallingValidation"})
     for logger in trainer["logger"]:
         logger["init_args"]["save_dir"] = str(tmp_path / "runs")
@@ -45,9 +51,15 @@ def test_kills_at_random_moments_and_checkpoint_writes_lose_nothing(tmp_path):
         pytest.skip(f"{DFLASH2} not found: install the package first (pip install -e .)")
     config = _config(tmp_path)
     mark = tmp_path / "writing"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DFLASH2_CACHE": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-           "DFLASH2_TEST_MARK": str(mark), "DFLASH2_TEST_STALL": "1.5"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "DFLASH2_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "DFLASH2_TEST_MARK": str(mark),
+        "DFLASH2_TEST_STALL": "1.5",
+    }
     # The same command starts the run (no checkpoint yet) and resumes it after every kill.
     command = [str(DFLASH2), "fit", "--config", str(config), "--ckpt_path", "last"]
     rng = random.Random(0)
@@ -76,8 +88,9 @@ def test_kills_at_random_moments_and_checkpoint_writes_lose_nothing(tmp_path):
 
     run = tmp_path / "runs" / "tiny" / "default"
     orphans_before = list(run.rglob("*.tmp"))
-    done = subprocess.run(command, cwd=tmp_path, env={**env, "DFLASH2_TEST_STALL": "0"}, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        command, cwd=tmp_path, env={**env, "DFLASH2_TEST_STALL": "0"}, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert orphans_before, "no kill orphaned a temporary file: the test did not hit a checkpoint write"
     leftovers = [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
@@ -108,13 +121,24 @@ def test_kills_during_validation_lose_no_metrics_row(tmp_path):
     uninterrupted run (same values, once) and the same weights."""
     if not DFLASH2.exists():
         pytest.skip(f"{DFLASH2} not found: install the package first (pip install -e .)")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DFLASH2_CACHE": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "DFLASH2_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     for work in (straight, killed):
         work.mkdir()
-    done = subprocess.run([str(DFLASH2), "fit", "--config", str(_config(straight))], cwd=straight, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(DFLASH2), "fit", "--config", str(_config(straight))],
+        cwd=straight,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     mark = tmp_path / "validating"
@@ -122,8 +146,12 @@ def test_kills_during_validation_lose_no_metrics_row(tmp_path):
     steps = []
     for step in (8, 8, 16):  # global step while validating after batch 7 (twice: its rerun) and after batch 15
         mark.unlink(missing_ok=True)
-        stalled = {**env, "DFLASH2_TEST_VAL_MARK": str(mark), "DFLASH2_TEST_VAL_STALL": "60",
-                   "DFLASH2_TEST_VAL_STEP": str(step)}
+        stalled = {
+            **env,
+            "DFLASH2_TEST_VAL_MARK": str(mark),
+            "DFLASH2_TEST_VAL_STALL": "60",
+            "DFLASH2_TEST_VAL_STEP": str(step),
+        }
         proc = subprocess.Popen(command, cwd=killed, env=stalled, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 300
         while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -142,6 +170,7 @@ def test_kills_during_validation_lose_no_metrics_row(tmp_path):
     want, got = _rows(run_straight), _rows(run_killed)
     where = lambda rows: sorted((dict(r).get("step"), dict(r).get("epoch"), len(r)) for r in rows)
     assert got == want, f"missing rows (step, epoch, values): {where(want - got)}; extra rows: {where(got - want)}"
-    weights = [hashlib.sha256((r / "hf" / "model.safetensors").read_bytes()).hexdigest()
-               for r in (run_straight, run_killed)]
+    weights = [
+        hashlib.sha256((r / "hf" / "model.safetensors").read_bytes()).hexdigest() for r in (run_straight, run_killed)
+    ]
     assert weights[0] == weights[1]

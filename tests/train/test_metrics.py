@@ -40,18 +40,27 @@ def test_updates_accumulate_and_reset():
 
 
 def _fake_output(reference, draft, walk, covered, picked, valid):
-    return SimpleNamespace(reference=reference, draft_tokens=draft, selector_tokens=walk, covered=covered,
-                           selector_correct=picked, blocks=SimpleNamespace(valid=valid))
+    return SimpleNamespace(
+        reference=reference,
+        draft_tokens=draft,
+        selector_tokens=walk,
+        covered=covered,
+        selector_correct=picked,
+        blocks=SimpleNamespace(valid=valid),
+    )
 
 
 def test_draft_metrics_names_both_paths_and_the_selector(tmp_path):
     reference = torch.tensor([[[5, 6, 7], [1, 2, 3]]])
     valid = torch.ones(1, 2, 3, dtype=torch.bool)
-    out = _fake_output(reference,
-                       draft=torch.tensor([[[5, 0, 7], [1, 2, 0]]]),   # backbone: accept 1, 2 -> 2/2, 1/2, 0/2
-                       walk=torch.tensor([[[5, 6, 7], [1, 2, 0]]]),    # selector: 2/2, 2/2, 1/2
-                       covered=torch.tensor([[[T, T, T], [T, T, F]]]),
-                       picked=torch.tensor([[[T, T, T], [T, T, F]]]), valid=valid)
+    out = _fake_output(
+        reference,
+        draft=torch.tensor([[[5, 0, 7], [1, 2, 0]]]),  # backbone: accept 1, 2 -> 2/2, 1/2, 0/2
+        walk=torch.tensor([[[5, 6, 7], [1, 2, 0]]]),  # selector: 2/2, 2/2, 1/2
+        covered=torch.tensor([[[T, T, T], [T, T, F]]]),
+        picked=torch.tensor([[[T, T, T], [T, T, F]]]),
+        valid=valid,
+    )
     metrics = DraftMetrics(block_size=4, selector=True)
     metrics.update(out)
     values = metrics.compute()
@@ -93,14 +102,30 @@ def test_ddp_two_processes_count_the_same_totals_as_one(tmp_path):
 
     spec = TargetSpec(tiny={})
     # selector_top_k = half the vocabulary, so coverage is far from 0 and 1 and tells totals apart.
-    model = DFlash2Module(target=spec, draft={"block_size": 4, "conv_group_size": 16, "selector_rank": 8,
-                                              "selector_top_k": 256}, objective={"num_anchors": 6})
+    model = DFlash2Module(
+        target=spec,
+        draft={"block_size": 4, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 256},
+        objective={"num_anchors": 6},
+    )
 
     def run(**trainer_kwargs):
-        data = DraftDataModule(target=spec, max_samples=40, val_fraction=0.1, seq_len=32, block_size=4,
-                               batch_size=2, target_layer_ids=model.draft_config.target_layer_ids)
-        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                          default_root_dir=tmp_path, **trainer_kwargs)
+        data = DraftDataModule(
+            target=spec,
+            max_samples=40,
+            val_fraction=0.1,
+            seq_len=32,
+            block_size=4,
+            batch_size=2,
+            target_layer_ids=model.draft_config.target_layer_ids,
+        )
+        trainer = Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            **trainer_kwargs,
+        )
         return trainer.validate(model, datamodule=data, verbose=False)[0]
 
     single = run(devices=1)
@@ -134,11 +159,18 @@ def _sampled_output(target_logits, draft_logits, cand=None, scores=None):
     from dflash2_lightning.train.objective import Teacher
 
     sources = torch.arange(3)[None, None]
-    return SimpleNamespace(reference=torch.zeros(1, 1, 3, dtype=torch.long), draft_tokens=draft_logits.argmax(-1),
-                           selector_tokens=None, covered=None, selector_correct=None, logits=draft_logits,
-                           teacher=Teacher(logits=target_logits[:, 0]), selector_candidates=cand,
-                           selector_scores=scores,
-                           blocks=SimpleNamespace(valid=torch.ones(1, 1, 3, dtype=torch.bool), sources=sources))
+    return SimpleNamespace(
+        reference=torch.zeros(1, 1, 3, dtype=torch.long),
+        draft_tokens=draft_logits.argmax(-1),
+        selector_tokens=None,
+        covered=None,
+        selector_correct=None,
+        logits=draft_logits,
+        teacher=Teacher(logits=target_logits[:, 0]),
+        selector_candidates=cand,
+        selector_scores=scores,
+        blocks=SimpleNamespace(valid=torch.ones(1, 1, 3, dtype=torch.bool), sources=sources),
+    )
 
 
 def test_draft_metrics_log_the_expected_acceptance_at_a_temperature():
@@ -160,7 +192,9 @@ def test_draft_metrics_log_the_expected_acceptance_at_a_temperature():
     metrics = DraftMetrics(block_size=4, selector=False, sampling=s)
     metrics.update(_sampled_output(target, target.clone()))
     values = metrics.compute()
-    assert values["val/t0.8/backbone/tau"] == pytest.approx(4.0) and values["val/t0.8/tau"] == values[
-        "val/t0.8/backbone/tau"]
+    assert (
+        values["val/t0.8/backbone/tau"] == pytest.approx(4.0)
+        and values["val/t0.8/tau"] == values["val/t0.8/backbone/tau"]
+    )
     assert values["val/t0.8/backbone/alpha_1"] == pytest.approx(1.0)
     assert not any(k.startswith("val/t0") for k in DraftMetrics(block_size=4, selector=False).compute())

@@ -27,14 +27,24 @@ def module() -> DFlash2Module:
 def test_draft_geometry_comes_from_the_target(module):
     target = load_target(SPEC)
     cfg = module.draft_config
-    assert (cfg.hidden_size, cfg.vocab_size, cfg.rope_theta) == (target.hidden_size, target.vocab_size,
-                                                                  target.rope_theta)
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.rope_theta) == (
+        target.hidden_size,
+        target.vocab_size,
+        target.rope_theta,
+    )
     assert cfg.num_target_layers == target.num_layers and cfg.block_size == 4
     assert cfg.target_layer_ids == target.default_layer_ids(1)
     assert cfg.mask_token_id == target.mask_token_id
     assert module.hparams["draft"]["target_layer_ids"] == cfg.target_layer_ids  # resolved ids are recorded
-    other = DFlash2Module(target=SPEC, draft={"target_layer_ids": [0, 2], "mask_token_id": 7, "projector_type": "dflash",
-                                              "block_size": SMALL["block_size"]})
+    other = DFlash2Module(
+        target=SPEC,
+        draft={
+            "target_layer_ids": [0, 2],
+            "mask_token_id": 7,
+            "projector_type": "dflash",
+            "block_size": SMALL["block_size"],
+        },
+    )
     assert other.draft_config.target_layer_ids == [0, 2] and other.draft_config.mask_token_id == 7
     assert other.draft.candidate_selector is None
 
@@ -97,12 +107,19 @@ def test_bad_batches_fail_with_clear_messages(module):
         module.forward_batch(bad, None)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"conv_kernel_size": 5}, "conv_kernel_size"), ({"conv_group_size": 5}, "conv_group_size"),
-    ({"selector_top_k": 0}, "selector_top_k"), ({"target_layer_ids": [9]}, "target_layer_ids"),
-    ({"lr": 0.0}, "lr"), ({"warmup_ratio": 1.5}, "warmup_ratio"), ({"dpace_alpha": 2.0}, "dpace_alpha"),
-    ({"selector_lr_scale": 0.0}, "selector_lr_scale"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"conv_kernel_size": 5}, "conv_kernel_size"),
+        ({"conv_group_size": 5}, "conv_group_size"),
+        ({"selector_top_k": 0}, "selector_top_k"),
+        ({"target_layer_ids": [9]}, "target_layer_ids"),
+        ({"lr": 0.0}, "lr"),
+        ({"warmup_ratio": 1.5}, "warmup_ratio"),
+        ({"dpace_alpha": 2.0}, "dpace_alpha"),
+        ({"selector_lr_scale": 0.0}, "selector_lr_scale"),
+    ],
+)
 def test_bad_geometry_and_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         DFlash2Module(target=SPEC, **grouped(**{**SMALL, **kwargs}))
@@ -193,9 +210,12 @@ def test_a_fit_that_writes_no_record_removes_the_previous_runs(tmp_path):
 
 
 def test_a_recipes_mask_token_outside_the_targets_vocabulary_names_the_setting_and_the_fix():
-    with pytest.raises(ConfigError, match=r"^--model.init_args.draft.mask_token_id=151669 is invalid: must satisfy "
-                                          r"0 <= mask_token_id < vocab_size=512; the Qwen3 recipes reserve that id .*"
-                                          r"delete mask_token_id from the config's draft settings"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--model.init_args.draft.mask_token_id=151669 is invalid: must satisfy "
+        r"0 <= mask_token_id < vocab_size=512; the Qwen3 recipes reserve that id .*"
+        r"delete mask_token_id from the config's draft settings",
+    ):
         DFlash2Module(target=SPEC, **grouped(**SMALL, mask_token_id=151669))
 
 
@@ -221,8 +241,17 @@ def test_selector_lr_scale_gives_the_selector_its_own_rate(tmp_path, scale):
 @pytest.mark.parametrize("warm", [False, True])
 def test_normalized_features_are_folded_into_fc_at_export(tmp_path, warm):
     """Training on unit-RMS features: the exported draft computes the same context on raw features."""
-    model = DFlash2Module(target=SPEC, **grouped(export_dir=str(tmp_path / "hf"), lr=1e-2, warmup_ratio=0.0,
-                                                 normalize_features=True, init_from_target=warm, **SMALL))
+    model = DFlash2Module(
+        target=SPEC,
+        **grouped(
+            export_dir=str(tmp_path / "hf"),
+            lr=1e-2,
+            warmup_ratio=0.0,
+            normalize_features=True,
+            init_from_target=warm,
+            **SMALL,
+        ),
+    )
     target = load_target(SPEC)
     batch = random_batch(seed=9)
     with torch.no_grad():
@@ -312,8 +341,17 @@ def test_online_greedy_labels_without_the_full_logits():
         full = target.features(batch["input_ids"], batch["attention_mask"], model.draft_config.target_layer_ids)
     embed, head = model._embed_head(target)
     anchors = sample_anchors(batch["loss_mask"], 4, 3, torch.Generator().manual_seed(7))
-    old = model.objective(model.draft, embed, head, batch["input_ids"], batch["loss_mask"], full.features,
-                          Teacher(greedy=full.logits.max(-1).indices), batch["attention_mask"], anchors=anchors)
+    old = model.objective(
+        model.draft,
+        embed,
+        head,
+        batch["input_ids"],
+        batch["loss_mask"],
+        full.features,
+        Teacher(greedy=full.logits.max(-1).indices),
+        batch["attention_mask"],
+        anchors=anchors,
+    )
     old.loss.backward()
     assert torch.equal(out.blocks.anchors, old.blocks.anchors)
     assert torch.equal(out.blocks.labels, old.blocks.labels) and torch.equal(out.reference, old.reference)
@@ -340,8 +378,13 @@ def test_online_greedy_labels_without_the_full_logits():
             return result
 
     with VocabWide() as seen:
-        part = target.features(batch["input_ids"], batch["attention_mask"], model.draft_config.target_layer_ids,
-                               logits=False, last_hidden=True)
+        part = target.features(
+            batch["input_ids"],
+            batch["attention_mask"],
+            model.draft_config.target_layer_ids,
+            logits=False,
+            last_hidden=True,
+        )
         greedy = target.greedy_at(part.last_hidden, rows, chunk_elements=16 * vocab)
     assert seen.sizes and max(seen.sizes) <= 16 * vocab and sum(seen.sizes) < b * s * vocab
     flat = greedy.view(-1)
@@ -352,7 +395,10 @@ def test_online_greedy_labels_without_the_full_logits():
 def test_an_acceptance_record_that_cannot_be_made_is_a_warning(tmp_path):
     """The export is complete before the record: its failure warns, names the command to write it later."""
     model = DFlash2Module(target=SPEC, **grouped(**SMALL))
-    with pytest.warns(UserWarning, match=r"^warning: \[export\] no acceptance record beside .*missing \(.*config\.json "
-                                         r"not found.*\); write it with `dflash2 acceptance-record --draft"):
+    with pytest.warns(
+        UserWarning,
+        match=r"^warning: \[export\] no acceptance record beside .*missing \(.*config\.json "
+        r"not found.*\); write it with `dflash2 acceptance-record --draft",
+    ):
         write_acceptance_record(model, tmp_path / "missing")
     assert not (tmp_path / "missing").exists()

@@ -56,7 +56,7 @@ def _setup(cfg, batch: int = 2, seq: int = 24, seed: int = 0):
 # ----------------------------------------------------------------------------- anchors
 def test_anchors_come_from_supervised_positions_without_replacement():
     loss_mask = torch.zeros(3, 20, dtype=torch.bool)
-    loss_mask[0, 2:18] = True       # 15 candidates in [0, 16]
+    loss_mask[0, 2:18] = True  # 15 candidates in [0, 16]
     loss_mask[1, [3, 7, 16, 17]] = True  # candidates 3, 7, 16 (17 > S - bs)
     # sample 2: no candidate at all
     anchors, keep = sample_anchors(loss_mask, block_size=4, num_anchors=6, generator=torch.Generator().manual_seed(0))
@@ -98,14 +98,14 @@ def test_block_layout_labels_and_weights():
     blocks = layout_blocks(ids, loss_mask, anchors, keep, block_size=4, mask_token_id=7)
     assert blocks.tokens.tolist() == [[102, 7, 7, 7, 108, 7, 7, 7, 100, 7, 7, 7]]
     assert blocks.positions.tolist() == [[2, 3, 4, 5, 8, 9, 10, 11, 0, 1, 2, 3]]
-    assert blocks.labels[0, 0].tolist() == [103, 104, 105]          # slot k predicts input_ids[a + k]
-    assert blocks.predecessors[0, 0].tolist() == [102, 103, 104]    # teacher-forced input_ids[a + k - 1]
-    assert blocks.sources[0, 1].tolist() == [8, 9, 10]              # teacher position a + k - 1
+    assert blocks.labels[0, 0].tolist() == [103, 104, 105]  # slot k predicts input_ids[a + k]
+    assert blocks.predecessors[0, 0].tolist() == [102, 103, 104]  # teacher-forced input_ids[a + k - 1]
+    assert blocks.sources[0, 1].tolist() == [8, 9, 10]  # teacher position a + k - 1
     assert blocks.valid[0, 0].tolist() == [True, True, True]
     assert blocks.valid[0, 1].tolist() == [True, True, True]
-    assert not blocks.valid[0, 2].any()                              # padded block
+    assert not blocks.valid[0, 2].any()  # padded block
     blocks = layout_blocks(ids, loss_mask, torch.tensor([[3]]), torch.tensor([[True]]), 4, 7)
-    assert blocks.valid[0, 0].tolist() == [True, True, False]       # loss_mask[6] is False
+    assert blocks.valid[0, 0].tolist() == [True, True, False]  # loss_mask[6] is False
 
 
 def test_attention_mask_matches_its_definition():
@@ -130,8 +130,7 @@ def test_attention_mask_matches_its_definition():
 # ----------------------------------------------------------------------------- isolation
 def _run(objective, draft, target, ids, features, anchors, loss_mask=None):
     loss_mask = torch.ones_like(ids, dtype=torch.bool) if loss_mask is None else loss_mask
-    return objective(draft, target.embed, target.head, ids, loss_mask, features, Teacher(),
-                     anchors=anchors, walk=True)
+    return objective(draft, target.embed, target.head, ids, loss_mask, features, Teacher(), anchors=anchors, walk=True)
 
 
 @pytest.mark.parametrize("projector", ["dflash2", "dflash"])
@@ -175,13 +174,21 @@ def test_anchor_slot_never_contributes(tiny_draft_config):
         captured["hidden"] = output
 
     handle = draft.register_forward_hook(keep_output)
-    out = objective(draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features,
-                    Teacher(), generator=torch.Generator().manual_seed(0))
+    out = objective(
+        draft,
+        target.embed,
+        target.head,
+        ids,
+        torch.ones_like(ids, dtype=torch.bool),
+        features,
+        Teacher(),
+        generator=torch.Generator().manual_seed(0),
+    )
     handle.remove()
     out.loss.backward()
     grad = captured["hidden"].grad.view(ids.shape[0], out.blocks.num_blocks, cfg.block_size, -1)
     assert out.logits.shape[2] == cfg.block_size - 1
-    assert (grad[:, :, 0] == 0).all()          # slot 0 (the anchor) gets no gradient at all
+    assert (grad[:, :, 0] == 0).all()  # slot 0 (the anchor) gets no gradient at all
     assert (grad[:, :, 1:].abs().sum(-1) > 0).all()  # every supervised slot does
 
 
@@ -218,8 +225,16 @@ def test_objective_variants_are_finite_and_differentiable(tiny_draft_config, tok
     draft, target, ids, features = _setup(cfg)
     teacher_logits = torch.randn(*ids.shape, cfg.vocab_size)
     objective = DraftObjective(token_loss=token_loss, position_weighting=weighting, num_anchors=4)
-    out = objective(draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features,
-                    Teacher(logits=teacher_logits), generator=torch.Generator().manual_seed(0))
+    out = objective(
+        draft,
+        target.embed,
+        target.head,
+        ids,
+        torch.ones_like(ids, dtype=torch.bool),
+        features,
+        Teacher(logits=teacher_logits),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert torch.isfinite(out.loss)
     out.loss.backward()
     assert draft.fc.weight.grad is not None and torch.isfinite(draft.fc.weight.grad).all()
@@ -235,8 +250,7 @@ def test_gold_outside_topk_options(tiny_draft_config):
     outs = {}
     for option in ("insert_last", "drop"):
         objective = DraftObjective(gold_outside_topk=option, selector_loss_alpha=1.0)
-        outs[option] = objective(draft, target.embed, target.head, ids, loss_mask, features, Teacher(),
-                                 anchors=anchors)
+        outs[option] = objective(draft, target.embed, target.head, ids, loss_mask, features, Teacher(), anchors=anchors)
     covered = outs["drop"].covered  # reference = data token here: covered == gold in the original top-k
     assert covered.any() and not covered.all(), "the test needs gold tokens both inside and outside the top-k"
     for out in outs.values():
@@ -246,9 +260,12 @@ def test_gold_outside_topk_options(tiny_draft_config):
     # With every gold covered (top_k = vocab) the two options agree exactly.
     cfg = tiny_draft_config(selector_top_k=cfg.vocab_size)
     draft, target, ids, features = _setup(cfg)
-    losses = [DraftObjective(gold_outside_topk=o)(draft, target.embed, target.head, ids, loss_mask, features,
-                                                  Teacher(), anchors=anchors).selector_loss
-              for o in ("insert_last", "drop")]
+    losses = [
+        DraftObjective(gold_outside_topk=o)(
+            draft, target.embed, target.head, ids, loss_mask, features, Teacher(), anchors=anchors
+        ).selector_loss
+        for o in ("insert_last", "drop")
+    ]
     assert torch.equal(losses[0], losses[1])
 
 
@@ -256,18 +273,32 @@ def test_selector_loss_alpha_zero_disables_it(tiny_draft_config):
     cfg = tiny_draft_config()
     draft, target, ids, features = _setup(cfg)
     out = DraftObjective(selector_loss_alpha=0.0, num_anchors=3)(
-        draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features, Teacher(),
-        generator=torch.Generator().manual_seed(0))
+        draft,
+        target.embed,
+        target.head,
+        ids,
+        torch.ones_like(ids, dtype=torch.bool),
+        features,
+        Teacher(),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert torch.equal(out.loss, out.token_loss) and out.selector_loss is not None
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"token_loss": "mse"}, "token_loss"), ({"position_weighting": "linear"}, "position_weighting"),
-    ({"dpace_alpha": 0.0}, "dpace_alpha"), ({"dpace_alpha": 1.5}, "dpace_alpha"),
-    ({"decay_gamma": 0.0}, "decay_gamma"), ({"selector_loss_alpha": -1.0}, "selector_loss_alpha"),
-    ({"gold_outside_topk": "ignore"}, "gold_outside_topk"), ({"num_anchors": 0}, "num_anchors"),
-    ({"labels": "teacher"}, "labels"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"token_loss": "mse"}, "token_loss"),
+        ({"position_weighting": "linear"}, "position_weighting"),
+        ({"dpace_alpha": 0.0}, "dpace_alpha"),
+        ({"dpace_alpha": 1.5}, "dpace_alpha"),
+        ({"decay_gamma": 0.0}, "decay_gamma"),
+        ({"selector_loss_alpha": -1.0}, "selector_loss_alpha"),
+        ({"gold_outside_topk": "ignore"}, "gold_outside_topk"),
+        ({"num_anchors": 0}, "num_anchors"),
+        ({"labels": "teacher"}, "labels"),
+    ],
+)
 def test_bad_objective_settings_name_the_field(kwargs, field):
     with pytest.raises(ObjectiveError, match=field):
         DraftObjective(**kwargs)
@@ -279,25 +310,32 @@ def test_target_labels_train_on_the_targets_greedy_tokens(tiny_draft_config):
     mask = torch.ones_like(ids, dtype=torch.bool)
     anchors = (torch.tensor([[0, 8], [4, 12]]), torch.ones(2, 2, dtype=torch.bool))
     greedy = torch.roll(ids, -1, dims=1)  # "the target predicts the data": labels="target" == labels="data"
-    same = [DraftObjective(labels=src)(draft, target.embed, target.head, ids, mask, features,
-                                       Teacher(greedy=greedy), anchors=anchors).loss for src in ("data", "target")]
+    same = [
+        DraftObjective(labels=src)(
+            draft, target.embed, target.head, ids, mask, features, Teacher(greedy=greedy), anchors=anchors
+        ).loss
+        for src in ("data", "target")
+    ]
     assert torch.equal(same[0], same[1])
     other = (ids * 7 + 3) % (cfg.vocab_size - 1)  # a target that disagrees with the data everywhere
-    out = DraftObjective(labels="target")(draft, target.embed, target.head, ids, mask, features,
-                                          Teacher(greedy=other), anchors=anchors)
+    out = DraftObjective(labels="target")(
+        draft, target.embed, target.head, ids, mask, features, Teacher(greedy=other), anchors=anchors
+    )
     want = other.gather(1, out.blocks.sources.flatten(1)).view_as(out.blocks.labels)
     assert torch.equal(out.blocks.labels, want) and not torch.isclose(out.loss, same[0])
     with pytest.raises(ObjectiveError, match="greedy"):
-        DraftObjective(labels="target")(draft, target.embed, target.head, ids, mask, features, Teacher(),
-                                        anchors=anchors)
+        DraftObjective(labels="target")(
+            draft, target.embed, target.head, ids, mask, features, Teacher(), anchors=anchors
+        )
 
 
 def test_kd_without_teacher_is_a_clear_error(tiny_draft_config):
     cfg = tiny_draft_config()
     draft, target, ids, features = _setup(cfg)
     with pytest.raises(ObjectiveError, match="teacher_topk_values"):
-        DraftObjective(token_loss="kd")(draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool),
-                                        features, Teacher())
+        DraftObjective(token_loss="kd")(
+            draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features, Teacher()
+        )
 
 
 # ----------------------------------------------------------------------------- overfitting
@@ -315,16 +353,33 @@ def test_single_batch_overfits(tiny_draft_config):
     optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-2)
     losses = []
     for step in range(150):
-        out = objective(draft, target.embed, target.head, ids, loss_mask, features, Teacher(),
-                        generator=torch.Generator().manual_seed(step))
+        out = objective(
+            draft,
+            target.embed,
+            target.head,
+            ids,
+            loss_mask,
+            features,
+            Teacher(),
+            generator=torch.Generator().manual_seed(step),
+        )
         assert torch.isfinite(out.loss)
         losses.append(out.loss.item())
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()
     with torch.no_grad():
-        out = objective(draft, target.embed, target.head, ids, loss_mask, features, Teacher(),
-                        generator=torch.Generator().manual_seed(999), walk=True)
+        out = objective(
+            draft,
+            target.embed,
+            target.head,
+            ids,
+            loss_mask,
+            features,
+            Teacher(),
+            generator=torch.Generator().manual_seed(999),
+            walk=True,
+        )
     valid = out.blocks.valid
     backbone = ((out.draft_tokens == out.reference) & valid).sum() / valid.sum()
     selector = ((out.selector_correct) & valid).sum() / valid.sum()
@@ -337,17 +392,32 @@ def test_single_batch_overfits(tiny_draft_config):
 # ----------------------------------------------------------------------------- chunked logits
 def _loss_and_grads(objective, draft, target, ids, features, teacher, anchors):
     draft.zero_grad()
-    out = objective(draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features,
-                    teacher, anchors=anchors)
+    out = objective(
+        draft,
+        target.embed,
+        target.head,
+        ids,
+        torch.ones_like(ids, dtype=torch.bool),
+        features,
+        teacher,
+        anchors=anchors,
+    )
     out.loss.backward()
     return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("token_loss, teacher_kind, weighting, gold", [
-    ("ce", "none", "dpace", "insert_last"), ("ce", "none", "decay", "drop"),
-    ("kd", "logits", "decay", "insert_last"), ("kd", "topk", "none", "drop")])
-def test_chunked_logits_equal_the_one_piece_loss_and_gradients(tiny_draft_config, token_loss, teacher_kind,
-                                                               weighting, gold):
+@pytest.mark.parametrize(
+    "token_loss, teacher_kind, weighting, gold",
+    [
+        ("ce", "none", "dpace", "insert_last"),
+        ("ce", "none", "decay", "drop"),
+        ("kd", "logits", "decay", "insert_last"),
+        ("kd", "topk", "none", "drop"),
+    ],
+)
+def test_chunked_logits_equal_the_one_piece_loss_and_gradients(
+    tiny_draft_config, token_loss, teacher_kind, weighting, gold
+):
     """Chunks of 7 slots (not a divisor of the 2 x 3 x 7 = 42 slots, so the last chunk is short) against one
     piece: the same argmax, top-k and coverage; slot losses, selector scores and loss to float32 rounding;
     gradients to float32 rounding, per parameter as ||g_chunked - g_whole|| <= 1e-5 ||g_whole|| (the recomputed
@@ -358,13 +428,17 @@ def test_chunked_logits_equal_the_one_piece_loss_and_gradients(tiny_draft_config
     gen = torch.Generator().manual_seed(5)
     teacher_logits = torch.randn(*ids.shape, cfg.vocab_size, generator=gen)
     values, indices = teacher_logits.topk(6, dim=-1)
-    teacher = {"none": Teacher(), "logits": Teacher(logits=teacher_logits),
-               "topk": Teacher(topk_values=values, topk_indices=indices)}[teacher_kind]
+    teacher = {
+        "none": Teacher(),
+        "logits": Teacher(logits=teacher_logits),
+        "topk": Teacher(topk_values=values, topk_indices=indices),
+    }[teacher_kind]
     anchors = (torch.tensor([[0, 9, 20], [3, 11, 24]]), torch.tensor([[True, True, True], [True, True, False]]))
     kw = dict(token_loss=token_loss, position_weighting=weighting, gold_outside_topk=gold)
     whole, g_whole = _loss_and_grads(DraftObjective(**kw), draft, target, ids, features, teacher, anchors)
-    chunked, g_chunked = _loss_and_grads(DraftObjective(**kw, logits_chunk_elements=7 * cfg.vocab_size), draft,
-                                         target, ids, features, teacher, anchors)
+    chunked, g_chunked = _loss_and_grads(
+        DraftObjective(**kw, logits_chunk_elements=7 * cfg.vocab_size), draft, target, ids, features, teacher, anchors
+    )
     assert whole.logits is not None and chunked.logits is None  # chunked: no [B, N, L, V] tensor kept
     for name in ("draft_tokens", "selector_candidates", "covered", "selector_correct"):
         assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
@@ -390,16 +464,39 @@ def test_small_problems_run_in_one_piece_bitwise(tiny_draft_config):
     assert 8 * 16 * 7 * 512 <= LOGITS_CHUNK_ELEMENTS and 8 * 16 * 3 * 49152 <= LOGITS_CHUNK_ELEMENTS
     a, ga = _loss_and_grads(DraftObjective(), draft, target, ids, features, Teacher(), anchors)
     draft.zero_grad()
-    c = DraftObjective()(draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features,
-                         Teacher(), anchors=anchors, keep_logits=True)
+    c = DraftObjective()(
+        draft,
+        target.embed,
+        target.head,
+        ids,
+        torch.ones_like(ids, dtype=torch.bool),
+        features,
+        Teacher(),
+        anchors=anchors,
+        keep_logits=True,
+    )
     c.loss.backward()
     assert a.logits is not None and torch.equal(a.loss, c.loss) and torch.equal(a.logits, c.logits)
     assert all(torch.equal(ga[n], p.grad) for n, p in draft.named_parameters() if p.grad is not None)
     rows = 2 * 2 * 7
     at = DraftObjective(logits_chunk_elements=rows * cfg.vocab_size)(
-        draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features, Teacher(),
-        anchors=anchors)
+        draft,
+        target.embed,
+        target.head,
+        ids,
+        torch.ones_like(ids, dtype=torch.bool),
+        features,
+        Teacher(),
+        anchors=anchors,
+    )
     over = DraftObjective(logits_chunk_elements=rows * cfg.vocab_size - 1)(
-        draft, target.embed, target.head, ids, torch.ones_like(ids, dtype=torch.bool), features, Teacher(),
-        anchors=anchors)
+        draft,
+        target.embed,
+        target.head,
+        ids,
+        torch.ones_like(ids, dtype=torch.bool),
+        features,
+        Teacher(),
+        anchors=anchors,
+    )
     assert at.logits is not None and over.logits is None and torch.equal(at.loss, a.loss)

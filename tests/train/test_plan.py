@@ -28,15 +28,37 @@ from dflash2_lightning import cli
 
 REPO = Path(__file__).resolve().parents[2]
 #: The real Qwen3-8B checkpoint's config.json values (see the design's reference): nothing else of it is needed.
-QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "intermediate_size": 12288, "vocab_size": 151936, "max_position_embeddings": 40960,
-            "rope_theta": 1000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
-            "hidden_act": "silu", "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645}
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
 GB = 1e9
 # The measured configuration: big enough that the model's memory, not Lightning's, is most of the peak.
-SMALL_TARGET = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+SMALL_TARGET = {
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +70,13 @@ def qwen3_8b(tmp_path_factory) -> Path:
 
 def run_plan(*args: str) -> tuple[int, str, str]:
     """`dflash2 plan ARGS` in a subprocess: (exit status, stdout, stderr)."""
-    out = subprocess.run([sys.executable, "-m", "dflash2_lightning", "plan", *args], capture_output=True, text=True,
-                         cwd=REPO, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash2_lightning", "plan", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     return out.returncode, out.stdout, out.stderr
 
 
@@ -57,15 +84,16 @@ def figure(text: str, name: str) -> float:
     """The bytes of the plan's line ``name`` (``name  12.3 GB ...``)."""
     for line in text.splitlines():
         if line.strip().startswith(name):
-            number, unit = line.strip()[len(name):].split()[:2]
+            number, unit = line.strip()[len(name) :].split()[:2]
             return float(number) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}[unit]
     raise AssertionError(f"no line {name!r} in the plan:\n{text}")
 
 
 def test_qwen3_8b_online_plan_per_gpu(qwen3_8b):
     config = str(REPO / "configs" / "qwen3_8b_online.yaml")
-    code, out, err = run_plan("--config", config, "--model.init_args.target.path", str(qwen3_8b),
-                              "--plan.device_memory", "80GB")
+    code, out, err = run_plan(
+        "--config", config, "--model.init_args.target.path", str(qwen3_8b), "--plan.device_memory", "80GB"
+    )
     assert code == 0, out + err
     assert "one of 8 GPUs" in out and "disk: online mode" in out and "verdict: fits" in out
     # Qwen3-8B: 8.19 B parameters in bf16 on every GPU; the recipe's 5-layer draft ~1.17 B parameters in fp32
@@ -77,8 +105,9 @@ def test_qwen3_8b_online_plan_per_gpu(qwen3_8b):
     peak = figure(out, "peak (estimate)")
     assert 40 * GB <= peak <= 70 * GB  # the issue's reading of this path: 55-62 GB per GPU (the plan: ~49 GB)
     # The same run on 40 GB GPUs does not fit, says so with exit 1 and says what to change.
-    code, small, _ = run_plan("--config", config, "--model.init_args.target.path", str(qwen3_8b),
-                              "--plan.device_memory", "40GB")
+    code, small, _ = run_plan(
+        "--config", config, "--model.init_args.target.path", str(qwen3_8b), "--plan.device_memory", "40GB"
+    )
     assert code == 1 and "verdict: does not fit" in small
     # The advice names the project's FSDP strategy as a class config (Lightning's own `fsdp` refuses the recipe's
     # norm clipping, and a plain class name is not a strategy Lightning takes).
@@ -88,23 +117,47 @@ def test_qwen3_8b_online_plan_per_gpu(qwen3_8b):
     assert figure(out, "draft weights, autocast copies") == pytest.approx(figure(out, "draft weights") / 2, rel=0.03)
     # FSDP divides the draft's states by 8; the frozen target stays whole on every GPU. DraftFSDPStrategy gathers
     # float32 weights (its mixed precision keeps float32 master weights), Lightning's own fsdp bf16 ones.
-    code, fsdp, _ = run_plan("--config", config, "--model.init_args.target.path", str(qwen3_8b),
-                             "--plan.device_memory", "40GB", "--trainer.strategy",
-                             '{"class_path": "dflash2_lightning.train.fsdp.DraftFSDPStrategy"}')
+    code, fsdp, _ = run_plan(
+        "--config",
+        config,
+        "--model.init_args.target.path",
+        str(qwen3_8b),
+        "--plan.device_memory",
+        "40GB",
+        "--trainer.strategy",
+        '{"class_path": "dflash2_lightning.train.fsdp.DraftFSDPStrategy"}',
+    )
     assert figure(fsdp, "draft weights") == pytest.approx(figure(out, "draft weights") / 8, rel=0.01)
     assert figure(fsdp, "frozen target") == figure(out, "frozen target")
     # DDP's 4 x 4.7 GB of draft states (weights, gradients, the bucket copy, AdamW's two) become an eighth (without a
     # bucket copy), less two float32 layers gathered.
     assert code == 0 and figure(fsdp, "peak (estimate)") < peak - 12 * GB
-    code, lightning_fsdp, _ = run_plan("--config", config, "--model.init_args.target.path", str(qwen3_8b),
-                                       "--plan.device_memory", "40GB", "--trainer.strategy", "fsdp")
-    assert figure(fsdp, "FSDP gathered unit") == pytest.approx(2 * figure(lightning_fsdp, "FSDP gathered unit"), rel=0.02)
+    code, lightning_fsdp, _ = run_plan(
+        "--config",
+        config,
+        "--model.init_args.target.path",
+        str(qwen3_8b),
+        "--plan.device_memory",
+        "40GB",
+        "--trainer.strategy",
+        "fsdp",
+    )
+    assert figure(fsdp, "FSDP gathered unit") == pytest.approx(
+        2 * figure(lightning_fsdp, "FSDP gathered unit"), rel=0.02
+    )
 
 
 def test_qwen3_8b_offline_cache_per_sample(qwen3_8b, tmp_path):
-    code, out, err = run_plan("--config", str(REPO / "configs" / "qwen3_8b_offline.yaml"),
-                              "--model.init_args.target.path", str(qwen3_8b), "--plan.device_memory", "80GB",
-                              "--data.init_args.cache_dir", str(tmp_path / "cache"))
+    code, out, err = run_plan(
+        "--config",
+        str(REPO / "configs" / "qwen3_8b_offline.yaml"),
+        "--model.init_args.target.path",
+        str(qwen3_8b),
+        "--plan.device_memory",
+        "80GB",
+        "--data.init_args.cache_dir",
+        str(tmp_path / "cache"),
+    )
     assert code == 0, out + err
     # 5 layers x 4096 float16 features (40,960 B) + int32 greedy token + int32 id + 2 bool masks, 3072 tokens
     per_sample = 3072 * (5 * 4096 * 2 + 4 + 4 + 2)
@@ -115,29 +168,57 @@ def test_qwen3_8b_offline_cache_per_sample(qwen3_8b, tmp_path):
 
 
 def test_plan_refuses_bad_input_in_one_line(qwen3_8b):
-    code, out, err = run_plan("--config", str(REPO / "configs" / "qwen3_8b_online.yaml"),
-                              "--model.init_args.target.path", str(qwen3_8b), "--plan.device_memory", "lots")
+    code, out, err = run_plan(
+        "--config",
+        str(REPO / "configs" / "qwen3_8b_online.yaml"),
+        "--model.init_args.target.path",
+        str(qwen3_8b),
+        "--plan.device_memory",
+        "lots",
+    )
     assert code == 2 and err.strip().count("\n") == 0
     assert err.startswith("dflash2: error: plan.device_memory='lots' is invalid")
 
 
-def small_config(tmp_path: Path, mode: str = "online", steps: int = 2, precision: str = "32",
-                 token_loss: str = "ce") -> Path:
+def small_config(
+    tmp_path: Path, mode: str = "online", steps: int = 2, precision: str = "32", token_loss: str = "ce"
+) -> Path:
     """A CPU fit of SMALL_TARGET, no validation, no logger, no checkpoint (only the training steps' memory)."""
     config = {
         "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "precision": precision, "max_steps": steps, "logger": False,
-                    "enable_checkpointing": False, "limit_val_batches": 0, "num_sanity_val_steps": 0,
-                    "enable_progress_bar": False, "enable_model_summary": False,
-                    "default_root_dir": str(tmp_path / "runs")},
-        "model": {"class_path": "dflash2_lightning.train.DFlash2Module", "init_args": {
-            "target": {"tiny": SMALL_TARGET, "seed": 0, "cpu_linear": "stock"},
-            "draft": {"num_hidden_layers": 2, "block_size": 8, "selector_rank": 32, "selector_top_k": 8},
-            "objective": {"token_loss": token_loss, "num_anchors": 64},
-            "validation": {"temperature": None}}},
-        "data": {"class_path": "dflash2_lightning.data.DraftDataModule", "init_args": {
-            "seq_len": 256, "batch_size": 16, "val_fraction": 0.0, "mode": mode, "max_samples": 64,
-            "cache_dir": str(tmp_path / "cache")}},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "precision": precision,
+            "max_steps": steps,
+            "logger": False,
+            "enable_checkpointing": False,
+            "limit_val_batches": 0,
+            "num_sanity_val_steps": 0,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "default_root_dir": str(tmp_path / "runs"),
+        },
+        "model": {
+            "class_path": "dflash2_lightning.train.DFlash2Module",
+            "init_args": {
+                "target": {"tiny": SMALL_TARGET, "seed": 0, "cpu_linear": "stock"},
+                "draft": {"num_hidden_layers": 2, "block_size": 8, "selector_rank": 32, "selector_top_k": 8},
+                "objective": {"token_loss": token_loss, "num_anchors": 64},
+                "validation": {"temperature": None},
+            },
+        },
+        "data": {
+            "class_path": "dflash2_lightning.data.DraftDataModule",
+            "init_args": {
+                "seq_len": 256,
+                "batch_size": 16,
+                "val_fraction": 0.0,
+                "mode": mode,
+                "max_samples": 64,
+                "cache_dir": str(tmp_path / "cache"),
+            },
+        },
     }
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -182,13 +263,21 @@ def test_plan_within_20_percent_of_a_measured_cpu_fit(tmp_path, record_property)
     # glibc's malloc raises its mmap threshold after each large free, and then keeps freed blocks up to 32 MB in the
     # heap (RSS that no tensor uses); a fixed threshold returns them, so RSS follows the live tensors more closely.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    run = subprocess.run([sys.executable, "-c", MEASURE, str(config), str(REPO / "tests")], capture_output=True, text=True, cwd=tmp_path,
-                         timeout=300, env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(config), str(REPO / "tests")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env=env,
+    )
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("MEASURED")]
     assert line, run.stdout + run.stderr
     tensor_peak, rss_delta, status = map(int, line[0].split()[1:])
-    print(f"CPU fit (float32, ce): planned peak {planned / 1e6:.1f} MB, measured tensor peak {tensor_peak / 1e6:.1f} "
-          f"MB, peak RSS delta {rss_delta / 1e6:.1f} MB")
+    print(
+        f"CPU fit (float32, ce): planned peak {planned / 1e6:.1f} MB, measured tensor peak {tensor_peak / 1e6:.1f} "
+        f"MB, peak RSS delta {rss_delta / 1e6:.1f} MB"
+    )
     record_property("planned_peak_bytes", planned)
     record_property("tensor_peak_bytes", tensor_peak)
     record_property("rss_peak_delta_bytes", rss_delta)  # recorded only: the machine's allocator decides it
@@ -239,14 +328,24 @@ def test_each_rank_asks_its_own_gpu_for_free_memory(monkeypatch, devices, local_
     asked: list[object] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (70 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (70 * 2**30, 80 * 2**30)
+    )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or "GPU")
     if local_rank is None:
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-    plan = plan_of(["--config", str(REPO / "configs" / "tiny.yaml"), "--trainer.accelerator", "gpu",
-                    "--trainer.devices", str(devices)])
+    plan = plan_of(
+        [
+            "--config",
+            str(REPO / "configs" / "tiny.yaml"),
+            "--trainer.accelerator",
+            "gpu",
+            "--trainer.devices",
+            str(devices),
+        ]
+    )
     assert asked == [expected, expected]  # free memory and name, both of the rank's own device, never the current one
     assert f"cuda:{expected}" in plan.device and plan.capacity == 70 * 2**30
 
@@ -263,18 +362,28 @@ def plan_error(capsys, *args: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--config", str(TINY), "--trainer.max_stepz", "3"],
-     ["--trainer.max_stepz is not a setting (on the command line); did you mean --trainer.max_steps?",
-      "`dflash2 plan --help` lists every setting"]),
-    (["--config", str(TINY), "--bogus", "1"], ["--bogus is not a setting (on the command line);"]),
-    (["--config", str(TINY), "--trainer.max_steps"], ["--trainer.max_steps needs a value"]),
-    (["--config", "missing.yaml"], ["config file", "missing.yaml' does not exist: check the --config path"]),
-    ([], ["data, model not given (no config?)", "`dflash2 plan --config CONFIG.yaml`"]),
-    (["--config", str(TINY), "--plan.device_memory", "0"], ["plan.device_memory='0' is invalid: must be a positive, "
-                                                            "finite size"]),
-    (["--config", str(TINY), "--plan.device_memory", "1e400"], ["plan.device_memory='1e400' is invalid"]),
-], ids=["typo", "unknown", "no-value", "missing-config", "no-config", "memory-0", "memory-1e400"])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (
+            ["--config", str(TINY), "--trainer.max_stepz", "3"],
+            [
+                "--trainer.max_stepz is not a setting (on the command line); did you mean --trainer.max_steps?",
+                "`dflash2 plan --help` lists every setting",
+            ],
+        ),
+        (["--config", str(TINY), "--bogus", "1"], ["--bogus is not a setting (on the command line);"]),
+        (["--config", str(TINY), "--trainer.max_steps"], ["--trainer.max_steps needs a value"]),
+        (["--config", "missing.yaml"], ["config file", "missing.yaml' does not exist: check the --config path"]),
+        ([], ["data, model not given (no config?)", "`dflash2 plan --config CONFIG.yaml`"]),
+        (
+            ["--config", str(TINY), "--plan.device_memory", "0"],
+            ["plan.device_memory='0' is invalid: must be a positive, finite size"],
+        ),
+        (["--config", str(TINY), "--plan.device_memory", "1e400"], ["plan.device_memory='1e400' is invalid"]),
+    ],
+    ids=["typo", "unknown", "no-value", "missing-config", "no-config", "memory-0", "memory-1e400"],
+)
 def test_plan_maps_command_line_mistakes_as_fit_does(argv_plain, capsys, args, needles):
     err = plan_error(capsys, *args)
     assert all(needle in err for needle in needles), err
@@ -282,13 +391,17 @@ def test_plan_maps_command_line_mistakes_as_fit_does(argv_plain, capsys, args, n
 
 CONFIG_FILES = {
     "binary": (b"\x7fELF\x02\x01\x01\x00" + bytes(range(128, 256)), ["is not a text file (byte 8 is not UTF-8)"]),
-    "yaml-syntax": (b"trainer:\n  max_steps: [\n", ["is not valid YAML: expected the node content",
-                                                    "at line 3, column 1", "fix that line"]),
+    "yaml-syntax": (
+        b"trainer:\n  max_steps: [\n",
+        ["is not valid YAML: expected the node content", "at line 3, column 1", "fix that line"],
+    ),
     "empty": (b"", ["is empty (no settings)"]),
     "comments-only": (b"# nothing here\n", ["is empty (no settings)"]),
     "a-list": (b"- trainer\n- model\n", ["holds a YAML list, not a mapping of settings"]),
-    "typo": (TINY.read_bytes().replace(b"max_steps:", b"max_stepz:"),
-             ["trainer.max_stepz is not a setting (in config", "did you mean trainer.max_steps?"]),
+    "typo": (
+        TINY.read_bytes().replace(b"max_steps:", b"max_stepz:"),
+        ["trainer.max_stepz is not a setting (in config", "did you mean trainer.max_steps?"],
+    ),
 }
 
 
@@ -315,16 +428,27 @@ def _with_config(directory: Path, config: str) -> Path:
 
 
 TARGET_CONFIGS = {
-    "vision": (json.dumps({"model_type": "vit", "hidden_size": 768, "num_hidden_layers": 12,
-                           "num_attention_heads": 12, "image_size": 224}),
-               ["model_type 'vit' is not a causal language model", "a draft needs a decoder-only target"]),
+    "vision": (
+        json.dumps(
+            {
+                "model_type": "vit",
+                "hidden_size": 768,
+                "num_hidden_layers": 12,
+                "num_attention_heads": 12,
+                "image_size": 224,
+            }
+        ),
+        ["model_type 'vit' is not a causal language model", "a draft needs a decoder-only target"],
+    ),
     "truncated": (json.dumps(QWEN3_8B)[:120], ["is not valid JSON (", "truncated? copy the model's config.json"]),
     "empty": ("", ["config.json is empty"]),
     "array": ("[1, 2]", ["holds a JSON list, not an object of settings"]),
     "negative": (json.dumps({**QWEN3_8B, "hidden_size": -4096}), ["hidden_size=-4096 is invalid: must be from 1 to"]),
     "string": (json.dumps({**QWEN3_8B, "hidden_size": "big"}), ["hidden_size='big' is invalid: must be an integer"]),
-    "deep": (json.dumps({**QWEN3_8B, "num_hidden_layers": 100_000_000}),
-             ["num_hidden_layers=100000000 is invalid: must be from 1 to 1024", "largest published decoder models"]),
+    "deep": (
+        json.dumps({**QWEN3_8B, "num_hidden_layers": 100_000_000}),
+        ["num_hidden_layers=100000000 is invalid: must be from 1 to 1024", "largest published decoder models"],
+    ),
     "unknown-type": (json.dumps({**QWEN3_8B, "model_type": "qwen99"}), ["model_type 'qwen99' is not known"]),
     "no-hidden-size": (json.dumps({k: v for k, v in QWEN3_8B.items() if k != "hidden_size"}), ["has no hidden_size"]),
 }
@@ -343,29 +467,63 @@ def nothing_built(monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(TARGET_CONFIGS))
-def test_a_bad_target_config_json_is_refused_before_anything_is_built(tmp_path, argv_plain, capsys, nothing_built,
-                                                                      name):
+def test_a_bad_target_config_json_is_refused_before_anything_is_built(
+    tmp_path, argv_plain, capsys, nothing_built, name
+):
     content, needles = TARGET_CONFIGS[name]
     target = _with_config(tmp_path / "target", content)
     err = plan_error(capsys, "--config", str(TINY), "--model.init_args.target.path", str(target))
     assert str(target / "config.json") in err and all(needle in err for needle in needles), err
     # fit without its plan check loads the target itself: the same check, before any weight is read
-    assert cli.main(["fit", "--config", str(TINY), "--model.init_args.target.path", str(target), "--plan.check",
-                     "false", "--trainer.logger", "false"]) == 2
+    assert (
+        cli.main(
+            [
+                "fit",
+                "--config",
+                str(TINY),
+                "--model.init_args.target.path",
+                str(target),
+                "--plan.check",
+                "false",
+                "--trainer.logger",
+                "false",
+            ]
+        )
+        == 2
+    )
     fit_err = capsys.readouterr().err
     assert all(needle in fit_err for needle in needles), fit_err
 
 
 def test_the_qwen3_recipe_on_another_vocabulary_names_the_mask_setting_and_the_fix(tmp_path, argv_plain, capsys):
-    llama3 = {**QWEN3_8B, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
-              "bos_token_id": 128000, "eos_token_id": 128001}
+    llama3 = {
+        **QWEN3_8B,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    }
     target = _with_config(tmp_path / "llama3", json.dumps(llama3))
-    err = plan_error(capsys, "--config", str(REPO / "configs" / "qwen3_8b_online.yaml"),
-                     "--model.init_args.target.path", str(target))
-    assert err.startswith("dflash2: error: --model.init_args.draft.mask_token_id=151669 is invalid: must satisfy "
-                          "0 <= mask_token_id < vocab_size=128256; the Qwen3 recipes reserve that id"), err
+    err = plan_error(
+        capsys, "--config", str(REPO / "configs" / "qwen3_8b_online.yaml"), "--model.init_args.target.path", str(target)
+    )
+    assert err.startswith(
+        "dflash2: error: --model.init_args.draft.mask_token_id=151669 is invalid: must satisfy "
+        "0 <= mask_token_id < vocab_size=128256; the Qwen3 recipes reserve that id"
+    ), err
     assert "delete mask_token_id from the config's draft settings" in err
-    code = cli.main(["plan", "--config", str(REPO / "configs" / "qwen3_8b_online.yaml"),
-                     "--model.init_args.target.path", str(target), "--model.init_args.draft", '{"mask_token_id": null}',
-                     "--plan.device_memory", "80GB"])
+    code = cli.main(
+        [
+            "plan",
+            "--config",
+            str(REPO / "configs" / "qwen3_8b_online.yaml"),
+            "--model.init_args.target.path",
+            str(target),
+            "--model.init_args.draft",
+            '{"mask_token_id": null}',
+            "--plan.device_memory",
+            "80GB",
+        ]
+    )
     assert code in (0, 1), capsys.readouterr().err  # the fix given works: a plan, fitting or not

@@ -43,19 +43,29 @@ def write_config(directory: Path, devices: int) -> Path:
     helpers: pauses (preemption_helpers), a stalling validation and checkpoint writer (kill_helpers)."""
     config = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     trainer = config["trainer"]
-    trainer.update(max_steps=STEPS, val_check_interval=EVERY, limit_val_batches=1, log_every_n_steps=1,
-                   enable_progress_bar=False, devices=devices,
-                   plugins=[{"class_path": "kill_helpers.StallingCheckpointIO"}])
+    trainer.update(
+        max_steps=STEPS,
+        val_check_interval=EVERY,
+        limit_val_batches=1,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        devices=devices,
+        plugins=[{"class_path": "kill_helpers.StallingCheckpointIO"}],
+    )
     if devices > 1:
-        trainer["strategy"] = {"class_path": "lightning.pytorch.strategies.DDPStrategy",
-                               "init_args": {"process_group_backend": "gloo"}}
+        trainer["strategy"] = {
+            "class_path": "lightning.pytorch.strategies.DDPStrategy",
+            "init_args": {"process_group_backend": "gloo"},
+        }
     for logger in trainer["logger"]:
         logger["init_args"]["save_dir"] = str(directory / "runs")
     trainer["logger"][0]["init_args"]["flush_logs_every_n_steps"] = 1
     trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = EVERY
-    trainer["callbacks"] += [{"class_path": "preemption_helpers.PauseAtStep"},
-                             {"class_path": "preemption_helpers.PauseInSetup"},
-                             {"class_path": "kill_helpers.StallingValidation"}]
+    trainer["callbacks"] += [
+        {"class_path": "preemption_helpers.PauseAtStep"},
+        {"class_path": "preemption_helpers.PauseInSetup"},
+        {"class_path": "kill_helpers.StallingValidation"},
+    ]
     config["data"]["init_args"]["max_samples"] = 64
     config["model"]["init_args"]["export"] = {"acceptance_prompts": 0}
     path = directory / "fit.yaml"
@@ -64,10 +74,17 @@ def write_config(directory: Path, devices: int) -> Path:
 
 
 def environment(directory: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH2_TEST_", "SLURM_"))
-           and k != "DFLASH2_DEBUG"}
-    return {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DFLASH2_CACHE": str(directory / "cache"),
-            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), **extra}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("DFLASH2_TEST_", "SLURM_")) and k != "DFLASH2_DEBUG"
+    }
+    return {
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "DFLASH2_CACHE": str(directory / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
 
 
 def process_running(pid: int) -> bool:
@@ -103,11 +120,17 @@ class Fit:
         self.mark, self.release_file = work / "paused", work / "release"
         for old in [*work.glob("paused*"), self.release_file, work / "validating", work / "writing"]:
             old.unlink(missing_ok=True)
-        env = {"DFLASH2_TEST_PAUSE_MARK": str(self.mark), "DFLASH2_TEST_PAUSE_RELEASE": str(self.release_file),
-               **env}
+        env = {"DFLASH2_TEST_PAUSE_MARK": str(self.mark), "DFLASH2_TEST_PAUSE_RELEASE": str(self.release_file), **env}
         self.command = [str(DFLASH2), "fit", "--config", str(work / "fit.yaml"), *extra]
-        self.proc = subprocess.Popen(self.command, cwd=work, env=environment(work, **env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command,
+            cwd=work,
+            env=environment(work, **env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.pids: list[int] = [self.proc.pid]
 
     def wait_for(self, *paths: Path) -> None:
@@ -183,7 +206,9 @@ def run_dir(work: Path) -> Path:
 
 
 def checkpoint_step(work: Path) -> int:
-    return torch.load(run_dir(work) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    return torch.load(run_dir(work) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)[
+        "global_step"
+    ]
 
 
 def assert_interrupted(done: subprocess.CompletedProcess, work: Path, signum: int, step: int) -> str:
@@ -192,8 +217,10 @@ def assert_interrupted(done: subprocess.CompletedProcess, work: Path, signum: in
     line = the_error_line(done)
     name = signal.Signals(signum).name
     resume = f"dflash2 fit --config {work / 'fit.yaml'} --ckpt_path last"
-    assert line.startswith(f"dflash2: error: fit interrupted by {name} at step {step} of {STEPS}: "
-                           f"checkpoint of step {step} saved to {run_dir(work) / 'checkpoints' / 'last.ckpt'}"), line
+    assert line.startswith(
+        f"dflash2: error: fit interrupted by {name} at step {step} of {STEPS}: "
+        f"checkpoint of step {step} saved to {run_dir(work) / 'checkpoints' / 'last.ckpt'}"
+    ), line
     assert line.endswith(f"; resume with: {resume}"), line
     assert checkpoint_step(work) == step
     assert not [p for p in work.rglob("*.tmp")], "a temporary file was left behind"
@@ -213,8 +240,10 @@ def assert_same_run(work: Path, reference: Path) -> None:
         return sorted(dict(r).get("step", "") for r in rows)
 
     assert got == want, f"rows missing at steps {steps(want - got)}, extra at steps {steps(got - want)}"
-    a, b = (torch.load(run_dir(w) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
-            for w in (work, reference))
+    a, b = (
+        torch.load(run_dir(w) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+        for w in (work, reference)
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -257,11 +286,20 @@ def test_one_process_stopped_three_times_resumes_exactly(tmp_path: Path, straigh
     # 2. SIGUSR1 under SLURM (auto-requeue) during step 7: the fit stops at the end of it and requeues the job.
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.parent.mkdir()
-    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
     scontrol.chmod(0o755)
-    slurm = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "fit",
-             "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-             "SLURM_NODELIST": "127.0.0.1", "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}"}
+    slurm = {
+        "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NAME": "fit",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "127.0.0.1",
+        "PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}",
+    }
     fit = Fit(tmp_path, *resume, DFLASH2_TEST_PAUSE_AT="6", **slurm)
     fit.wait_for_pause()
     fit.send(signal.SIGUSR1)
@@ -271,8 +309,14 @@ def test_one_process_stopped_three_times_resumes_exactly(tmp_path: Path, straigh
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
 
     # 3. SIGTERM during the validation after step 8: it finishes, step 9 trains, and the fit stops there.
-    fit = Fit(tmp_path, *resume, DFLASH2_TEST_VAL_MARK=str(tmp_path / "validating"), DFLASH2_TEST_VAL_STEP="8",
-              DFLASH2_TEST_VAL_STALL="120", DFLASH2_TEST_VAL_RELEASE=str(tmp_path / "release"))
+    fit = Fit(
+        tmp_path,
+        *resume,
+        DFLASH2_TEST_VAL_MARK=str(tmp_path / "validating"),
+        DFLASH2_TEST_VAL_STEP="8",
+        DFLASH2_TEST_VAL_STALL="120",
+        DFLASH2_TEST_VAL_RELEASE=str(tmp_path / "release"),
+    )
     fit.wait_for(tmp_path / "validating")
     fit.send(signal.SIGTERM)
     fit.release()
@@ -327,8 +371,7 @@ def test_two_ranks_stopped_every_way_resume_exactly(tmp_path: Path, straight_two
     write_config(tmp_path, 2)
     resume = f"resume with: dflash2 fit --config {tmp_path / 'fit.yaml'} --ckpt_path last"
     for pause, to in ((1, "launcher"), (4, "child"), (6, "all")):
-        fit = Fit(tmp_path, *(("--ckpt_path", "last") if pause > 1 else ()), ranks=2,
-                  DFLASH2_TEST_PAUSE_AT=str(pause))
+        fit = Fit(tmp_path, *(("--ckpt_path", "last") if pause > 1 else ()), ranks=2, DFLASH2_TEST_PAUSE_AT=str(pause))
         fit.wait_for_pause()
         fit.send(signal.SIGTERM, to=to)
         fit.release()
@@ -354,8 +397,9 @@ def test_two_ranks_stopped_every_way_resume_exactly(tmp_path: Path, straight_two
     done = fit.end()
     assert done.returncode == -signal.SIGKILL  # the launcher itself; rank 1 printed the line on the shared stderr
     line = the_error_line(done)
-    assert line.startswith(f"dflash2: error: rank 0 (pid {fit.pids[0]}), the process that launched this node's "
-                           "ranks, died at step 10: "), line
+    assert line.startswith(
+        f"dflash2: error: rank 0 (pid {fit.pids[0]}), the process that launched this node's ranks, died at step 10: "
+    ), line
     assert line.endswith(resume), line
     assert checkpoint_step(tmp_path) == 8
 
@@ -382,8 +426,10 @@ def test_a_child_killed_while_rank_0_computes_is_reported_by_the_watcher(tmp_pat
 # ---------------------------------------------------------------------------------------------- the pieces
 def test_the_resume_command_replaces_any_ckpt_path_with_last() -> None:
     assert resume_command(["fit", "--config", "a b.yaml"]) == "dflash2 fit --config 'a b.yaml' --ckpt_path last"
-    assert resume_command(["fit", "--ckpt_path", "x.ckpt", "--debug", "--trainer.max_steps", "5"]) == \
-        "dflash2 fit --trainer.max_steps 5 --ckpt_path last"
+    assert (
+        resume_command(["fit", "--ckpt_path", "x.ckpt", "--debug", "--trainer.max_steps", "5"])
+        == "dflash2 fit --trainer.max_steps 5 --ckpt_path last"
+    )
     assert resume_command(["fit", "--ckpt_path=last", "-c", "c.yaml"]) == "dflash2 fit -c c.yaml --ckpt_path last"
 
 
@@ -391,15 +437,24 @@ def test_an_interrupted_fit_exits_with_128_plus_the_signal_in_one_line(capsys: A
     def stopped(signum: int) -> Any:
         def run(_: list[str]) -> None:
             raise RuntimeError("Lightning's teardown") from FitInterrupted(
-                signum, "dflash2 fit -c c.yaml --ckpt_path last", step=7, max_steps=10, checkpoint="r/last.ckpt",
-                saved=True)
+                signum,
+                "dflash2 fit -c c.yaml --ckpt_path last",
+                step=7,
+                max_steps=10,
+                checkpoint="r/last.ckpt",
+                saved=True,
+            )
+
         return run
 
     assert run_command(stopped(signal.SIGTERM), []) == 143
     assert run_command(stopped(signal.SIGUSR1), []) == 138
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"dflash2: error: fit interrupted by {name} at step 7 of 10: checkpoint of step 7 saved to "
-                   "r/last.ckpt; resume with: dflash2 fit -c c.yaml --ckpt_path last" for name in ("SIGTERM", "SIGUSR1")]
+    assert err == [
+        f"dflash2: error: fit interrupted by {name} at step 7 of 10: checkpoint of step 7 saved to "
+        "r/last.ckpt; resume with: dflash2 fit -c c.yaml --ckpt_path last"
+        for name in ("SIGTERM", "SIGUSR1")
+    ]
 
     def quiet(_: list[str]) -> None:  # another rank of the same stop: same status, nothing printed
         raise ReportedByAnotherRank("fit interrupted", exit_status=143)
@@ -409,8 +464,10 @@ def test_an_interrupted_fit_exits_with_128_plus_the_signal_in_one_line(capsys: A
 
 
 def test_dead_peers_and_exit_statuses_are_recognised() -> None:
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:46822: "
-                        "Connection reset by peer. This is typically caused by a remote worker hanging")
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:46822: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging"
+    )
     wrapped = ValueError("teardown")
     wrapped.__context__ = gloo
     assert is_peer_failure(gloo) and is_peer_failure(wrapped)

@@ -19,8 +19,8 @@ from dflash2_lightning.train import lightning_cli
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
-STEPS = 8          # 46 training samples / batch 8 = 6 batches per epoch: crosses an epoch boundary
-INTERRUPT = 4      # mid-epoch
+STEPS = 8  # 46 training samples / batch 8 = 6 batches per epoch: crosses an epoch boundary
+INTERRUPT = 4  # mid-epoch
 
 
 class SimulatedCrash(RuntimeError):
@@ -122,8 +122,14 @@ main()
 def test_kill_while_writing_keeps_the_previous_checkpoint(tmp_path, argv):
     cfg = config(tmp_path, every=2)
     env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1"}  # one thread unless the caller says
-    done = subprocess.run([sys.executable, "-c", KILLER, str(Path(__file__).parents[1]), "fit", "--config", str(cfg)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", KILLER, str(Path(__file__).parents[1]), "fit", "--config", str(cfg)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 137, done.stderr[-3000:]
     checkpoints = tmp_path / "runs" / "tiny" / "default" / "checkpoints"
     leftovers = [p.name for p in checkpoints.iterdir() if p.name != "last.ckpt"]
@@ -148,7 +154,7 @@ def test_resumable_order_skips_exactly_what_was_consumed_on_every_rank():
         full = list(ResumableOrder(size, seed=7, num_replicas=world, rank=rank))
         resumed = ResumableOrder(size, seed=7, num_replicas=world, rank=rank)
         resumed.resume(epoch=0, batches=2, batch_size=batch)
-        assert list(resumed) == full[2 * batch:]  # the skip applies once ...
+        assert list(resumed) == full[2 * batch :]  # the skip applies once ...
         assert list(resumed) == full  # ... then the epoch repeats whole
     ranks = [set(ResumableOrder(size, seed=7, num_replicas=world, rank=r)) for r in range(world)]
     assert ranks[0] | ranks[1] == set(range(size))

@@ -15,7 +15,9 @@ from dflash2_lightning.train.warm_start import init_from_target, init_selector_f
 def test_context_kv_is_the_target_layer_after_the_features() -> None:
     target = tiny_target()
     hf = target.hf
-    draft = DraftModel(target.draft_config(num_hidden_layers=2, target_layer_ids=[0], block_size=4)).to(target.dtype).eval()
+    draft = (
+        DraftModel(target.draft_config(num_hidden_layers=2, target_layer_ids=[0], block_size=4)).to(target.dtype).eval()
+    )
     assert init_from_target(draft, hf) == [1, 2]
     for i, source in enumerate([1, 2]):
         ours, theirs = dict(draft.layers[i].named_parameters()), dict(hf.model.layers[source].named_parameters())

@@ -30,9 +30,11 @@ SEED_PROMPTS = PROMPTS_DIR / "seed.jsonl"
 EVAL_PROMPTS = PROMPTS_DIR / "eval.jsonl"
 PromptOverflow = Literal["refuse", "truncate"]
 PROMPT_OVERFLOW_CHOICES: tuple[str, ...] = ("refuse", "truncate")
-PROMPT_OVERFLOW_HELP = ("what to do with a prompt whose tokens plus the response budget exceed the target's "
-                        "context (max_position_embeddings): 'refuse' (default: an error naming the first one) or "
-                        "'truncate' (keep its last tokens; the summary says how many prompts were cut)")
+PROMPT_OVERFLOW_HELP = (
+    "what to do with a prompt whose tokens plus the response budget exceed the target's "
+    "context (max_position_embeddings): 'refuse' (default: an error naming the first one) or "
+    "'truncate' (keep its last tokens; the summary says how many prompts were cut)"
+)
 
 
 class FittedPrompts(NamedTuple):
@@ -46,8 +48,10 @@ class FittedPrompts(NamedTuple):
         """The summary line of a cut (None when nothing was cut)."""
         if not self.cut:
             return None
-        return (f"{self.cut} of {len(self.prompts)} {what} were longer than the target's context allows and were "
-                f"cut to their last {self.kept_tokens} tokens (--prompt-overflow truncate)")
+        return (
+            f"{self.cut} of {len(self.prompts)} {what} were longer than the target's context allows and were "
+            f"cut to their last {self.kept_tokens} tokens (--prompt-overflow truncate)"
+        )
 
 
 def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[list[dict[str, str]]]:
@@ -91,9 +95,14 @@ def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def fit_to_context(prompts: list[list[int]], context: int | None, max_new_tokens: int,
-                   overflow: PromptOverflow = "refuse", where: str | os.PathLike = "the prompts file",
-                   budget: str = "--max-new-tokens") -> FittedPrompts:
+def fit_to_context(
+    prompts: list[list[int]],
+    context: int | None,
+    max_new_tokens: int,
+    overflow: PromptOverflow = "refuse",
+    where: str | os.PathLike = "the prompts file",
+    budget: str = "--max-new-tokens",
+) -> FittedPrompts:
     """Check every tokenised prompt plus ``max_new_tokens`` against the target's ``context`` (positions).
 
     ``overflow="refuse"`` raises a :class:`~dflash2_lightning.config.ConfigError` naming the first prompt
@@ -110,23 +119,35 @@ def fit_to_context(prompts: list[list[int]], context: int | None, max_new_tokens
     room = context - max_new_tokens
     name = budget.lstrip("-").replace("-", "_")
     if room < 1:
-        raise ConfigError(f"{name}={max_new_tokens} is invalid: must be < the target's context of {context} "
-                          f"positions (max_position_embeddings), leaving room for the prompt; lower {budget}")
+        raise ConfigError(
+            f"{name}={max_new_tokens} is invalid: must be < the target's context of {context} "
+            f"positions (max_position_embeddings), leaving room for the prompt; lower {budget}"
+        )
     long = [i for i, p in enumerate(prompts) if len(p) > room]
     if long and overflow == "refuse":
         first = long[0]
-        raise ConfigError(f"{len(long)} of {len(prompts)} prompts do not fit the target's context: prompt {first + 1} "
-                          f"of {where} has {len(prompts[first])} tokens, and with {name}={max_new_tokens} "
-                          f"the target's {context} positions leave room for {room}; shorten those prompts"
-                          + (f", lower {budget}, or pass --prompt-overflow truncate to keep their last tokens"
-                             if budget == "--max-new-tokens" else f" or lower {budget}"))
+        raise ConfigError(
+            f"{len(long)} of {len(prompts)} prompts do not fit the target's context: prompt {first + 1} "
+            f"of {where} has {len(prompts[first])} tokens, and with {name}={max_new_tokens} "
+            f"the target's {context} positions leave room for {room}; shorten those prompts"
+            + (
+                f", lower {budget}, or pass --prompt-overflow truncate to keep their last tokens"
+                if budget == "--max-new-tokens"
+                else f" or lower {budget}"
+            )
+        )
     cut = set(long)
     return FittedPrompts([p[-room:] if i in cut else p for i, p in enumerate(prompts)], len(long), room)
 
 
-def record_prompts(target: Any, prompts_file: str | os.PathLike | None = None, num_prompts: int = DEFAULT_PROMPTS,
-                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, prompt_overflow: str = "refuse",
-                   budget: str = "--max-new-tokens") -> Any:
+def record_prompts(
+    target: Any,
+    prompts_file: str | os.PathLike | None = None,
+    num_prompts: int = DEFAULT_PROMPTS,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    prompt_overflow: str = "refuse",
+    budget: str = "--max-new-tokens",
+) -> Any:
     """The acceptance record's prompts as token ids (:class:`FittedPrompts`): the first
     ``num_prompts`` of ``prompts_file`` (default: the shipped evaluation prompts), rendered with the loaded
     ``target``'s chat template and checked, with ``max_new_tokens``, against its context as ``dflash2 eval``
@@ -135,5 +156,6 @@ def record_prompts(target: Any, prompts_file: str | os.PathLike | None = None, n
     Cheap (a tokenisation): ``fit`` calls it before it trains, so a record that cannot be made is refused then."""
     where = Path(prompts_file) if prompts_file is not None else EVAL_PROMPTS
     prompts = [encode_prompt(target.tokenizer, m) for m in read_prompts(where, num_prompts)]
-    return fit_to_context(prompts, getattr(target, "context_length", None), max_new_tokens, prompt_overflow, where,
-                          budget=budget)
+    return fit_to_context(
+        prompts, getattr(target, "context_length", None), max_new_tokens, prompt_overflow, where, budget=budget
+    )

@@ -47,8 +47,10 @@ def resolve_target(target: str, draft: DraftModel, seed: int = 0) -> tuple[nn.Mo
     embed, head = target_embedding_and_head(loaded)
     vocab, hidden = embed.weight.shape
     if (vocab, hidden) != (cfg.vocab_size, cfg.hidden_size):
-        raise TargetError(f"--target {target!r} does not fit the draft: target vocab_size={vocab}, hidden_size={hidden} "
-                         f"but the draft has vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
+        raise TargetError(
+            f"--target {target!r} does not fit the draft: target vocab_size={vocab}, hidden_size={hidden} "
+            f"but the draft has vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}"
+        )
     return embed, head
 
 
@@ -58,28 +60,43 @@ def _cases(text: str) -> tuple[tuple[int, int], ...]:
     except ValueError:
         cases = ()
     if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
-        raise argparse.ArgumentTypeError(f"--verify-cases {text!r} is invalid: must look like '1x5,3x19' "
-                                         "(batch x context, both >= 1)")
+        raise argparse.ArgumentTypeError(
+            f"--verify-cases {text!r} is invalid: must look like '1x5,3x19' (batch x context, both >= 1)"
+        )
     return cases  # type: ignore[return-value]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash2 export-onnx", description="Export a draft as the ONNX drafting "
-                                "graphs (context, draft_step) with the dflash custom ops, and check them with "
-                                "onnxruntime against torch. Writes OUT/context.onnx, OUT/draft_step.onnx (and their "
-                                ".trt.onnx copies for TensorRT) and OUT/drafter.json.")
+    p = argparse.ArgumentParser(
+        prog="dflash2 export-onnx",
+        description="Export a draft as the ONNX drafting "
+        "graphs (context, draft_step) with the dflash custom ops, and check them with "
+        "onnxruntime against torch. Writes OUT/context.onnx, OUT/draft_step.onnx (and their "
+        ".trt.onnx copies for TensorRT) and OUT/drafter.json.",
+    )
     p.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
-    p.add_argument("--target", required=True,
-                   help="HF directory, .gguf file, 'smollm2', a JSON TargetSpec (as `dflash2 eval --target`), or "
-                        "'tiny' (a random embedding and head of the draft's geometry)")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="HF directory, .gguf file, 'smollm2', a JSON TargetSpec (as `dflash2 eval --target`), or "
+        "'tiny' (a random embedding and head of the draft's geometry)",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="fp32", choices=sorted(TORCH_DTYPES), help="graph precision (default fp32)")
-    p.add_argument("--opset", type=bounded(int, MIN_OPSET, max_opset()), default=DEFAULT_OPSET,
-                   help=f"default-domain opset, {MIN_OPSET} to {max_opset()} (the installed onnx's newest; default "
-                        f"{DEFAULT_OPSET})")
+    p.add_argument(
+        "--opset",
+        type=bounded(int, MIN_OPSET, max_opset()),
+        default=DEFAULT_OPSET,
+        help=f"default-domain opset, {MIN_OPSET} to {max_opset()} (the installed onnx's newest; default "
+        f"{DEFAULT_OPSET})",
+    )
     p.add_argument("--no-hidden", action="store_true", help="draft_step outputs tokens only")
-    p.add_argument("--verify-cases", type=_cases, default=((1, 5), (3, 19)),
-                   help="batch x context cases for the onnxruntime check (default 1x5,3x19)")
+    p.add_argument(
+        "--verify-cases",
+        type=_cases,
+        default=((1, 5), (3, 19)),
+        help="batch x context cases for the onnxruntime check (default 1x5,3x19)",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the onnxruntime check (not recommended)")
     p.add_argument("--seed", type=int, default=0, help="seed of the 'tiny' target and the check's inputs")
     return p
@@ -109,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     draft = load_draft(args.draft, device="cpu").eval()
     embed, head = resolve_target(args.target, draft, args.seed)
     t0 = time.perf_counter()
-    result = export_drafter(draft, embed, head, args.out, dtype=args.dtype, opset=args.opset,
-                            with_hidden=not args.no_hidden)
+    result = export_drafter(
+        draft, embed, head, args.out, dtype=args.dtype, opset=args.opset, with_hidden=not args.no_hidden
+    )
     print(result.describe())
     print(f"exported in {time.perf_counter() - t0:.1f} s; checker (full_check) and strict shape inference passed")
     if args.no_verify:

@@ -66,22 +66,32 @@ class OrtDrafter:
         session_options: a prepared ``onnxruntime.SessionOptions`` (overrides ``threads``, ``spinning``).
     """
 
-    def __init__(self, directory: str | os.PathLike, providers: list[str] | None = None,
-                 threads: int | None = None, session_options: Any = None, spinning: bool = False) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        providers: list[str] | None = None,
+        threads: int | None = None,
+        session_options: Any = None,
+        spinning: bool = False,
+    ) -> None:
         import onnxruntime as ort
 
         self.directory = Path(directory)
         self.manifest = read_manifest(directory)
         version = self.manifest.get("format_version")
         if version != FORMAT_VERSION:
-            raise ValueError(f"{self.directory / MANIFEST}: format_version={version!r} is not the supported "
-                             f"{FORMAT_VERSION} (draft_step over preallocated buffers with a length input): re-export "
-                             "the drafter with this version (python export/to_onnx.py ...)")
+            raise ValueError(
+                f"{self.directory / MANIFEST}: format_version={version!r} is not the supported "
+                f"{FORMAT_VERSION} (draft_step over preallocated buffers with a length input): re-export "
+                "the drafter with this version (python export/to_onnx.py ...)"
+            )
         self.config = DraftConfig.from_hf_dict(self.manifest["config"])
         self.dtype = TORCH_DTYPES[self.manifest["dtype"]]
         if self.dtype == torch.bfloat16:
-            raise ValueError(f"dtype={self.manifest['dtype']!r} in {self.directory}: onnxruntime's CPU provider has no "
-                             "bfloat16 kernels; run bf16 graphs with TensorRT, or export fp16/fp32 for onnxruntime")
+            raise ValueError(
+                f"dtype={self.manifest['dtype']!r} in {self.directory}: onnxruntime's CPU provider has no "
+                "bfloat16 kernels; run bf16 graphs with TensorRT, or export fp16/fp32 for onnxruntime"
+            )
         options = session_options
         if options is None:
             options = ort.SessionOptions()
@@ -94,10 +104,12 @@ class OrtDrafter:
         missing = [name for name in ("context", "draft_step") if name not in graphs]
         if missing:
             raise ValueError(f"{self.directory} lacks the graphs {missing}: export both context and draft_step")
-        self._context = ort.InferenceSession(str(self.directory / graphs["context"]["file"]), options,
-                                             providers=providers)
-        self._step = ort.InferenceSession(str(self.directory / graphs["draft_step"]["file"]), options,
-                                          providers=providers)
+        self._context = ort.InferenceSession(
+            str(self.directory / graphs["context"]["file"]), options, providers=providers
+        )
+        self._step = ort.InferenceSession(
+            str(self.directory / graphs["draft_step"]["file"]), options, providers=providers
+        )
         self._kv_names = [o.name for o in self._context.get_outputs()]
         self._step_inputs = {i.name for i in self._step.get_inputs()}
         # The Drafter protocol of the speculative loop.
@@ -109,23 +121,28 @@ class OrtDrafter:
     def context_kv(self, features: Tensor, positions: Tensor) -> ContextKV:
         """K/V of target ``features [B, C, n_t*H]`` at ``positions [B, C]`` (cast to the graph's dtype)."""
         if features.dim() != 3 or positions.shape != features.shape[:2]:
-            raise ValueError(f"features {tuple(features.shape)} and positions {tuple(positions.shape)} must be "
-                             "[B, C, n_t*H] and [B, C]")
+            raise ValueError(
+                f"features {tuple(features.shape)} and positions {tuple(positions.shape)} must be "
+                "[B, C, n_t*H] and [B, C]"
+            )
         positions = positions.to(torch.long)
-        out = self._context.run(self._kv_names, {"features": _numpy(features, self.dtype),
-                                                 "positions": _numpy(positions)})
+        out = self._context.run(
+            self._kv_names, {"features": _numpy(features, self.dtype), "positions": _numpy(positions)}
+        )
         kv = [torch.from_numpy(a) for a in out]
         return ContextKV([LayerKV(kv[i], kv[i + 1]) for i in range(0, len(kv), 2)], positions.cpu())
 
     def new_cache(self, batch: int, capacity: int) -> DraftCache:
         """An empty preallocated cache of ``capacity`` context positions in the graphs' dtype (CPU)."""
         cfg = self.config
-        return DraftCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity,
-                          cfg.block_size, self.dtype)
+        return DraftCache(
+            cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity, cfg.block_size, self.dtype
+        )
 
     # ------------------------------------------------------------------ block
-    def draft_step(self, anchor: Tensor, context: ContextKV | DraftCache,
-                   start: Tensor | int | None = None) -> tuple[Tensor, ...]:
+    def draft_step(
+        self, anchor: Tensor, context: ContextKV | DraftCache, start: Tensor | int | None = None
+    ) -> tuple[Tensor, ...]:
         """Run ``draft_step``: ``(tokens [B, bs-1], hidden [B, bs-1, H])`` (hidden only if exported)."""
         b = anchor.shape[0]
         if start is None:
@@ -138,8 +155,11 @@ class OrtDrafter:
             values = [layer.values for layer in context.layers]
             positions = context.positions
         length = np.full((b,), context.length, dtype=np.int64)
-        feeds: dict[str, np.ndarray] = {"anchor": _numpy(anchor.to(torch.long)), "start": _numpy(start),
-                                        "length": length}
+        feeds: dict[str, np.ndarray] = {
+            "anchor": _numpy(anchor.to(torch.long)),
+            "start": _numpy(start),
+            "length": length,
+        }
         for i, (k, v) in enumerate(zip(keys, values)):
             feeds[f"k_{i}"] = _numpy(k, self.dtype)
             feeds[f"v_{i}"] = _numpy(v, self.dtype)
@@ -147,8 +167,14 @@ class OrtDrafter:
             feeds["context_positions"] = _numpy(positions.to(torch.long))
         return tuple(torch.from_numpy(a) for a in self._step.run(None, feeds))
 
-    def draft_block(self, anchor: Tensor, context: ContextKV | DraftCache, embed: Any = None, head: Any = None,
-                    start: Tensor | int | None = None) -> Tensor:
+    def draft_block(
+        self,
+        anchor: Tensor,
+        context: ContextKV | DraftCache,
+        embed: Any = None,
+        head: Any = None,
+        start: Tensor | int | None = None,
+    ) -> Tensor:
         """Draft tokens ``[B, bs-1]`` after ``anchor [B]`` at ``start`` (default: after the context).
 
         Same signature as :meth:`DraftModel.draft_block`; ``embed`` and ``head`` are baked into the

@@ -58,11 +58,17 @@ def max_opset() -> int:
     its own opset and converts to the one asked for with onnx's converter, which knows no later one; asked for
     more, it would keep the graphs at its own opset while drafter.json claimed the other)."""
     return int(onnx.defs.onnx_opset_version())
+
+
 MAX_BATCH = 4096
 # One protobuf may not exceed 2 GiB; bigger graphs keep their weights in a side file.
 EXTERNAL_DATA_BYTES = 1_800_000_000
-ONNX_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-              onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64"}
+ONNX_TYPES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.INT64: "int64",
+}
 
 
 @dataclass
@@ -85,9 +91,11 @@ class GraphInfo:
             return ", ".join(f"{v['name']} {v['dtype']}[{','.join(map(str, v['shape']))}]" for v in values)
 
         nodes = ", ".join(f"{n} x{c}" for n, c in self.custom_nodes.items()) or "none"
-        return (f"{self.name}: {self.file} (+ {self.trt_file} without bodies), {self.num_nodes} nodes, opset {self.opset}\n"
-                f"  inputs:  {fmt(self.inputs)}\n  outputs: {fmt(self.outputs)}\n"
-                f"  custom nodes: {nodes}; local functions: {', '.join(self.functions) or 'none'}")
+        return (
+            f"{self.name}: {self.file} (+ {self.trt_file} without bodies), {self.num_nodes} nodes, opset {self.opset}\n"
+            f"  inputs:  {fmt(self.inputs)}\n  outputs: {fmt(self.outputs)}\n"
+            f"  custom nodes: {nodes}; local functions: {', '.join(self.functions) or 'none'}"
+        )
 
 
 @dataclass
@@ -128,17 +136,26 @@ def check_model(model: onnx.ModelProto | str | os.PathLike) -> None:
     onnx.shape_inference.infer_shapes(model, strict_mode=True)
 
 
-def _to_onnx(module: nn.Module, args: tuple[Any, ...], dynamic_shapes: Any, inputs: list[str],
-             outputs: list[str], opset: int) -> onnx.ModelProto:
+def _to_onnx(
+    module: nn.Module, args: tuple[Any, ...], dynamic_shapes: Any, inputs: list[str], outputs: list[str], opset: int
+) -> onnx.ModelProto:
     module.eval()
     # The exporter prints progress lines to stdout and warns when one Dim names several axes (k_0
     # and v_0 share "batch", as intended); neither helps the reader of the export's own report.
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.filterwarnings("ignore", message=".*will not be used, since it shares the same shape")
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)  # torch-internal
-        program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes,
-                                    input_names=inputs, output_names=outputs, opset_version=opset,
-                                    custom_translation_table=ops.translation_table(), verbose=False)
+        program = torch.onnx.export(
+            module,
+            args,
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            input_names=inputs,
+            output_names=outputs,
+            opset_version=opset,
+            custom_translation_table=ops.translation_table(),
+            verbose=False,
+        )
     return program.model_proto
 
 
@@ -146,8 +163,9 @@ def _save(model: onnx.ModelProto, path: Path) -> bool:
     """Write ``model`` atomically; weights go to ``<file>.data`` when the graph is too big for one protobuf."""
     external = model.ByteSize() > EXTERNAL_DATA_BYTES
     if external:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data")
+        onnx.save_model(
+            model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data"
+        )
     else:
         atomic_write(path, lambda tmp: onnx.save_model(model, tmp))  # ordinary file mode (umask)
     return external
@@ -163,10 +181,18 @@ def _finish(model: onnx.ModelProto, name: str, directory: Path, metadata: dict[s
     external = model.ByteSize() > EXTERNAL_DATA_BYTES
     if not external:
         check_model(model)
-    info = GraphInfo(name, file, trt_file, _value_info(model.graph.input), _value_info(model.graph.output),
-                     dict(Counter(n.op_type for n in ops.custom_nodes(model))),
-                     [f"{f.domain}::{f.name}" for f in model.functions], ops.default_opset(model),
-                     len(model.graph.node), external)
+    info = GraphInfo(
+        name,
+        file,
+        trt_file,
+        _value_info(model.graph.input),
+        _value_info(model.graph.output),
+        dict(Counter(n.op_type for n in ops.custom_nodes(model))),
+        [f"{f.domain}::{f.name}" for f in model.functions],
+        ops.default_opset(model),
+        len(model.graph.node),
+        external,
+    )
     _save(model, directory / file)
     _save(trt, directory / trt_file)
     if external:
@@ -174,10 +200,19 @@ def _finish(model: onnx.ModelProto, name: str, directory: Path, metadata: dict[s
     return info
 
 
-def export_drafter(draft: DraftModel, embed: nn.Module, head: nn.Module, out: str | os.PathLike, *,
-                   dtype: str = "fp32", opset: int = DEFAULT_OPSET, with_hidden: bool = True,
-                   graphs: tuple[str, ...] = GRAPHS, example_batch: int = 2,
-                   example_context: int = 7) -> ExportResult:
+def export_drafter(
+    draft: DraftModel,
+    embed: nn.Module,
+    head: nn.Module,
+    out: str | os.PathLike,
+    *,
+    dtype: str = "fp32",
+    opset: int = DEFAULT_OPSET,
+    with_hidden: bool = True,
+    graphs: tuple[str, ...] = GRAPHS,
+    example_batch: int = 2,
+    example_context: int = 7,
+) -> ExportResult:
     """Export ``draft`` (with the target's frozen ``embed`` / ``head`` baked in) as ``context`` + ``draft_step``.
 
     Args:
@@ -193,20 +228,29 @@ def export_drafter(draft: DraftModel, embed: nn.Module, head: nn.Module, out: st
     """
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: must be one of {sorted(TORCH_DTYPES)}")
-    check(isinstance(opset, int) and MIN_OPSET <= opset <= max_opset(), "opset", opset,
-          f"from {MIN_OPSET} to {max_opset()} (the opsets the installed onnx converts the graphs to)")
+    check(
+        isinstance(opset, int) and MIN_OPSET <= opset <= max_opset(),
+        "opset",
+        opset,
+        f"from {MIN_OPSET} to {max_opset()} (the opsets the installed onnx converts the graphs to)",
+    )
     if not graphs or set(graphs) - set(GRAPHS):
         raise ValueError(f"graphs={graphs!r} is invalid: must be a non-empty subset of {GRAPHS}")
     if example_batch < 2 or example_context < 2:
-        raise ValueError(f"example_batch={example_batch}, example_context={example_context} are invalid: both must "
-                         "be >= 2 (torch.export specialises sizes 0 and 1)")
+        raise ValueError(
+            f"example_batch={example_batch}, example_context={example_context} are invalid: both must "
+            "be >= 2 (torch.export specialises sizes 0 and 1)"
+        )
     cfg = draft.config
     torch_dtype = TORCH_DTYPES[dtype]
     draft, embed, head = (copy.deepcopy(m).to(device="cpu", dtype=torch_dtype).eval() for m in (draft, embed, head))
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
-    metadata = {"dflash.architecture": cfg.architecture, "dflash.dtype": dtype,
-                "dflash.config": json.dumps(cfg.to_hf_dict(), sort_keys=True)}
+    metadata = {
+        "dflash.architecture": cfg.architecture,
+        "dflash.dtype": dtype,
+        "dflash.config": json.dumps(cfg.to_hf_dict(), sort_keys=True),
+    }
     result = ExportResult(directory, dtype, opset)
 
     # Example inputs for tracing; "batch" and "context" stay symbolic.
@@ -221,13 +265,16 @@ def export_drafter(draft: DraftModel, embed: nn.Module, head: nn.Module, out: st
     if "context" in graphs:  # features [B, C, n_t*H], positions [B, C] -> k_i, v_i [B, nkv, C, hd]
         features = torch.randn(b, c, cfg.num_target_features * cfg.hidden_size, generator=gen).to(torch_dtype)
         names_in, names_out = context_io(layers)
-        model = _to_onnx(ContextGraph(draft), (features, positions), ({0: batch, 1: context},) * 2,
-                         names_in, names_out, opset)
+        model = _to_onnx(
+            ContextGraph(draft), (features, positions), ({0: batch, 1: context},) * 2, names_in, names_out, opset
+        )
         result.graphs["context"] = _finish(model, "context", directory, metadata)
 
     if "draft_step" in graphs:  # k_i, v_i [B, nkv, N, hd], length, anchor, start (+ context_positions) -> tokens
-        kv = [torch.randn(b, cfg.num_key_value_heads, c, cfg.head_dim, generator=gen).to(torch_dtype)
-              for _ in range(2 * layers)]
+        kv = [
+            torch.randn(b, cfg.num_key_value_heads, c, cfg.head_dim, generator=gen).to(torch_dtype)
+            for _ in range(2 * layers)
+        ]
         length = torch.arange(c - b + 1, c + 1)  # rows of different lengths <= capacity
         args: tuple[Any, ...] = (kv, length, torch.randint(0, cfg.vocab_size, (b,), generator=gen), length.clone())
         shapes: tuple[Any, ...] = ([{0: batch, 2: capacity}] * (2 * layers), {0: batch}, {0: batch}, {0: batch})
@@ -238,9 +285,15 @@ def export_drafter(draft: DraftModel, embed: nn.Module, head: nn.Module, out: st
         result.graphs["draft_step"] = _finish(model, "draft_step", directory, metadata)
 
     manifest = {
-        "format": "dflash2-onnx-drafter", "format_version": FORMAT_VERSION,
-        "dtype": dtype, "opset": opset, "architecture": cfg.architecture, "config": cfg.to_hf_dict(),
-        "dynamic_axes": [BATCH, CONTEXT, CAPACITY], "sliding_window": sliding, "with_hidden": with_hidden,
+        "format": "dflash2-onnx-drafter",
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype,
+        "opset": opset,
+        "architecture": cfg.architecture,
+        "config": cfg.to_hf_dict(),
+        "dynamic_axes": [BATCH, CONTEXT, CAPACITY],
+        "sliding_window": sliding,
+        "with_hidden": with_hidden,
         "custom_domain": {"domain": ops.DOMAIN, "version": ops.DOMAIN_VERSION, **ops.PLUGIN_ATTRIBUTES},
         "graphs": {name: {k: v for k, v in vars(g).items() if k != "name"} for name, g in result.graphs.items()},
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": _version("onnxscript")},
@@ -265,13 +318,16 @@ def target_embedding_and_head(target: Any, dtype: torch.dtype | None = None) -> 
     hf = getattr(target, "hf", target)
     embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     if not isinstance(embed, nn.Embedding) or not isinstance(head, nn.Linear) or head.bias is not None:
-        raise ValueError(f"target embedding {type(embed).__name__} / head {type(head).__name__} are not a plain "
-                         "nn.Embedding and bias-free nn.Linear: only such targets (Llama, Qwen, SmolLM) are exportable")
+        raise ValueError(
+            f"target embedding {type(embed).__name__} / head {type(head).__name__} are not a plain "
+            "nn.Embedding and bias-free nn.Linear: only such targets (Llama, Qwen, SmolLM) are exportable"
+        )
     return frozen_embedding_and_head(embed.weight, head.weight, dtype)
 
 
-def random_embedding_and_head(vocab_size: int, hidden_size: int, seed: int = 0,
-                              std: float = 0.02) -> tuple[nn.Module, nn.Module]:
+def random_embedding_and_head(
+    vocab_size: int, hidden_size: int, seed: int = 0, std: float = 0.02
+) -> tuple[nn.Module, nn.Module]:
     """A seeded random embedding and head of the draft's geometry (``--target tiny``: no target needed)."""
     from dflash2_lightning.export.onnx.graphs import frozen_embedding_and_head
 

@@ -79,8 +79,9 @@ class DraftStepGraph(nn.Module):
         super().__init__()
         self.draft, self.embed, self.head, self.with_hidden = draft, embed, head, with_hidden
 
-    def forward(self, kv: list[Tensor], length: Tensor, anchor: Tensor, start: Tensor,
-                context_positions: Tensor | None = None) -> tuple[Tensor, ...]:
+    def forward(
+        self, kv: list[Tensor], length: Tensor, anchor: Tensor, start: Tensor, context_positions: Tensor | None = None
+    ) -> tuple[Tensor, ...]:
         draft, cfg = self.draft, self.draft.config
         bs = cfg.block_size
         masks = anchor.new_full((anchor.shape[0], bs - 1), cfg.mask_token_id)
@@ -121,15 +122,18 @@ class DraftStepGraph(nn.Module):
         return selector.greedy_path(cand, unary, hidden, anchor)
 
 
-def frozen_embedding_and_head(embed_weight: Tensor, head_weight: Tensor,
-                              dtype: torch.dtype | None = None) -> tuple[nn.Embedding, nn.Linear]:
+def frozen_embedding_and_head(
+    embed_weight: Tensor, head_weight: Tensor, dtype: torch.dtype | None = None
+) -> tuple[nn.Embedding, nn.Linear]:
     """Standalone copies of the target's ``embed_tokens`` ``[V, H]`` and bias-free ``lm_head`` ``[V, H]``.
 
     Tied weights (one tensor) stay one parameter, so the exported graph stores them once.
     """
     if embed_weight.dim() != 2 or head_weight.shape != embed_weight.shape:
-        raise ValueError(f"embedding {tuple(embed_weight.shape)} and head {tuple(head_weight.shape)} must both be "
-                         "[vocab_size, hidden_size]")
+        raise ValueError(
+            f"embedding {tuple(embed_weight.shape)} and head {tuple(head_weight.shape)} must both be "
+            "[vocab_size, hidden_size]"
+        )
     dtype = dtype or embed_weight.dtype
     tied = embed_weight.data_ptr() == head_weight.data_ptr()
     vocab, hidden = embed_weight.shape

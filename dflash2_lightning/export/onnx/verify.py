@@ -52,15 +52,23 @@ class Tolerance:
     tie_rtol: float = 0.0
 
     def describe(self) -> str:
-        values = (f"max err <= {self.error_ratio:g} x torch's own err vs float32 + {self.atol:g}"
-                  if self.error_ratio else f"atol {self.atol:g} rtol {self.rtol:g}")
-        tokens = ("tokens exact" if not self.tie_atol else
-                  f"tokens up to the first near-tie (gap < {self.tie_atol:g} + {self.tie_rtol:g} |best|)")
+        values = (
+            f"max err <= {self.error_ratio:g} x torch's own err vs float32 + {self.atol:g}"
+            if self.error_ratio
+            else f"atol {self.atol:g} rtol {self.rtol:g}"
+        )
+        tokens = (
+            "tokens exact"
+            if not self.tie_atol
+            else f"tokens up to the first near-tie (gap < {self.tie_atol:g} + {self.tie_rtol:g} |best|)"
+        )
         return f"{values}; {tokens}"
 
 
-TOLERANCES = {"fp32": Tolerance(atol=1e-4, rtol=1e-4),
-              "fp16": Tolerance(atol=1e-2, error_ratio=2.0, tie_atol=5e-2, tie_rtol=1e-2)}
+TOLERANCES = {
+    "fp32": Tolerance(atol=1e-4, rtol=1e-4),
+    "fp16": Tolerance(atol=1e-2, error_ratio=2.0, tie_atol=5e-2, tie_rtol=1e-2),
+}
 
 
 @dataclass
@@ -99,9 +107,11 @@ class VerifyReport:
         lines = [f"onnxruntime vs torch ({self.dtype}; {self.tolerance.describe()}):"]
         for c in self.cases:
             hidden = "-" if c.hidden_error is None else f"{c.hidden_error:.2e}"
-            lines.append(f"  batch {c.batch:>2} context {c.context:>4}: kv err {c.kv_error:.2e}, hidden err {hidden}, "
-                         f"tokens {c.tokens_compared}/{c.tokens_total} compared, "
-                         + ("ok" if c.ok else "MISMATCH: " + "; ".join(c.mismatches)))
+            lines.append(
+                f"  batch {c.batch:>2} context {c.context:>4}: kv err {c.kv_error:.2e}, hidden err {hidden}, "
+                f"tokens {c.tokens_compared}/{c.tokens_total} compared, "
+                + ("ok" if c.ok else "MISMATCH: " + "; ".join(c.mismatches))
+            )
         return "\n".join(lines + ([self.note] if self.note else []))
 
 
@@ -119,8 +129,7 @@ def _within(ort: Tensor, same: Tensor, fp32: Tensor | None, tol: Tolerance) -> t
 
 
 @torch.no_grad()
-def choice_margins(draft: DraftModel, hidden: Tensor, anchor: Tensor,
-                   head: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+def choice_margins(draft: DraftModel, hidden: Tensor, anchor: Tensor, head: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
     """Torch's tokens ``[B, L]`` and, per position, its best score and the gap to the second best.
 
     DFlash: the top-2 logit gap. DFlash2: the top-2 gap of the edge-score row the walk reads.
@@ -131,8 +140,9 @@ def choice_margins(draft: DraftModel, hidden: Tensor, anchor: Tensor,
         return top.indices[..., 0], top.values[..., 0], top.values[..., 0] - top.values[..., 1]
     sel = draft.candidate_selector
     unary, cand = head(hidden).topk(sel.top_k, dim=-1)
-    scores = edge_scores(cand, unary, sel.hidden_projection(hidden), anchor, sel.predecessor_codebook,
-                         sel.successor_codebook)
+    scores = edge_scores(
+        cand, unary, sel.hidden_projection(hidden), anchor, sel.predecessor_codebook, sel.successor_codebook
+    )
     b, length, k, _ = scores.shape
     choice = torch.zeros(b, dtype=torch.long)
     rows = torch.arange(b)
@@ -149,8 +159,9 @@ def choice_margins(draft: DraftModel, hidden: Tensor, anchor: Tensor,
     return tokens, best, margins
 
 
-def _compare_tokens(ort_tokens: Tensor, torch_tokens: Tensor, margins: Tensor, best: Tensor,
-                    tol: Tolerance) -> tuple[int, list[str]]:
+def _compare_tokens(
+    ort_tokens: Tensor, torch_tokens: Tensor, margins: Tensor, best: Tensor, tol: Tolerance
+) -> tuple[int, list[str]]:
     compared, problems = 0, []
     for row in range(torch_tokens.shape[0]):
         for pos in range(torch_tokens.shape[1]):
@@ -158,8 +169,10 @@ def _compare_tokens(ort_tokens: Tensor, torch_tokens: Tensor, margins: Tensor, b
                 break  # a near-tie: either choice is right, and the walk differs after it
             compared += 1
             if int(ort_tokens[row, pos]) != int(torch_tokens[row, pos]):
-                problems.append(f"row {row} offset {pos + 1}: onnxruntime {int(ort_tokens[row, pos])} != torch "
-                                f"{int(torch_tokens[row, pos])} (torch margin {float(margins[row, pos]):.3g})")
+                problems.append(
+                    f"row {row} offset {pos + 1}: onnxruntime {int(ort_tokens[row, pos])} != torch "
+                    f"{int(torch_tokens[row, pos])} (torch margin {float(margins[row, pos]):.3g})"
+                )
                 break
     return compared, problems
 
@@ -180,9 +193,15 @@ class _TorchSide:
 
 
 @torch.no_grad()
-def verify_export(directory: str | os.PathLike, draft: DraftModel, embed: nn.Module, head: nn.Module,
-                  cases: tuple[tuple[int, int], ...] = ((1, 5), (3, 19)), seed: int = 0,
-                  drafter: OrtDrafter | None = None) -> VerifyReport:
+def verify_export(
+    directory: str | os.PathLike,
+    draft: DraftModel,
+    embed: nn.Module,
+    head: nn.Module,
+    cases: tuple[tuple[int, int], ...] = ((1, 5), (3, 19)),
+    seed: int = 0,
+    drafter: OrtDrafter | None = None,
+) -> VerifyReport:
     """Compare the exported graphs in ``directory`` with the torch ``draft`` (``embed``/``head`` = the target's).
 
     The torch side runs in the export's dtype. Raises nothing: read :attr:`VerifyReport.ok`.
@@ -190,8 +209,13 @@ def verify_export(directory: str | os.PathLike, draft: DraftModel, embed: nn.Mod
     manifest = read_manifest(directory)
     dtype = manifest["dtype"]
     if dtype not in TOLERANCES:
-        return VerifyReport(dtype, None, [], note=f"{dtype}: onnxruntime's CPU provider has no {dtype} kernels "
-                                                  "(MatMul, Add, ...); checked structure only (checker + shape inference)")
+        return VerifyReport(
+            dtype,
+            None,
+            [],
+            note=f"{dtype}: onnxruntime's CPU provider has no {dtype} kernels "
+            "(MatMul, Add, ...); checked structure only (checker + shape inference)",
+        )
     tol, torch_dtype = TOLERANCES[dtype], TORCH_DTYPES[dtype]
     drafter = drafter or OrtDrafter(Path(directory), threads=1)  # small checks: no thread-pool spin
     # Copies in the export's dtype (and float32 for low precision): the caller's modules stay as they are.
@@ -230,6 +254,7 @@ def verify_export(directory: str | os.PathLike, draft: DraftModel, embed: nn.Mod
         ref_tokens = same.draft.draft_block(anchor, ref_cache, same.embed, same.head, start)
         _, best, margins = choice_margins(same.draft, ref_hidden, anchor, same.head)
         compared, token_problems = _compare_tokens(outputs[0], ref_tokens, margins, best, tol)
-        results.append(CaseResult(batch, context, kv_err, hidden_err, compared, ref_tokens.numel(),
-                                  problems + token_problems))
+        results.append(
+            CaseResult(batch, context, kv_err, hidden_err, compared, ref_tokens.numel(), problems + token_problems)
+        )
     return VerifyReport(dtype, tol, results)

@@ -25,7 +25,8 @@ TENSORRT_INSTALL = (
     f"pip install -e '.[tensorrt]' installs {TENSORRT_REQUIREMENT} (torch 2.13's CUDA 13), or "
     f"`pip install --extra-index-url https://pypi.nvidia.com '{TENSORRT_REQUIREMENT}'`, "
     "or follow https://docs.nvidia.com/deeplearning/tensorrt/latest/installing-tensorrt/installing.html "
-    "(TensorRT 11 needs an NVIDIA driver >= r580).")
+    "(TensorRT 11 needs an NVIDIA driver >= r580)."
+)
 EXIT_OK, EXIT_MISSING, EXIT_BUILD, EXIT_MISMATCH = 0, 2, 3, 4
 BATCH_WORDS = ("batch",)
 CONTEXT_WORDS = ("context", "ctx", "past", "cache", "capacity", "seq", "len", "tokens", "kv")
@@ -49,12 +50,17 @@ def missing_requirements() -> list[str]:
     import torch
 
     if not torch.cuda.is_available():
-        why = ("this torch is a CPU-only build (torch.version.cuda is None); install the CUDA build of torch==2.13.0"
-               if torch.version.cuda is None else "torch.cuda.is_available() is False (no GPU or no driver)")
+        why = (
+            "this torch is a CPU-only build (torch.version.cuda is None); install the CUDA build of torch==2.13.0"
+            if torch.version.cuda is None
+            else "torch.cuda.is_available() is False (no GPU or no driver)"
+        )
         missing.append(f"No CUDA GPU: {why}. TensorRT builds and runs engines only on an NVIDIA GPU.")
     if importlib.util.find_spec("triton") is None:
-        missing.append("Triton is not installed: the plugins compile their kernels with it. "
-                       "pip install 'dflash2-lightning[kernels]' (triton==3.7.1).")
+        missing.append(
+            "Triton is not installed: the plugins compile their kernels with it. "
+            "pip install 'dflash2-lightning[kernels]' (triton==3.7.1)."
+        )
     return missing
 
 
@@ -127,9 +133,12 @@ def read_graph(path: Path) -> tuple[dict[str, tuple[list, int]], int]:
     return dims, sum(node.domain == "dflash" for node in model.graph.node)
 
 
-def profile_shapes(inputs: dict[str, tuple[list, int]], batch: tuple[int, int, int],
-                   context: tuple[int, int, int], extra: dict[str, tuple[int, int, int]]
-                   ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+def profile_shapes(
+    inputs: dict[str, tuple[list, int]],
+    batch: tuple[int, int, int],
+    context: tuple[int, int, int],
+    extra: dict[str, tuple[int, int, int]],
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
     """``{input: (min shape, opt shape, max shape)}``; every dynamic dimension must get a range.
 
     ``extra`` keys are dimension names or ``"input:axis"`` (for unnamed dynamic dimensions) and win
@@ -155,8 +164,9 @@ def profile_shapes(inputs: dict[str, tuple[list, int]], batch: tuple[int, int, i
                 per_dim.append((1, 1, 1))
         shapes[name] = tuple(tuple(r[i] for r in per_dim) for i in range(3))
     if unknown:
-        raise ValueError(f"no profile range for dynamic dimension(s) {sorted(set(unknown))}: pass "
-                         f"--dim NAME=min,opt,max for each")
+        raise ValueError(
+            f"no profile range for dynamic dimension(s) {sorted(set(unknown))}: pass --dim NAME=min,opt,max for each"
+        )
     return shapes
 
 
@@ -191,8 +201,11 @@ def build_engine(graph: GraphFiles, shapes: dict, timing_cache: Path, tf32: bool
     if not parser.parse(with_aot_attribute(graph.trt_path), str(graph.trt_path)):
         errors = "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise RuntimeError(f"parsing {graph.trt_path} failed:\n{errors}")
-    plugin_layers = [network.get_layer(i).name for i in range(network.num_layers)
-                     if network.get_layer(i).type == trt.LayerType.PLUGIN_V3]
+    plugin_layers = [
+        network.get_layer(i).name
+        for i in range(network.num_layers)
+        if network.get_layer(i).type == trt.LayerType.PLUGIN_V3
+    ]
 
     config = builder.create_builder_config()
     if not tf32 and hasattr(trt.BuilderFlag, "TF32"):
@@ -242,13 +255,22 @@ def run_engine(plan: bytes, inputs: dict) -> dict:
     import tensorrt as trt
     import torch
 
-    to_torch = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
-                trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool, trt.int8: torch.int8}
+    to_torch = {
+        trt.float32: torch.float32,
+        trt.float16: torch.float16,
+        trt.bfloat16: torch.bfloat16,
+        trt.int64: torch.int64,
+        trt.int32: torch.int32,
+        trt.bool: torch.bool,
+        trt.int8: torch.int8,
+    }
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     engine = runtime.deserialize_cuda_engine(plan)
     if engine is None:
-        raise RuntimeError("TensorRT could not deserialize the engine (built by another TensorRT version or for "
-                           "another GPU, or the dflash plugins are not registered in this process)")
+        raise RuntimeError(
+            "TensorRT could not deserialize the engine (built by another TensorRT version or for "
+            "another GPU, or the dflash plugins are not registered in this process)"
+        )
     context = engine.create_execution_context()
     device = {name: t.cuda().contiguous() for name, t in inputs.items()}
     for name, tensor in device.items():

@@ -54,17 +54,24 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash2 export-trt",
         description="Build TensorRT engines with the dflash plugins from an ONNX export (dflash2 export-onnx) and "
-                    "check them against onnxruntime on the same random inputs. Writes OUT (one engine) or "
-                    "OUT/<graph>.engine per graph, and a timing cache beside them. Needs TensorRT (whose "
-                    "libraries come from NVIDIA's package index) and an NVIDIA GPU; exit 2 says which is missing.")
+        "check them against onnxruntime on the same random inputs. Writes OUT (one engine) or "
+        "OUT/<graph>.engine per graph, and a timing cache beside them. Needs TensorRT (whose "
+        "libraries come from NVIDIA's package index) and an NVIDIA GPU; exit 2 says which is missing.",
+    )
     p.add_argument("--onnx", required=True, type=Path, help="export directory (from dflash2 export-onnx) or one .onnx")
-    p.add_argument("--out", required=True, type=Path,
-                   help="engine file (one graph) or directory (one <graph>.engine per graph)")
+    p.add_argument(
+        "--out", required=True, type=Path, help="engine file (one graph) or directory (one <graph>.engine per graph)"
+    )
     p.add_argument("--graph", action="append", help="build only this graph (repeatable), e.g. draft_step")
     p.add_argument("--batch", default="1,1,16", help="batch min,opt,max (default 1,1,16)")
     p.add_argument("--context", default="1,256,4096", help="context length min,opt,max (default 1,256,4096)")
-    p.add_argument("--dim", action="append", default=[], metavar="NAME=min,opt,max",
-                   help="range of another dynamic dimension (dim_param name or input:axis)")
+    p.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=min,opt,max",
+        help="range of another dynamic dimension (dim_param name or input:axis)",
+    )
     p.add_argument("--timing-cache", type=Path, help="timing cache file (default: timing.cache beside the engine)")
     p.add_argument("--workspace-gib", type=float, default=0.0, help="builder workspace limit (default: TensorRT's)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 in float32 layers (faster, looser comparison)")
@@ -85,8 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     missing = missing_requirements()
     if missing:
-        print_error("cannot build a TensorRT engine here: "
-                    + "; ".join(f"({i}) {item.rstrip('.')}" for i, item in enumerate(missing, 1)))
+        print_error(
+            "cannot build a TensorRT engine here: "
+            + "; ".join(f"({i}) {item.rstrip('.')}" for i, item in enumerate(missing, 1))
+        )
         return EXIT_MISSING
     try:
         batch, context = parse_range(args.batch, "--batch"), parse_range(args.context, "--context")
@@ -124,9 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dflash2_lightning.files import atomic_write
 
         atomic_write(engine_path, lambda tmp, plan=plan: Path(tmp).write_bytes(plan))
-        print(f"  TensorRT {summary['tensorrt']}: {len(summary['plugin_layers'])} plugin layer(s) for "
-              f"{custom_nodes} dflash node(s); "
-              f"wrote {engine_path} ({len(plan) / 2**20:.1f} MiB), timing cache {cache}")
+        print(
+            f"  TensorRT {summary['tensorrt']}: {len(summary['plugin_layers'])} plugin layer(s) for "
+            f"{custom_nodes} dflash node(s); "
+            f"wrote {engine_path} ({len(plan) / 2**20:.1f} MiB), timing cache {cache}"
+        )
         if args.no_compare:
             continue
         if graph.ort_path is None:

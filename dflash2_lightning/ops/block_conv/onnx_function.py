@@ -19,9 +19,13 @@ BLOCK_CONV = "DFlashBlockConv"
 
 def schema() -> OpSchema:
     """``DFlashBlockConv``: ``x [B,S,H], base [T,H], delta [B,S,T,G] -> y [B,S,H]``, attribute ``block_size``."""
-    return make_schema(BLOCK_CONV, "One side of the DFlash2 block convolution (taps stop at block starts).",
-                       [("x", "T"), ("base", "T"), ("delta", "T")], [("y", "T")],
-                       [OpSchema.Attribute("block_size", OpSchema.AttrType.INT, "block length", required=True)])
+    return make_schema(
+        BLOCK_CONV,
+        "One side of the DFlash2 block convolution (taps stop at block starts).",
+        [("x", "T"), ("base", "T"), ("delta", "T")],
+        [("y", "T")],
+        [OpSchema.Attribute("block_size", OpSchema.AttrType.INT, "block length", required=True)],
+    )
 
 
 def block_conv_function(opset: int) -> FunctionProto:
@@ -47,14 +51,27 @@ def block_conv_function(opset: int) -> FunctionProto:
     shifted = f.op("Where", f.op("Unsqueeze", valid, f.ints(0, 3)), shifted, zero_x, hint="shifted")
     # Channel groups: H = G * group; delta [B,S,T,G] broadcasts over each group's channels.
     grouped = f.op("Concat", f.op("Shape", "delta"), f.ints(-1), axis=0, hint="grouped_shape")  # [B,S,T,G,-1]
-    base_shape = f.op("Concat", f.op("Shape", "base", start=0, end=1), f.op("Shape", "delta", start=3, end=4),
-                      f.ints(-1), axis=0, hint="base_shape")  # [T,G,-1]
+    base_shape = f.op(
+        "Concat",
+        f.op("Shape", "base", start=0, end=1),
+        f.op("Shape", "delta", start=3, end=4),
+        f.ints(-1),
+        axis=0,
+        hint="base_shape",
+    )  # [T,G,-1]
     xs = f.op("Reshape", shifted, grouped, hint="xs")
     base = f.op("Reshape", "base", base_shape, hint="base")
     delta = f.op("Unsqueeze", "delta", f.ints(4), hint="delta")
     term = f.op("Add", f.op("Mul", base, xs), f.op("Mul", delta, xs), hint="term")  # [B,S,T,G,group]
     summed = f.op("ReduceSum", term, f.ints(2), keepdims=0, hint="sum")  # [B,S,G,group]
     f.nodes.append(helper.make_node("Reshape", [summed, f.op("Shape", "x")], ["y"]))
-    return helper.make_function(DOMAIN, BLOCK_CONV, ["x", "base", "delta"], ["y"], f.nodes,
-                                [helper.make_opsetid("", opset)], attributes=["block_size"],
-                                doc_string=block_conv_function.__doc__)
+    return helper.make_function(
+        DOMAIN,
+        BLOCK_CONV,
+        ["x", "base", "delta"],
+        ["y"],
+        f.nodes,
+        [helper.make_opsetid("", opset)],
+        attributes=["block_size"],
+        doc_string=block_conv_function.__doc__,
+    )

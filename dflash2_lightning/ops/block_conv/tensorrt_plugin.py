@@ -31,8 +31,14 @@ from dflash2_lightning.ops.tensorrt_common import (
     triton_type,
 )
 
-__all__ = ["BLOCK_CONV_ID", "check_block_size", "block_conv_output_shape", "block_conv_type_combinations",
-           "block_conv_launch", "register"]
+__all__ = [
+    "BLOCK_CONV_ID",
+    "check_block_size",
+    "block_conv_output_shape",
+    "block_conv_type_combinations",
+    "block_conv_launch",
+    "register",
+]
 
 BLOCK_CONV_OP = "DFlashBlockConv"
 BLOCK_CONV_ID = f"{PLUGIN_NAMESPACE}::{BLOCK_CONV_OP}"
@@ -66,7 +72,9 @@ def block_conv_output_shape(x: Shape, base: Shape, delta: Shape, block_size: Any
         raise ValueError(f"taps (base[0]) = {base[0]} is invalid: must be >= 1")
     groups, hidden, length = delta[3], x[2], x[1]
     if groups is not None and (groups < 1 or (hidden is not None and hidden % groups)):
-        raise ValueError(f"groups (delta[3]) = {groups} is invalid: must be >= 1 and divide hidden size x[2] = {hidden}")
+        raise ValueError(
+            f"groups (delta[3]) = {groups} is invalid: must be >= 1 and divide hidden size x[2] = {hidden}"
+        )
     if length is not None and length % block_size:
         raise ValueError(f"sequence length x[1] = {length} is invalid: must be a multiple of block_size={block_size}")
     return tuple(x)
@@ -77,8 +85,9 @@ def block_conv_type_combinations() -> list[str]:
     return [f"{x}, {b}, {d}, {x}" for x, b, d in itertools.product(FLOAT_TYPES, repeat=3)]
 
 
-def block_conv_launch(x: Sequence, base: Sequence, delta: Sequence, block_size: int,
-                      block_rows: int, block_h: int) -> tuple[tuple, tuple]:
+def block_conv_launch(
+    x: Sequence, base: Sequence, delta: Sequence, block_size: int, block_rows: int, block_h: int
+) -> tuple[tuple, tuple]:
     """``(scalar args, grid)`` of the block-conv kernel for contiguous inputs.
 
     Works on ints and on TensorRT shape expressions alike (only ``+ - * //`` are used), so the
@@ -96,27 +105,40 @@ def register(trt: Any, trtp: Any) -> None:
     from dflash2_lightning.ops.block_conv.triton_kernel import compile_block_conv
 
     @trtp.register(BLOCK_CONV_ID)
-    def block_conv_desc(x: trtp.TensorDesc, base: trtp.TensorDesc, delta: trtp.TensorDesc,
-                        block_size: int) -> trtp.TensorDesc:
+    def block_conv_desc(
+        x: trtp.TensorDesc, base: trtp.TensorDesc, delta: trtp.TensorDesc, block_size: int
+    ) -> trtp.TensorDesc:
         if not any(getattr(e, "is_fake", False) for e in x.shape_expr):
             block_conv_output_shape(known_shape(x), known_shape(base), known_shape(delta), block_size)
         return x.like()
 
     @trtp.autotune(BLOCK_CONV_ID)
-    def block_conv_autotune(x: trtp.TensorDesc, base: trtp.TensorDesc, delta: trtp.TensorDesc,
-                            outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:
+    def block_conv_autotune(
+        x: trtp.TensorDesc, base: trtp.TensorDesc, delta: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc]
+    ) -> list[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(types, "LINEAR") for types in block_conv_type_combinations()]
 
     @trtp.aot_impl(BLOCK_CONV_ID)
-    def block_conv_aot(x: trtp.TensorDesc, base: trtp.TensorDesc, delta: trtp.TensorDesc, block_size: int,
-                       outputs: tuple[trtp.TensorDesc], tactic: int
-                       ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
+    def block_conv_aot(
+        x: trtp.TensorDesc,
+        base: trtp.TensorDesc,
+        delta: trtp.TensorDesc,
+        block_size: int,
+        outputs: tuple[trtp.TensorDesc],
+        tactic: int,
+    ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
         hidden = known(x.shape_expr[2]) or 1024  # only picks the tile width; any H is handled
-        kernel = compile_block_conv(triton_type(x), hidden, build_arch(),
-                                    base_dtype=triton_type(base), delta_dtype=triton_type(delta))
-        scalars, grid = block_conv_launch(x.shape_expr, base.shape_expr, delta.shape_expr,
-                                          check_block_size(block_size), kernel.constants["BLOCK_ROWS"],
-                                          kernel.constants["BLOCK_H"])
+        kernel = compile_block_conv(
+            triton_type(x), hidden, build_arch(), base_dtype=triton_type(base), delta_dtype=triton_type(delta)
+        )
+        scalars, grid = block_conv_launch(
+            x.shape_expr,
+            base.shape_expr,
+            delta.shape_expr,
+            check_block_size(block_size),
+            kernel.constants["BLOCK_ROWS"],
+            kernel.constants["BLOCK_H"],
+        )
         launch = trtp.KernelLaunchParams()
         launch.grid_x, launch.grid_y = grid
         launch.block_x = kernel.block_x

@@ -44,15 +44,19 @@ def _unshift_within_blocks(x: Tensor, tap: int, block_size: int) -> Tensor:
 
 def _check_conv_shapes(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> None:
     if x.dim() != 3 or base.dim() != 2 or delta.dim() != 4:
-        raise ValueError(f"block_conv expects x [B,S,H], base [T,H], delta [B,S,T,G]; got "
-                         f"{tuple(x.shape)}, {tuple(base.shape)}, {tuple(delta.shape)}")
+        raise ValueError(
+            f"block_conv expects x [B,S,H], base [T,H], delta [B,S,T,G]; got "
+            f"{tuple(x.shape)}, {tuple(base.shape)}, {tuple(delta.shape)}"
+        )
     b, s, h = x.shape
     t, g = delta.shape[2], delta.shape[3]
     if s % block_size:
         raise ValueError(f"sequence length {s} is invalid: must be a multiple of block_size={block_size}")
     if base.shape != (t, h) or delta.shape[:2] != (b, s) or h % g:
-        raise ValueError(f"block_conv shapes disagree: x {tuple(x.shape)}, base {tuple(base.shape)}, "
-                         f"delta {tuple(delta.shape)} (need base [T,H], delta [B,S,T,G], G divides H)")
+        raise ValueError(
+            f"block_conv shapes disagree: x {tuple(x.shape)}, base {tuple(base.shape)}, "
+            f"delta {tuple(delta.shape)} (need base [T,H], delta [B,S,T,G], G divides H)"
+        )
 
 
 def block_conv_reference(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tensor:

@@ -23,16 +23,34 @@ from torch import Tensor
 from dflash2_lightning.ops.triton_aot import AotKernel, compile_kernel, float_type_name
 from dflash2_lightning.ops.triton_runtime import device_of, launchable, next_power_of_2
 
-__all__ = ["compile_block_conv", "block_conv_kernel", "block_conv", "block_conv_tiles", "block_conv_grid", "BLOCK_CONV_SCALARS"]
+__all__ = [
+    "compile_block_conv",
+    "block_conv_kernel",
+    "block_conv",
+    "block_conv_tiles",
+    "block_conv_grid",
+    "BLOCK_CONV_SCALARS",
+]
 
 # The kernel's integer scalar arguments, in order (the AOT path passes them as SymInt32 expressions).
 BLOCK_CONV_SCALARS = ("rows", "hidden", "taps", "groups", "block_size", "delta_row_stride", "delta_tap_stride")
 
 
-def block_conv_kernel(x_ptr, base_ptr, delta_ptr,
-                      rows, hidden, taps, groups, block_size, delta_row_stride, delta_tap_stride,
-                      y_ptr,
-                      BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+def block_conv_kernel(
+    x_ptr,
+    base_ptr,
+    delta_ptr,
+    rows,
+    hidden,
+    taps,
+    groups,
+    block_size,
+    delta_row_stride,
+    delta_tap_stride,
+    y_ptr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     chan = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = row < rows
@@ -45,8 +63,9 @@ def block_conv_kernel(x_ptr, base_ptr, delta_ptr,
         ok = (row_ok & (in_block >= tap))[:, None] & chan_ok[None, :]
         x = tl.load(x_ptr + (row64 - tap)[:, None] * hidden + chan[None, :], mask=ok, other=0.0)
         base = tl.load(base_ptr + tap * hidden + chan, mask=chan_ok, other=0.0)
-        delta = tl.load(delta_ptr + row64[:, None] * delta_row_stride + tap * delta_tap_stride + group[None, :],
-                        mask=ok, other=0.0)
+        delta = tl.load(
+            delta_ptr + row64[:, None] * delta_row_stride + tap * delta_tap_stride + group[None, :], mask=ok, other=0.0
+        )
         acc += (base.to(tl.float32)[None, :] + delta.to(tl.float32)) * x.to(tl.float32)
     out_ok = row_ok[:, None] & chan_ok[None, :]
     tl.store(y_ptr + row64[:, None] * hidden + chan[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_ok)
@@ -94,20 +113,43 @@ def block_conv(x: Tensor, base: Tensor, delta: Tensor, block_size: int) -> Tenso
     grid = block_conv_grid(b * s, h)
     kernel = launchable(block_conv_kernel)
     with device_of(x):
-        kernel[grid](x, base, delta, b * s, h, taps, groups, int(block_size), row_stride, tap_stride, y,
-                     BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps)
+        kernel[grid](
+            x,
+            base,
+            delta,
+            b * s,
+            h,
+            taps,
+            groups,
+            int(block_size),
+            row_stride,
+            tap_stride,
+            y,
+            BLOCK_ROWS=block_rows,
+            BLOCK_H=block_h,
+            num_warps=num_warps,
+        )
     return y
 
 
-def compile_block_conv(dtype: torch.dtype | str = "fp32", hidden: int = 1024, arch: int | None = None, *,
-                       base_dtype: torch.dtype | str | None = None,
-                       delta_dtype: torch.dtype | str | None = None) -> AotKernel:
+def compile_block_conv(
+    dtype: torch.dtype | str = "fp32",
+    hidden: int = 1024,
+    arch: int | None = None,
+    *,
+    base_dtype: torch.dtype | str | None = None,
+    delta_dtype: torch.dtype | str | None = None,
+) -> AotKernel:
     """The block-conv kernel for ``x``/``y`` of float ``dtype`` (``base``/``delta`` default to it) and ``hidden``."""
     ty = float_type_name(dtype)
     base_ty = float_type_name(base_dtype or ty)
     delta_ty = float_type_name(delta_dtype or ty)
     block_rows, block_h, num_warps = block_conv_tiles(hidden)
-    signature = {"x_ptr": f"*{ty}", "base_ptr": f"*{base_ty}", "delta_ptr": f"*{delta_ty}",
-                 **{name: "i32" for name in BLOCK_CONV_SCALARS}, "y_ptr": f"*{ty}"}
-    return compile_kernel(block_conv_kernel, signature, {"BLOCK_ROWS": block_rows, "BLOCK_H": block_h},
-                          num_warps, arch)
+    signature = {
+        "x_ptr": f"*{ty}",
+        "base_ptr": f"*{base_ty}",
+        "delta_ptr": f"*{delta_ty}",
+        **{name: "i32" for name in BLOCK_CONV_SCALARS},
+        "y_ptr": f"*{ty}",
+    }
+    return compile_kernel(block_conv_kernel, signature, {"BLOCK_ROWS": block_rows, "BLOCK_H": block_h}, num_warps, arch)

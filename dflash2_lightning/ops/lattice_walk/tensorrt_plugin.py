@@ -31,15 +31,21 @@ from dflash2_lightning.ops.tensorrt_common import (
 )
 from dflash2_lightning.ops.triton_runtime import MAX_TOP_K  # torch only; triton is imported at engine build
 
-__all__ = ["LATTICE_WALK_ID", "lattice_walk_output_shape", "lattice_walk_type_combinations",
-           "lattice_walk_launch", "register"]
+__all__ = [
+    "LATTICE_WALK_ID",
+    "lattice_walk_output_shape",
+    "lattice_walk_type_combinations",
+    "lattice_walk_launch",
+    "register",
+]
 
 LATTICE_WALK_OP = "DFlashLatticeWalk"
 LATTICE_WALK_ID = f"{PLUGIN_NAMESPACE}::{LATTICE_WALK_OP}"
 
 
-def lattice_walk_output_shape(cand: Shape, unary: Shape, proj: Shape, anchor: Shape,
-                              pred_codebook: Shape, succ_codebook: Shape) -> tuple[Dim, Dim]:
+def lattice_walk_output_shape(
+    cand: Shape, unary: Shape, proj: Shape, anchor: Shape, pred_codebook: Shape, succ_codebook: Shape
+) -> tuple[Dim, Dim]:
     """Shape ``[B, L]`` of ``tokens`` after checking every input against the op contract."""
     check_rank("cand", cand, 3, "[B,L,K]")
     check_rank("unary", unary, 3, "[B,L,K]")
@@ -63,8 +69,7 @@ def lattice_walk_output_shape(cand: Shape, unary: Shape, proj: Shape, anchor: Sh
 
 def lattice_walk_type_combinations() -> list[str]:
     """Every supported ``cand, unary, proj, anchor, pred, succ, tokens`` type combination (ids are INT64)."""
-    return [f"INT64, {u}, {p}, INT64, {a}, {b}, INT64"
-            for u, p, a, b in itertools.product(FLOAT_TYPES, repeat=4)]
+    return [f"INT64, {u}, {p}, INT64, {a}, {b}, INT64" for u, p, a, b in itertools.product(FLOAT_TYPES, repeat=4)]
 
 
 def lattice_walk_launch(cand: Sequence, proj: Sequence) -> tuple[tuple, tuple]:
@@ -77,33 +82,55 @@ def register(trt: Any, trtp: Any) -> None:
     from dflash2_lightning.ops.lattice_walk.triton_kernel import compile_lattice_walk
 
     @trtp.register(LATTICE_WALK_ID)
-    def lattice_walk_desc(cand: trtp.TensorDesc, unary: trtp.TensorDesc, proj: trtp.TensorDesc,
-                          anchor: trtp.TensorDesc, pred_codebook: trtp.TensorDesc,
-                          succ_codebook: trtp.TensorDesc) -> trtp.TensorDesc:
+    def lattice_walk_desc(
+        cand: trtp.TensorDesc,
+        unary: trtp.TensorDesc,
+        proj: trtp.TensorDesc,
+        anchor: trtp.TensorDesc,
+        pred_codebook: trtp.TensorDesc,
+        succ_codebook: trtp.TensorDesc,
+    ) -> trtp.TensorDesc:
         descs = (cand, unary, proj, anchor, pred_codebook, succ_codebook)
         if not any(getattr(e, "is_fake", False) for d in descs for e in d.shape_expr):
             lattice_walk_output_shape(*(known_shape(d) for d in descs))
         return trtp.from_shape_expr((cand.shape_expr[0], cand.shape_expr[1]), dtype=trt.int64)
 
     @trtp.autotune(LATTICE_WALK_ID)
-    def lattice_walk_autotune(cand: trtp.TensorDesc, unary: trtp.TensorDesc, proj: trtp.TensorDesc,
-                              anchor: trtp.TensorDesc, pred_codebook: trtp.TensorDesc,
-                              succ_codebook: trtp.TensorDesc,
-                              outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:
+    def lattice_walk_autotune(
+        cand: trtp.TensorDesc,
+        unary: trtp.TensorDesc,
+        proj: trtp.TensorDesc,
+        anchor: trtp.TensorDesc,
+        pred_codebook: trtp.TensorDesc,
+        succ_codebook: trtp.TensorDesc,
+        outputs: tuple[trtp.TensorDesc],
+    ) -> list[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(types, "LINEAR") for types in lattice_walk_type_combinations()]
 
     @trtp.aot_impl(LATTICE_WALK_ID)
-    def lattice_walk_aot(cand: trtp.TensorDesc, unary: trtp.TensorDesc, proj: trtp.TensorDesc,
-                         anchor: trtp.TensorDesc, pred_codebook: trtp.TensorDesc, succ_codebook: trtp.TensorDesc,
-                         outputs: tuple[trtp.TensorDesc], tactic: int
-                         ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
+    def lattice_walk_aot(
+        cand: trtp.TensorDesc,
+        unary: trtp.TensorDesc,
+        proj: trtp.TensorDesc,
+        anchor: trtp.TensorDesc,
+        pred_codebook: trtp.TensorDesc,
+        succ_codebook: trtp.TensorDesc,
+        outputs: tuple[trtp.TensorDesc],
+        tactic: int,
+    ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
         top_k = known(cand.shape_expr[2])
         if top_k is None:
             raise ValueError("top_k (cand dimension 2) must be a build-time constant for DFlashLatticeWalk")
         rank = known(proj.shape_expr[2]) or 256  # only picks the chunk width along r
-        kernel = compile_lattice_walk(triton_type(unary), top_k, rank, build_arch(),
-                                      proj_dtype=triton_type(proj), pred_dtype=triton_type(pred_codebook),
-                                      succ_dtype=triton_type(succ_codebook))
+        kernel = compile_lattice_walk(
+            triton_type(unary),
+            top_k,
+            rank,
+            build_arch(),
+            proj_dtype=triton_type(proj),
+            pred_dtype=triton_type(pred_codebook),
+            succ_dtype=triton_type(succ_codebook),
+        )
         scalars, grid = lattice_walk_launch(cand.shape_expr, proj.shape_expr)
         launch = trtp.KernelLaunchParams()
         launch.grid_x = grid[0]

@@ -20,8 +20,9 @@ from dflash2_lightning.ops import dispatch
 __all__ = ["lattice_walk", "edge_scores", "walk_edge_scores", "lattice_walk_per_position"]
 
 
-def edge_scores(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
-                pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+def edge_scores(
+    cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor, pred_codebook: Tensor, succ_codebook: Tensor
+) -> Tensor:
     """All edge scores of a block at once: ``[B, L, K_prev, K]`` (float32 or wider).
 
     Row ``p`` of position ``l`` scores moving from predecessor ``prev_l[p]`` to each candidate;
@@ -76,19 +77,28 @@ def _follow_on_device(best: Tensor) -> Tensor:
     return torch.cat(path, dim=1)
 
 
-def _check_walk_shapes(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
-                       pred_codebook: Tensor, succ_codebook: Tensor) -> None:
+def _check_walk_shapes(
+    cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor, pred_codebook: Tensor, succ_codebook: Tensor
+) -> None:
     if cand.dim() != 3 or unary.shape != cand.shape or proj.dim() != 3 or proj.shape[:2] != cand.shape[:2]:
-        raise ValueError(f"lattice_walk expects cand/unary [B,L,K] and proj [B,L,r]; got "
-                         f"{tuple(cand.shape)}, {tuple(unary.shape)}, {tuple(proj.shape)}")
-    if anchor.shape != cand.shape[:1] or pred_codebook.shape != succ_codebook.shape \
-            or pred_codebook.shape[1] != proj.shape[2]:
-        raise ValueError(f"lattice_walk shapes disagree: anchor {tuple(anchor.shape)}, codebooks "
-                         f"{tuple(pred_codebook.shape)}/{tuple(succ_codebook.shape)}, proj {tuple(proj.shape)}")
+        raise ValueError(
+            f"lattice_walk expects cand/unary [B,L,K] and proj [B,L,r]; got "
+            f"{tuple(cand.shape)}, {tuple(unary.shape)}, {tuple(proj.shape)}"
+        )
+    if (
+        anchor.shape != cand.shape[:1]
+        or pred_codebook.shape != succ_codebook.shape
+        or pred_codebook.shape[1] != proj.shape[2]
+    ):
+        raise ValueError(
+            f"lattice_walk shapes disagree: anchor {tuple(anchor.shape)}, codebooks "
+            f"{tuple(pred_codebook.shape)}/{tuple(succ_codebook.shape)}, proj {tuple(proj.shape)}"
+        )
 
 
-def _lattice_walk_impl(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
-                       pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+def _lattice_walk_impl(
+    cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor, pred_codebook: Tensor, succ_codebook: Tensor
+) -> Tensor:
     _check_walk_shapes(cand, unary, proj, anchor, pred_codebook, succ_codebook)
     if cand.is_cuda and dispatch.cuda_lattice_walk is not None:  # Triton, optional extra
         return dispatch.cuda_lattice_walk(cand, unary, proj, anchor, pred_codebook, succ_codebook)
@@ -97,27 +107,31 @@ def _lattice_walk_impl(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor
 
 
 @torch.library.custom_op("dflash::lattice_walk", mutates_args=())
-def _lattice_walk_op(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
-                     pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+def _lattice_walk_op(
+    cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor, pred_codebook: Tensor, succ_codebook: Tensor
+) -> Tensor:
     return _lattice_walk_impl(cand, unary, proj, anchor, pred_codebook, succ_codebook)
 
 
 @_lattice_walk_op.register_fake
-def _(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
-      pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+def _(
+    cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor, pred_codebook: Tensor, succ_codebook: Tensor
+) -> Tensor:
     return cand.new_empty(cand.shape[:2])
 
 
-def lattice_walk(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
-                 pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+def lattice_walk(
+    cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor, pred_codebook: Tensor, succ_codebook: Tensor
+) -> Tensor:
     """Greedy selector path ``[B, L]`` through candidates ``cand [B, L, K]`` seeded with ``anchor [B]``."""
     if dispatch.eager_inference(unary, proj, pred_codebook, succ_codebook):
         return _lattice_walk_impl(cand, unary, proj, anchor, pred_codebook, succ_codebook)
     return _lattice_walk_op(cand, unary, proj, anchor, pred_codebook, succ_codebook)
 
 
-def lattice_walk_per_position(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
-                              pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+def lattice_walk_per_position(
+    cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor, pred_codebook: Tensor, succ_codebook: Tensor
+) -> Tensor:
     """The obvious loop (one projection per position). Kept as the benchmark's baseline."""
     prev = anchor
     path = []
@@ -125,7 +139,8 @@ def lattice_walk_per_position(cand: Tensor, unary: Tensor, proj: Tensor, anchor:
     for position in range(cand.shape[1]):
         context = pred_codebook[prev].to(dtype) * proj[:, position].to(dtype)
         scores = unary[:, position].to(dtype) + torch.einsum(
-            "br,bkr->bk", context, succ_codebook[cand[:, position]].to(dtype))
+            "br,bkr->bk", context, succ_codebook[cand[:, position]].to(dtype)
+        )
         choice = scores.argmax(-1, keepdim=True)
         prev = cand[:, position].gather(1, choice)[:, 0]
         path.append(prev)

@@ -23,15 +23,32 @@ from torch import Tensor
 from dflash2_lightning.ops.triton_aot import AotKernel, compile_kernel, float_type_name
 from dflash2_lightning.ops.triton_runtime import MAX_TOP_K, device_of, launchable, next_power_of_2
 
-__all__ = ["compile_lattice_walk", "lattice_walk_kernel", "lattice_walk", "lattice_walk_tiles", "LATTICE_WALK_SCALARS", "MAX_TOP_K"]
+__all__ = [
+    "compile_lattice_walk",
+    "lattice_walk_kernel",
+    "lattice_walk",
+    "lattice_walk_tiles",
+    "LATTICE_WALK_SCALARS",
+    "MAX_TOP_K",
+]
 
 LATTICE_WALK_SCALARS = ("length", "top_k", "rank")
 
 
-def lattice_walk_kernel(cand_ptr, unary_ptr, proj_ptr, anchor_ptr, pred_ptr, succ_ptr,
-                        length, top_k, rank,
-                        tokens_ptr,
-                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+def lattice_walk_kernel(
+    cand_ptr,
+    unary_ptr,
+    proj_ptr,
+    anchor_ptr,
+    pred_ptr,
+    succ_ptr,
+    length,
+    top_k,
+    rank,
+    tokens_ptr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     request = tl.program_id(0).to(tl.int64)
     k_idx = tl.arange(0, BLOCK_K)
     r_idx = tl.arange(0, BLOCK_R)
@@ -45,8 +62,9 @@ def lattice_walk_kernel(cand_ptr, unary_ptr, proj_ptr, anchor_ptr, pred_ptr, suc
             r_ok = (r0 + r_idx) < rank
             proj = tl.load(proj_ptr + row * rank + r0 + r_idx, mask=r_ok, other=0.0).to(tl.float32)
             pred = tl.load(pred_ptr + prev * rank + r0 + r_idx, mask=r_ok, other=0.0).to(tl.float32)
-            succ = tl.load(succ_ptr + cand[:, None] * rank + r0 + r_idx[None, :],
-                           mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+            succ = tl.load(
+                succ_ptr + cand[:, None] * rank + r0 + r_idx[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0
+            ).to(tl.float32)
             score += tl.sum(succ * (pred * proj)[None, :], axis=1)
         score = tl.where(k_ok, score, float("-inf"))
         choice = tl.argmax(score, axis=0, tie_break_left=True)
@@ -65,8 +83,9 @@ def lattice_walk_tiles(top_k: int, rank: int) -> tuple[int, int, int]:
     return block_k, block_r, 4
 
 
-def lattice_walk(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
-                 pred_codebook: Tensor, succ_codebook: Tensor) -> Tensor:
+def lattice_walk(
+    cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor, pred_codebook: Tensor, succ_codebook: Tensor
+) -> Tensor:
     """Launch the kernel: ``cand/unary [B,L,K]``, ``proj [B,L,r]``, ``anchor [B]``, codebooks ``[V,r]``
     -> tokens ``[B,L]`` int64.
 
@@ -86,15 +105,28 @@ def lattice_walk(cand: Tensor, unary: Tensor, proj: Tensor, anchor: Tensor,
     return tokens
 
 
-def compile_lattice_walk(dtype: torch.dtype | str = "fp32", top_k: int = 16, rank: int = 256,
-                         arch: int | None = None, *, proj_dtype: torch.dtype | str | None = None,
-                         pred_dtype: torch.dtype | str | None = None,
-                         succ_dtype: torch.dtype | str | None = None) -> AotKernel:
+def compile_lattice_walk(
+    dtype: torch.dtype | str = "fp32",
+    top_k: int = 16,
+    rank: int = 256,
+    arch: int | None = None,
+    *,
+    proj_dtype: torch.dtype | str | None = None,
+    pred_dtype: torch.dtype | str | None = None,
+    succ_dtype: torch.dtype | str | None = None,
+) -> AotKernel:
     """The lattice-walk kernel for ``unary`` of float ``dtype`` (``proj`` and the codebooks default to it)."""
     ty = float_type_name(dtype)
     proj_ty, pred_ty, succ_ty = (float_type_name(d or ty) for d in (proj_dtype, pred_dtype, succ_dtype))
     block_k, block_r, num_warps = lattice_walk_tiles(top_k, rank)
-    signature = {"cand_ptr": "*i64", "unary_ptr": f"*{ty}", "proj_ptr": f"*{proj_ty}", "anchor_ptr": "*i64",
-                 "pred_ptr": f"*{pred_ty}", "succ_ptr": f"*{succ_ty}",
-                 **{name: "i32" for name in LATTICE_WALK_SCALARS}, "tokens_ptr": "*i64"}
+    signature = {
+        "cand_ptr": "*i64",
+        "unary_ptr": f"*{ty}",
+        "proj_ptr": f"*{proj_ty}",
+        "anchor_ptr": "*i64",
+        "pred_ptr": f"*{pred_ty}",
+        "succ_ptr": f"*{succ_ty}",
+        **{name: "i32" for name in LATTICE_WALK_SCALARS},
+        "tokens_ptr": "*i64",
+    }
     return compile_kernel(lattice_walk_kernel, signature, {"BLOCK_K": block_k, "BLOCK_R": block_r}, num_warps, arch)

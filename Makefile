@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install quickstart tiny test test-fast bench clean-venv llama-cpp lock gpu-wheels gpu-check gpu-env
+.PHONY: install quickstart tiny test test-fast lint format bench clean-venv llama-cpp lock gpu-wheels gpu-check gpu-env
 
 # The package's metadata gives version ranges; requirements/lock.txt is the exact set this environment (and CI)
 # installs, as constraints: torch's CUDA libraries in it are installed only where torch's wheel asks for them.
@@ -35,6 +35,17 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+
+# The gates CI runs before the tests: ruff's lint and format check, then mypy (settings in pyproject.toml).
+# `make format` applies ruff's fixes and formatting; .pre-commit-config.yaml runs the same on each commit.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_draft_step.py

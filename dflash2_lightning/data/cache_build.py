@@ -49,7 +49,6 @@ from dflash2_lightning.target.target import Target
 log = logging.getLogger(__name__)
 
 STATE, DONE, LOCK = "build.json", "done", "lock"
-TOKEN_ARRAYS = ("input_ids", "loss_mask", "attention_mask")
 QUEUE_BATCHES = 2  # batches computed but not yet written: bounds the host memory the overlap takes
 
 

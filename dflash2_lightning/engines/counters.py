@@ -54,7 +54,6 @@ from dflash2_lightning.errors import UserError
 LLAMA_CPP = "llama.cpp"
 VLLM = "vLLM"
 SGLANG = "SGLang"
-ENGINES = (LLAMA_CPP, VLLM, SGLANG)
 ENGINE_CHOICES = {"llama.cpp": LLAMA_CPP, "vllm": VLLM, "sglang": SGLANG}
 
 # Prometheus metric prefixes and names, as the engines write them.

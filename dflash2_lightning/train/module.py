@@ -46,7 +46,7 @@ from torch import Tensor
 
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.data.prompts import record_prompts
-from dflash2_lightning.errors import ConfigError, UserError, check
+from dflash2_lightning.errors import ConfigError, UserError
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetSpec
@@ -131,33 +131,7 @@ class DFlash2Module(pl.LightningModule):
         draft, objective = as_options(draft, DraftOptions), as_options(objective, ObjectiveOptions)
         optimizer, validation = as_options(optimizer, OptimizerOptions), as_options(validation, ValidationOptions)
         export, experimental = as_options(export, ExportOptions), as_options(experimental, ExperimentalOptions)
-        check(optimizer.lr > 0, "optimizer.lr", optimizer.lr, "> 0")
-        check(optimizer.weight_decay >= 0, "optimizer.weight_decay", optimizer.weight_decay, ">= 0")
-        check(
-            len(optimizer.betas) == 2 and all(0 <= b < 1 for b in optimizer.betas),
-            "optimizer.betas",
-            optimizer.betas,
-            "two values in [0, 1)",
-        )
-        check(0 <= optimizer.warmup_ratio < 1, "optimizer.warmup_ratio", optimizer.warmup_ratio, "in [0, 1)")
-        check(
-            optimizer.warmup_steps is None or optimizer.warmup_steps >= 0,
-            "optimizer.warmup_steps",
-            optimizer.warmup_steps,
-            "None or >= 0",
-        )
-        check(0 <= optimizer.min_lr_ratio <= 1, "optimizer.min_lr_ratio", optimizer.min_lr_ratio, "in [0, 1]")
-        check(export.acceptance_prompts >= 0, "export.acceptance_prompts", export.acceptance_prompts, ">= 0")
-        check(export.acceptance_tokens >= 1, "export.acceptance_tokens", export.acceptance_tokens, ">= 1")
-        check(
-            experimental.selector_lr_scale > 0, "experimental.selector_lr_scale", experimental.selector_lr_scale, "> 0"
-        )
-        check(
-            experimental.selector_init in ("random", "target_embedding"),
-            "experimental.selector_init",
-            experimental.selector_init,
-            "'random' or 'target_embedding'",
-        )
+        # each group checked its own ranges when it was made (options.py)
 
         overrides = {k: v for k, v in dataclasses.asdict(draft).items() if v is not None}
         with draft_settings_named(draft):
@@ -225,14 +199,11 @@ class DFlash2Module(pl.LightningModule):
             num_anchors=objective.num_anchors,
             labels=objective.labels,
         )
-        from dflash2_lightning.model.sampling import Sampling
-
-        try:
-            val_sampling = Sampling(validation.temperature or 0.0, validation.top_p, validation.top_k)
-        except ValueError as err:
-            raise ConfigError(f"validation.{err}") from None  # the message names the field: temperature=...
         self.val_metrics = DraftMetrics(
-            self.draft_config.block_size, selector=self.draft_config.is_dflash2, prefix="val", sampling=val_sampling
+            self.draft_config.block_size,
+            selector=self.draft_config.is_dflash2,
+            prefix="val",
+            sampling=validation.sampling(),
         )
         self._due_validation: dict[str, int] | None = None  # a resumed checkpoint's validation still to run
 

@@ -10,8 +10,9 @@ Each group is a typed dataclass that LightningCLI resolves natively, so a config
         objective: {position_weighting: decay, decay_gamma: 2.0, num_anchors: 16}
         optimizer: {lr: 1.0e-3, warmup_ratio: 0.05}
 
-and the command line ``--model.init_args.optimizer.lr 3e-4``. Range checks run when the module is built
-(:class:`~dflash2_lightning.config.DraftConfig` checks the draft's geometry against the target).
+and the command line ``--model.init_args.optimizer.lr 3e-4``. Each group checks its own ranges when it is made
+(``__post_init__``); the draft's geometry is checked against the target when the module is built
+(:class:`~dflash2_lightning.config.DraftConfig`).
 :data:`MOVED_KEYS` maps each flat key of the configs written before the groups to its group, so an old
 config gets an error that says how to write it now.
 """
@@ -24,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dflash2_lightning.errors import ConfigError, check
+from dflash2_lightning.model.sampling import Sampling
 from dflash2_lightning.train.objective import GoldOutsideTopK, LabelSource, PositionWeighting, TokenLoss
 
 
@@ -103,6 +106,20 @@ class OptimizerOptions:
     warmup_steps: int | None = None
     min_lr_ratio: float = 0.0
 
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "optimizer.lr", self.lr, "> 0")
+        check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, ">= 0")
+        betas = tuple(self.betas)
+        check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "optimizer.betas", self.betas, "two values in [0, 1)")
+        check(0 <= self.warmup_ratio < 1, "optimizer.warmup_ratio", self.warmup_ratio, "in [0, 1)")
+        check(
+            self.warmup_steps is None or self.warmup_steps >= 0,
+            "optimizer.warmup_steps",
+            self.warmup_steps,
+            "None or >= 0",
+        )
+        check(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+
 
 @dataclass(frozen=True)
 class ValidationOptions:
@@ -116,6 +133,16 @@ class ValidationOptions:
     temperature: float | None = 1.0
     top_p: float = 1.0
     top_k: int = 0
+
+    def sampling(self) -> Sampling:
+        """The sampling law validation measures (temperature 0: greedy only)."""
+        return Sampling(self.temperature or 0.0, self.top_p, self.top_k)
+
+    def __post_init__(self) -> None:
+        try:
+            self.sampling()
+        except ValueError as err:
+            raise ConfigError(f"validation.{err}") from None  # the message names the field: temperature=...
 
 
 @dataclass(frozen=True)
@@ -139,6 +166,10 @@ class ExportOptions:
     acceptance_prompts: int = 8
     acceptance_tokens: int = 64
 
+    def __post_init__(self) -> None:
+        check(self.acceptance_prompts >= 0, "export.acceptance_prompts", self.acceptance_prompts, ">= 0")
+        check(self.acceptance_tokens >= 1, "export.acceptance_tokens", self.acceptance_tokens, ">= 1")
+
 
 @dataclass(frozen=True)
 class ExperimentalOptions:
@@ -160,6 +191,15 @@ class ExperimentalOptions:
     selector_init: Literal["random", "target_embedding"] = "random"
     normalize_features: bool = False
     selector_lr_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check(self.selector_lr_scale > 0, "experimental.selector_lr_scale", self.selector_lr_scale, "> 0")
+        check(
+            self.selector_init in ("random", "target_embedding"),
+            "experimental.selector_init",
+            self.selector_init,
+            "'random' or 'target_embedding'",
+        )
 
 
 #: Flat keys of configs written before the option groups -> where they live now (``group.field``).

@@ -4,23 +4,45 @@ random batches and the quiet trainer the module's tests fit with."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
 
 from dflash2_lightning.export.callback import ExportOnFitEnd
-from dflash2_lightning.train.options import MOVED_KEYS
+from dflash2_lightning.train.options import (
+    DraftOptions,
+    ExperimentalOptions,
+    ExportOptions,
+    ObjectiveOptions,
+    OptimizerOptions,
+)
+
+#: the tests' flat names -> ``group.field`` (``export_dir`` -> ``export.dir``)
+FLAT_NAMES: dict[str, str] = {
+    **{
+        f.name: f"{group}.{f.name}"
+        for group, cls in [
+            ("draft", DraftOptions),
+            ("objective", ObjectiveOptions),
+            ("optimizer", OptimizerOptions),
+            ("experimental", ExperimentalOptions),
+        ]
+        for f in dataclasses.fields(cls)
+    },
+    **{f"export_{f.name}": f"export.{f.name}" for f in dataclasses.fields(ExportOptions)},
+}
 
 #: a small draft for the tiny target (flat settings: see :func:`grouped`)
 SMALL = dict(block_size=4, conv_group_size=16, selector_rank=8, selector_top_k=8, num_anchors=4)
 
 
 def grouped(**flat: Any) -> dict[str, dict[str, Any]]:
-    """Flat setting names (as :data:`~dflash2_lightning.train.options.MOVED_KEYS` knows them) -> option groups."""
+    """Flat setting names (:data:`FLAT_NAMES`) -> option groups."""
     groups: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
-        group, _, field = MOVED_KEYS[key].partition(".")
+        group, _, field = FLAT_NAMES[key].partition(".")
         groups.setdefault(group, {})[field] = value
     return groups
 

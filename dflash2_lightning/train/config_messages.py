@@ -28,15 +28,9 @@ _UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)$", re.M)
 _FILE_MISSING = re.compile(r'Parser key "config": File does not exist: (.*)$', re.M)
 _GROUP_OPTION = re.compile(r"Group '([\w.]+)' does not accept option '([\w.]+)'")
 _SUBCOMMAND_OPTION = re.compile(r"Subcommand '(\w+)' does not accept option '([\w.]+)'")
-_GIVEN_VALUE = re.compile(r"Given value: (\{.*\})\s*$", re.S)
 _REQUIRED = re.compile(r"the following arguments are required: (.*)$", re.M)
 _NO_VALUE = re.compile(r"argument (--[\w.]+): expected (one argument|at least one argument)")
 _SECTIONS = ("model", "data", "optimizer", "lr_scheduler")
-#: class_path values of configs written before the package was laid out by pipeline stage -> the path now.
-MOVED_CLASS_PATHS = {
-    "dflash2_lightning.module.DFlash2Module": "dflash2_lightning.train.DFlash2Module",
-    "dflash2_lightning.callbacks.ResumableCSVLogger": "dflash2_lightning.train.ResumableCSVLogger",
-}
 
 
 def _class(path: str) -> Any:
@@ -99,40 +93,6 @@ def group_fields(cls: Any) -> dict[str, list[str]]:
     }
 
 
-def flat_config_message(cls: Any, given: dict[str, Any], where: str) -> str | None:
-    """For a config in the flat layout of before the option groups: every moved key, grouped as it is written now."""
-    from dflash2_lightning.train.options import MOVED_KEYS
-
-    init_args = given.get("init_args") if isinstance(given.get("init_args"), dict) else given
-    flat = [k for k in init_args if k in MOVED_KEYS and k not in group_fields(cls)]
-    if getattr(cls, "__name__", None) != "DFlash2Module" or not flat:
-        return None
-    groups: dict[str, list[str]] = {}
-    for key in flat:
-        group, _, field = MOVED_KEYS[key].partition(".")
-        groups.setdefault(group, []).append(
-            f"{field}: {init_args[key]!r}" if isinstance(init_args[key], str) else f"{field}: {init_args[key]}"
-        )
-    written = "; ".join(f"{group}: {{{', '.join(fields)}}}" for group, fields in groups.items())
-    return (
-        f"model.init_args has the flat settings of an older config ({where}): DFlash2Module's settings are "
-        f"grouped now; write them under model.init_args as {written}"
-    )
-
-
-def moved_key(cls: Any, key: str) -> str | None:
-    """How to write a flat ``DFlash2Module`` key of the configs written before its option groups, or None."""
-    from dflash2_lightning.train.options import MOVED_KEYS
-
-    if getattr(cls, "__name__", None) != "DFlash2Module" or key not in MOVED_KEYS:
-        return None
-    group, _, field = MOVED_KEYS[key].partition(".")
-    return (
-        f"is now {MOVED_KEYS[key]} (the module's settings are grouped): --model.init_args.{MOVED_KEYS[key]}, "
-        f"or `{group}: {{{field}: ...}}` under model.init_args in a config"
-    )
-
-
 def _closest(word: str, choices: Sequence[str]) -> str | None:
     found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return found[0] if found else None
@@ -184,13 +144,6 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
     prefix = f"{section}.init_args." if section in _SECTIONS and cls is not None else ""
     owner = getattr(cls, "__name__", None)
 
-    old_path = class_path.group(1) if class_path else None
-    if old_path in MOVED_CLASS_PATHS:
-        return (
-            f"class_path {old_path} is now {MOVED_CLASS_PATHS[old_path]} ({_where(message, config_files)}): "
-            "change it in the config"
-        )
-
     top = _SUBCOMMAND_OPTION.search(message)
     group_key = _GROUP_OPTION.search(message)
     if (top or group_key) and not class_path:  # a top-level or trainer key of a config file (jsonargparse names no
@@ -217,22 +170,8 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
         )
 
     bad = _NOT_ACCEPTED.search(message)
-    given = _GIVEN_VALUE.search(message)
-    if bad and given and "NestedArg" not in message:
-        import ast
-
-        try:
-            value = ast.literal_eval(given.group(1))
-        except (ValueError, SyntaxError):
-            value = None
-        flat = flat_config_message(cls, value, _where(message, config_files)) if isinstance(value, dict) else None
-        if flat is not None:
-            return flat
     if bad:
         key = bad.group(1)
-        moved = moved_key(cls, key)
-        if moved is not None:
-            return f"{prefix}{key} {moved} ({_where(message, config_files)}); {help_hint}"
         guess = _closest_setting(key, cls) if cls is not None else None
         return (
             f"{prefix}{key} is not a setting of {owner or section} ({_where(message, config_files)})"
@@ -246,9 +185,6 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
         if not words:
             return f"unexpected argument(s) {unknown.group(1).strip()!r}; {help_hint}"
         key = words[0][2:].split("=", 1)[0]
-        moved = moved_key(cls, key.split(".")[0]) if cls is not None else None
-        if moved is not None:
-            return f"--{prefix}{key} {moved} (on the command line); {help_hint}"
         if cls is not None:  # nested inside a class's arguments: model.init_args.<key> or <group>.<key>
             group, _, field = key.rpartition(".")
             fields = group_fields(cls).get(group)

@@ -13,8 +13,6 @@ Each group is a typed dataclass that LightningCLI resolves natively, so a config
 and the command line ``--model.init_args.optimizer.lr 3e-4``. Each group checks its own ranges when it is made
 (``__post_init__``); the draft's geometry is checked against the target when the module is built
 (:class:`~dflash2_lightning.config.DraftConfig`).
-:data:`MOVED_KEYS` maps each flat key of the configs written before the groups to its group, so an old
-config gets an error that says how to write it now.
 """
 
 from __future__ import annotations
@@ -200,20 +198,6 @@ class ExperimentalOptions:
             self.selector_init,
             "'random' or 'target_embedding'",
         )
-
-
-#: Flat keys of configs written before the option groups -> where they live now (``group.field``).
-MOVED_KEYS: dict[str, str] = {
-    **{f.name: f"draft.{f.name}" for f in dataclasses.fields(DraftOptions)},
-    **{f.name: f"objective.{f.name}" for f in dataclasses.fields(ObjectiveOptions)},
-    **{f.name: f"optimizer.{f.name}" for f in dataclasses.fields(OptimizerOptions)},
-    "val_temperature": "validation.temperature",
-    "val_top_p": "validation.top_p",
-    "val_top_k": "validation.top_k",
-    "export_dir": "export.dir",
-    "export_dtype": "export.dtype",
-    **{f.name: f"experimental.{f.name}" for f in dataclasses.fields(ExperimentalOptions)},
-}
 
 
 #: how a config and the command line spell a draft setting (``--model.init_args.draft.mask_token_id``)

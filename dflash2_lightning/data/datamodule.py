@@ -112,7 +112,7 @@ class DraftDataModule(pl.LightningDataModule):
         feature_dtype: on-disk dtype of offline features, ``float16`` (default) or ``float32``.
         feature_device: device that computes offline features (default: ``cuda`` when available, else ``cpu``).
         feature_autocast: ``"bf16"`` computes offline features and target logits under bfloat16 autocast
-            (~2.5x faster on a CPU with AMX, the target's matmuls rounded to bf16 as ``bf16-mixed``
+            (faster on a CPU with AMX, the target's matmuls rounded to bf16 as ``bf16-mixed``
             training rounds the draft's); ``"none"`` (default) in the target's own dtype.
         cache_batch_size: offline: samples per target forward while the feature cache is built, on each rank
             (every rank computes its share of the batches; the target's logits for a batch take

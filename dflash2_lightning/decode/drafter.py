@@ -131,7 +131,7 @@ def low_precision_head(target: Any, dtype: torch.dtype = torch.bfloat16) -> Head
     """A drafting head: the target's ``lm_head`` weight cast once to ``dtype``, applied in ``dtype``.
 
     On a CPU with bf16 dot-product instructions (AVX512-BF16, AMX) the 15 x vocab head of a draft step
-    runs ~2.5x faster in bfloat16 (SmolLM2's 49152 x 576 head, one core: 11 vs 28 ms) and reads half
+    runs faster in bfloat16 than in float32 (docs/cpu-linears.md has the measurements) and reads half
     the bytes. Logits come back in ``dtype``; the top-k and the walk widen them to float32. Only for
     drafting: :func:`speculative_generate` verifies with the target's own head.
     """
@@ -144,7 +144,7 @@ def low_precision_head(target: Any, dtype: torch.dtype = torch.bfloat16) -> Head
 
     def head(hidden: Tensor) -> Tensor:
         # As rows: a [1, 15, H] slice of a [1, 16, H] block counts as contiguous but keeps the batch
-        # stride 16*H, and oneDNN's bf16 matmul then takes a path ~13x slower (137 vs 10 ms).
+        # stride 16*H, and oneDNN's bf16 matmul then takes a path an order of magnitude slower.
         rows = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
         return torch.nn.functional.linear(rows, weight, bias).view(*hidden.shape[:-1], -1)
 

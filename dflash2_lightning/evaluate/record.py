@@ -122,7 +122,7 @@ def make_record(
     ``prompt_overflow`` as in
     ``dflash2 eval``), as ``dflash2 eval`` checks them.
     Cost: the target's batched greedy decoding of ``num_prompts x max_new_tokens`` tokens plus one
-    teacher-forced pass per prompt (SmolLM2-135M on 2 cores: ~10 s for the default 8 x 64).
+    teacher-forced pass per prompt.
     """
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, read_prompts, record_prompts
     from dflash2_lightning.errors import check

@@ -140,8 +140,8 @@ def replay_eval(
     """τ at T=0 on many more prompts than the loop can afford: the loop's cycles replayed, teacher-forced.
 
     The target decodes every prompt greedily in batches of ``batch_size``
-    (:func:`~dflash2_lightning.target.generate.generate`; SmolLM2-135M on 2 cores: 176 tok/s at 96, 141 at 32,
-    ~15 for one stream), then :func:`teacher_forced` replays the loop along each output:
+    (:func:`~dflash2_lightning.target.generate.generate`, many times the throughput of one stream on a CPU;
+    measured in docs/measuring-tau.md), then :func:`teacher_forced` replays the loop along each output:
     at T=0 the replay is the loop's τ exactly (same cycle starts, same per-anchor acceptance; tested,
     and every report checks it on the loop's own prompts: ``estimated.replayed_tau``), at a
     fraction of its cost, so the interval can be narrow. No timings: the loop's figures give the speed.

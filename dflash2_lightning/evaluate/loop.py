@@ -68,6 +68,7 @@ def evaluate_draft(
     resamples: int = RESAMPLES,
     oracle_top_k: int | None = None,
     draft_head: Head | None = None,
+    categories: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Measure ``draft`` against ``target`` on tokenised ``prompts``; the report as a dict (see :func:`~dflash2_lightning.evaluate.command.run_eval`).
 
@@ -80,11 +81,15 @@ def evaluate_draft(
     ``oracle_top_k``: candidates of the T=0 top-k oracle (default: the selector's ``top_k``, or
     :data:`~dflash2_lightning.evaluate.teacher_forced.ORACLE_TOP_K` for a DFlash draft). ``draft_head``: the loop drafts through this head instead of
     the target's (e.g. a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`; the target still verifies
-    with its own); the teacher-forced estimates keep the target's head.
+    with its own); the teacher-forced estimates keep the target's head. ``categories``: one name per prompt (e.g.
+    a named set's, :mod:`~dflash2_lightning.data.prompts.standard`); each temperature's block then gains
+    ``categories``, per category its prompts and per path the same measured figures and intervals over its prompts.
     """
     from dflash2_lightning.errors import ConfigError
 
     check_inputs(prompts, max_new_tokens, oracle_top_k, "evaluate", resamples)
+    if categories is not None and len(categories) != len(prompts):
+        raise ConfigError(f"categories has {len(categories)} names for {len(prompts)} prompts: give one per prompt")
     if samples < 1:
         raise ConfigError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
     temps = [float(t) for t in temperatures]
@@ -133,6 +138,7 @@ def evaluate_draft(
             samples if not st.greedy else 1,
             resamples,
             oracle_top_k,
+            categories,
         )
     first = next(iter(blocks.values()))
     report: dict[str, Any] = {
@@ -207,8 +213,10 @@ def _evaluate_at(
     samples: int,
     resamples: int,
     oracle_top_k: int,
+    categories: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """One temperature: target-only and speculative runs of every prompt, the per-path figures and intervals."""
+    """One temperature: target-only and speculative runs of every prompt, the per-path figures and intervals (and
+    per category, with ``categories``: one name per prompt)."""
     from tqdm.auto import tqdm
 
     usable = list(drafters)
@@ -254,40 +262,79 @@ def _evaluate_at(
                 (oracle if x == "oracle" else runs[x].estimate).add(tf)
 
     flat = [r for refs in references for r in refs]
-    base_tokens = sum(len(r.tokens) for r in flat)
-    base_seconds = sum(r.seconds for r in flat)
-    base_tps = base_tokens / base_seconds if base_seconds > 0 else None
     block: dict[str, Any] = {
         "temperature": st.temperature,
         "top_p": st.top_p,
         "top_k": st.top_k,
         "samples_per_prompt": samples,
         "stopped_at_eos": sum(r.stopped for r in flat),
-        "target_only": {"tokens": base_tokens, "seconds": base_seconds, "tokens_per_second": base_tps},
+        "target_only": target_only(references),
         "paths": {},
     }
     for x, run in runs.items():
-        measured = AcceptanceStats.from_results(run.results).summary()
-        tps = measured["tokens_per_second"]
-        per_prompt = [AcceptanceStats.from_results(rs) for rs in run.by_prompt]
         block["paths"][x] = {
-            "measured": measured,
+            **measured_figures(run.by_prompt, references, resamples, seed),
             "estimated": run.estimate.summary() if run.estimate is not None else None,
             "lossless": not run.mismatched if st.greedy else None,
             "mismatched_prompts": run.mismatched,
-            "speedup": tps / base_tps if tps and base_tps else None,
-            "interval": bootstrap_intervals(
-                [s.histogram for s in per_prompt],
-                [s.tokens for s in per_prompt],
-                [s.seconds for s in per_prompt],
-                [sum(len(r.tokens) for r in refs) for refs in references],
-                [sum(r.seconds for r in refs) for refs in references],
-                resamples=resamples,
-                seed=seed,
-            ),
             "per_prompt_accepted": [int(sum(sum(r.accepted) for r in rs)) for rs in run.by_prompt],
         }
     block["tau"] = {x: v["measured"]["tau"] for x, v in block["paths"].items()}
+    if categories is not None:
+        block["categories"] = {
+            name: {
+                "prompts": len(rows),
+                "target_only": target_only([references[i] for i in rows]),
+                "paths": {
+                    x: measured_figures(
+                        [run.by_prompt[i] for i in rows], [references[i] for i in rows], resamples, seed
+                    )
+                    for x, run in runs.items()
+                },
+            }
+            for name, rows in category_rows(categories).items()
+        }
     if oracle is not None:
         block["oracle"] = {"top_k": oracle_top_k, **oracle.summary()}
     return block
+
+
+def category_rows(categories: Sequence[str]) -> dict[str, list[int]]:
+    """The prompts (their indices) of each category, categories in order of first appearance."""
+    rows: dict[str, list[int]] = {}
+    for i, name in enumerate(categories):
+        rows.setdefault(name, []).append(i)
+    return rows
+
+
+def target_only(references: Sequence[Sequence[GreedyResult]]) -> dict[str, Any]:
+    """Tokens, seconds and tokens/s of the target-only runs of some prompts (each prompt's runs)."""
+    tokens = sum(len(r.tokens) for refs in references for r in refs)
+    seconds = sum(r.seconds for refs in references for r in refs)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds if seconds > 0 else None}
+
+
+def measured_figures(
+    by_prompt: Sequence[Sequence[SpecResult]],
+    references: Sequence[Sequence[GreedyResult]],
+    resamples: int,
+    seed: int,
+) -> dict[str, Any]:
+    """τ, acceptance and speed of the speculative runs of some prompts (``by_prompt``, each prompt's runs) against
+    the same prompts' target-only runs (``references``), with their bootstrap intervals over those prompts."""
+    measured = AcceptanceStats.from_results([r for rs in by_prompt for r in rs]).summary()
+    tps, base_tps = measured["tokens_per_second"], target_only(references)["tokens_per_second"]
+    per_prompt = [AcceptanceStats.from_results(rs) for rs in by_prompt]
+    return {
+        "measured": measured,
+        "speedup": tps / base_tps if tps and base_tps else None,
+        "interval": bootstrap_intervals(
+            [s.histogram for s in per_prompt],
+            [s.tokens for s in per_prompt],
+            [s.seconds for s in per_prompt],
+            [sum(len(r.tokens) for r in refs) for refs in references],
+            [sum(r.seconds for r in refs) for refs in references],
+            resamples=resamples,
+            seed=seed,
+        ),
+    }

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash2_lightning.decode.speculative import target_handles
-from dflash2_lightning.evaluate.loop import check_inputs
+from dflash2_lightning.evaluate.loop import category_rows, check_inputs
 from dflash2_lightning.evaluate.teacher_forced import default_oracle_top_k, teacher_forced
 from dflash2_lightning.intervals import RESAMPLES, replay_summary
 from dflash2_lightning.model.draft import DraftModel
@@ -108,10 +108,22 @@ def run_replay(
     )
 
 
-def replay_report(run: ReplayRun, block_size: int, resamples: int = RESAMPLES, seed: int = 0) -> dict[str, Any]:
-    """The ``replay`` section of an eval report from a :class:`ReplayRun` (see :func:`replay_eval`)."""
+def replay_report(
+    run: ReplayRun,
+    block_size: int,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    categories: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """The ``replay`` section of an eval report from a :class:`ReplayRun` (see :func:`replay_eval`); with
+    ``categories`` (one name per replayed prompt) also ``categories``: per category its prompts and each path's
+    τ summary over them."""
+    from dflash2_lightning.errors import ConfigError
+
+    if categories is not None and len(categories) != len(run.prompts):
+        raise ConfigError(f"categories has {len(categories)} names for {len(run.prompts)} replayed prompts")
     stop = run.stop_token_ids
-    return {
+    report: dict[str, Any] = {
         "temperature": 0.0,
         "prompts": len(run.prompts),
         "max_new_tokens": run.max_new_tokens,
@@ -123,6 +135,19 @@ def replay_report(run: ReplayRun, block_size: int, resamples: int = RESAMPLES, s
         "method": "teacher-forced replay of the loop's cycles along the target's greedy outputs "
         "(equals the measured tau at T=0)",
     }
+    if categories is not None:
+        report["categories"] = {
+            name: {
+                "prompts": len(rows),
+                "paths": {
+                    x: replay_summary([v[i] for i in rows], block_size, resamples, seed)
+                    for x, v in run.lengths.items()
+                    if x != "oracle"
+                },
+            }
+            for name, rows in category_rows(categories).items()
+        }
+    return report
 
 
 def replay_eval(

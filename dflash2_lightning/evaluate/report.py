@@ -29,7 +29,11 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
     colors = {"selector": "tab:orange", "backbone": "tab:blue"}
     styles = ["-o", "-s", "-^", "-v", "-D", "-x"]
     blocks = list(temperature_blocks(report).values())
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4), dpi=100)
+    by_category = any(blk.get("categories") for blk in blocks)
+    fig, axes = plt.subplots(1, 4 if by_category else 3, figsize=(21 if by_category else 15, 4), dpi=100)
+    left, middle, right = axes[:3]
+    if by_category:
+        plot_categories(axes[3], blocks, report.get("replay"), colors, styles)
     for ti, blk in enumerate(blocks):
         t = blk["temperature"]
         for name, res in blk["paths"].items():
@@ -115,7 +119,7 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
         ylabel="fraction of cycles",
         title=f"accepted lengths, T={blocks[0]['temperature']:g}",
     )
-    for ax in (left, middle, right):
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(
@@ -126,8 +130,65 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+def plot_categories(
+    ax: Any, blocks: list[dict[str, Any]], replay: dict[str, Any] | None, colors: dict[str, str], styles: list[str]
+) -> None:
+    """τ per category with its 95% interval: each path at each temperature (and the T=0 replay's, diamonds)."""
+    names = list(blocks[0]["categories"])
+    series = [
+        (f"{path} T={blk['temperature']:g}", path, styles[ti % len(styles)][1:], blk["categories"])
+        for ti, blk in enumerate(blocks)
+        for path in blk["paths"]
+    ]
+    if replay and replay.get("categories"):
+        series += [(f"{path} T=0 replay", path, "D", replay["categories"]) for path in replay["paths"]]
+    width = 0.8 / len(series)
+    for j, (label, path, marker, categories) in enumerate(series):
+        xs, taus, err = [], [], [[], []]
+        for i, name in enumerate(names):
+            tau, iv, _, _ = category_figures(categories[name]["paths"][path]) if name in categories else (None,) * 4
+            if tau is None:
+                continue
+            xs.append(i + (j - (len(series) - 1) / 2) * width)
+            taus.append(tau)
+            err[0].append(tau - iv[0] if iv and iv[0] is not None else 0.0)
+            err[1].append(iv[1] - tau if iv and iv[1] is not None else 0.0)
+        ax.errorbar(xs, taus, yerr=err, fmt=marker, capsize=3, color=colors.get(path), label=label)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+    ax.set(ylabel="τ (tokens per verify step)", title="τ per category, 95% interval")
+
+
 def interval_text(bounds: Sequence[float | None] | None) -> str:
     return f" [{bounds[0]:.2f}, {bounds[1]:.2f}]" if bounds and bounds[0] is not None else ""
+
+
+def category_figures(res: dict[str, Any]) -> tuple[float | None, Any, float | None, Any]:
+    """``(tau, its interval, speed-up, its interval)`` of one path's figures in a category: the loop's (``measured``,
+    ``speedup``, ``interval``) or the replay's (``tau``, ``interval``; no speed)."""
+    if "measured" in res:
+        iv = res.get("interval") or {}
+        return res["measured"]["tau"], iv.get("tau"), res.get("speedup"), iv.get("speedup")
+    return res["tau"], res["interval"], None, None
+
+
+def category_lines(categories: dict[str, dict[str, Any]] | None, indent: str = "") -> list[str]:
+    """Per category (a named prompt set's): its prompts and each path's τ (and speed-up) with its interval."""
+    if not categories:
+        return []
+    figures = {
+        name: {path: category_figures(res) for path, res in c["paths"].items()} for name, c in categories.items()
+    }
+    timed = any(f[2] for paths in figures.values() for f in paths.values())
+    lines = [f"{indent}per category: tau [95%]" + (" (speed-up [95%])" if timed else "")]
+    labels = {name: f"{name} ({c['prompts']})" for name, c in categories.items()}
+    width = max(len(label) for label in labels.values())
+    for name, paths in figures.items():
+        parts = []
+        for path, (tau, tau_iv, speedup, speedup_iv) in paths.items():
+            speed = f" ({speedup:.2f}x{interval_text(speedup_iv)})" if speedup else ""
+            parts.append(f"{path} {tau:.2f}{interval_text(tau_iv)}{speed}" if tau is not None else f"{path} -")
+        lines.append(f"{indent}  {labels[name]:>{width}}: " + "; ".join(parts))
+    return lines
 
 
 def replay_lines(replay: dict[str, Any] | None, indent: str = "") -> list[str]:
@@ -144,7 +205,7 @@ def replay_lines(replay: dict[str, Any] | None, indent: str = "") -> list[str]:
                 f"{indent}{name:>14}: tau {r['tau']:.2f}{interval_text(r['interval'])}  accept_k "
                 + "  ".join(f"{a:.2f}" for a in r["accept"])
             )
-    return lines
+    return lines + category_lines(replay.get("categories"), indent)
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -189,6 +250,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                     + "accept_k "
                     + "  ".join(f"{a:.2f}{interval_text(b)}" for a, b in zip(m["accept"], iv["accept"]))
                 )
+        lines += category_lines(blk.get("categories"), " " * 2)
         orc = blk.get("oracle") or {}
         if orc.get("replayed_tau"):
             lines.append(

@@ -11,6 +11,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
+from dflash2_lightning.train.lightning_internals import rich_available
+
 
 def _metrics(trainer: Any, items: dict[str, Any]) -> dict[str, Any]:
     items.pop("v_num", None)
@@ -44,6 +46,4 @@ class StepTQDMProgressBar(TQDMProgressBar):
 
 def step_progress_bar() -> RichProgressBar | TQDMProgressBar:
     """The bar Lightning would pick (rich when installed, else tqdm), with the changes above."""
-    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
-
-    return StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
+    return StepRichProgressBar() if rich_available() else StepTQDMProgressBar()

@@ -13,7 +13,8 @@ are (each probed by :func:`check` too):
   overrides its ``register_signal_handlers`` and ``teardown``;
 - ``run_files.ResumableCSVLogger`` keeps ``CSVLogger``'s ``experiment`` in its ``_experiment`` (made through
   ``_fs``), and its writer overrides ``ExperimentWriter._check_log_dir_exists`` and calls ``_record_new_keys``;
-- ``plan_command.PlanCLI`` overrides ``LightningCLI._set_seed``.
+- ``plan_command.PlanCLI`` overrides ``LightningCLI._set_seed``;
+- ``progress.StepRichProgressBar`` overrides ``RichProgressBar._get_train_description``.
 
 :func:`check` looks every one of these names up on the installed Lightning and raises
 :class:`LightningInternalsChanged` naming the first one missing, the Lightning version and what depends on it;
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import lightning
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -216,6 +218,13 @@ def rich_available() -> bool:
 
 
 # ---------------------------------------------------------------------- the check
+def _defined_by(cls: type, name: str) -> Any:
+    """``name`` as ``cls`` itself defines it (not inherited: an override of it must still replace ``cls``'s own)."""
+    if name not in vars(cls):
+        raise AttributeError(f"{cls.__name__} no longer defines {name} itself")
+    return vars(cls)[name]
+
+
 def _on_class(obj: Any, name: str) -> Any:
     """``name`` looked up on ``obj``'s class (a property is not run, a method not bound)."""
     return getattr(type(obj), name)
@@ -292,7 +301,7 @@ PROBES: tuple[Probe, ...] = (
         "FSDPStrategy._setup_model",
         "overridden method",
         "DraftFSDPStrategy (it keeps the FSDP root for norm clipping)",
-        lambda t: FSDPStrategy._setup_model,
+        lambda t: _defined_by(FSDPStrategy, "_setup_model"),
     ),
     Probe(
         "Strategy._accelerator",
@@ -332,6 +341,12 @@ PROBES: tuple[Probe, ...] = (
     ),
     Probe("LightningCLI._set_seed", "overridden method", "dflash2 plan (PlanCLI)", lambda t: LightningCLI._set_seed),
     RICH_AVAILABLE,
+    Probe(
+        "RichProgressBar._get_train_description",
+        "overridden method",
+        "the progress bar (StepRichProgressBar's Epoch N/M)",
+        lambda t: _defined_by(RichProgressBar, "_get_train_description"),
+    ),
 )
 
 

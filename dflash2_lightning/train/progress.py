@@ -24,7 +24,7 @@ def _metrics(trainer: Any, items: dict[str, Any]) -> dict[str, Any]:
 class StepRichProgressBar(RichProgressBar):
     """:class:`RichProgressBar` with ``Epoch N`` and ``step S/max_steps`` (no ``v_num``)."""
 
-    def _get_train_description(self, current_epoch: int) -> str:
+    def _get_train_description(self, current_epoch: int) -> str:  # private: probed by lightning_internals
         text = f"Epoch {current_epoch}"
         epochs = self.trainer.max_epochs
         if epochs is not None and epochs > 0:

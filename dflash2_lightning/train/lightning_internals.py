@@ -2,22 +2,20 @@
 
 Exact resume and preemption need a few of Lightning's private loop, connector and strategy attributes (read from
 lightning 2.6.6, :data:`WRITTEN_FOR`). Code that reaches into a Lightning object calls the small functions here,
-never the private name itself. Subclasses of Lightning classes cannot move their private dependencies here; they
-are (each probed by :func:`check` too):
+never the private name itself. Subclasses of Lightning classes keep their private dependencies (probed too):
 
-- ``fsdp.DraftFSDPStrategy`` overrides ``FSDPStrategy._setup_model`` and keeps its ``accelerator`` and
-  ``precision_plugin`` properties in the parent's ``_accelerator`` and ``_precision_plugin``;
-- ``launcher.WatchedLauncher`` subclasses ``_SubprocessScriptLauncher`` (:data:`SubprocessScriptLauncher`) and
-  calls its ``_call_children_scripts``;
-- ``preemption.PreemptionSignalConnector`` subclasses ``_SignalConnector`` (:data:`SignalConnector`) and
-  overrides its ``register_signal_handlers`` and ``teardown``;
-- ``run_files.ResumableCSVLogger`` keeps ``CSVLogger``'s ``experiment`` in its ``_experiment`` (made through
-  ``_fs``), and its writer overrides ``ExperimentWriter._check_log_dir_exists`` and calls ``_record_new_keys``;
-- ``plan_command.PlanCLI`` overrides ``LightningCLI._set_seed``;
-- ``progress.StepRichProgressBar`` overrides ``RichProgressBar._get_train_description``.
+- ``fsdp.DraftFSDPStrategy`` overrides ``FSDPStrategy._setup_model``; its ``accelerator`` and ``precision_plugin``
+  properties keep the parent's ``_accelerator`` and ``_precision_plugin``;
+- ``launcher.WatchedLauncher`` subclasses :data:`SubprocessScriptLauncher` and calls its ``_call_children_scripts``;
+- ``preemption.PreemptionSignalConnector`` subclasses :data:`SignalConnector` (``register_signal_handlers``,
+  ``teardown``);
+- ``run_files.ResumableCSVLogger.experiment`` sets ``CSVLogger._experiment`` (through ``_fs``); its writer
+  overrides ``ExperimentWriter._check_log_dir_exists`` and calls ``_record_new_keys``;
+- ``plan_command.PlanCLI`` overrides ``LightningCLI._set_seed``; ``progress.StepRichProgressBar`` overrides
+  ``RichProgressBar._get_train_description``.
 
-:func:`check` looks every one of these names up on the installed Lightning and raises
-:class:`LightningInternalsChanged` naming the first one missing, the Lightning version and what depends on it;
+:func:`check` looks each name up (a private import already at import time) and raises
+:class:`LightningInternalsChanged` naming it, the installed version and what depends on it;
 ``tests/train/test_lightning_internals.py`` runs it on a real fit, so an upgrade that renames one fails there.
 """
 

@@ -12,13 +12,20 @@ it, at the same global step and logger step as the uninterrupted run, and leaves
 bookkeeping as it would have been. A row of that validation written before the kill is dropped on resume
 (:meth:`~dflash2_lightning.train.run_files.ResumableCSVLogger.drop_rows_from`), so it is logged once.
 
-These read Lightning 2.6's loop state (``fit_loop.epoch_loop``): the same private attributes its own
-validation scheduling uses.
+These read Lightning's loop state: the same private attributes its own validation scheduling uses, reached
+through :mod:`~dflash2_lightning.train.lightning_internals`.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from dflash2_lightning.train.lightning_internals import (
+    first_loop_iter,
+    set_first_loop_iter,
+    skips_next_validation,
+    validation_follows,
+)
 
 #: the checkpoint key recording that a validation was due after the batch the checkpoint covers
 DUE_KEY = "dflash2_validation_due"
@@ -38,9 +45,9 @@ def validation_due(trainer: Any) -> dict[str, int] | None:
     progress = epoch_loop.batch_progress.current
     if progress.processed <= progress.completed:  # not inside on_train_batch_end
         return None
-    if getattr(epoch_loop, "_skip_next_val", False):
+    if skips_next_validation(trainer):
         return None
-    if not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+    if not validation_follows(trainer):
         return None
     return {"epoch": int(trainer.current_epoch)}
 
@@ -60,8 +67,7 @@ def run_due_validation(trainer: Any, due: dict[str, int]) -> None:
     progress = val_loop.batch_progress.state_dict()
     restarting = val_loop.restarting
     epoch = fit_loop.epoch_progress.current.completed
-    connector = trainer._logger_connector
-    first_loop_iter = connector._first_loop_iter
+    first_iter = first_loop_iter(trainer)
     val_loop.restarting = False
     fit_loop.epoch_progress.current.completed = int(due.get("epoch", epoch))  # trainer.current_epoch
     trainer.validating = True
@@ -70,6 +76,6 @@ def run_due_validation(trainer: Any, due: dict[str, int]) -> None:
     finally:
         trainer.training = True
         fit_loop.epoch_progress.current.completed = epoch
-        connector._first_loop_iter = first_loop_iter
+        set_first_loop_iter(trainer, first_iter)
         val_loop.batch_progress.load_state_dict(progress)
         val_loop.restarting = restarting

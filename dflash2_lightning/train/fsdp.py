@@ -108,6 +108,7 @@ class DraftFSDPStrategy(FSDPStrategy):
         kwargs.update(mixed_precision=draft_mixed_precision(), auto_wrap_policy=draft_wrap_policy())
         super().__init__(**kwargs)
 
+    # accelerator and precision_plugin keep Lightning's private backing attributes (probed by lightning_internals).
     @property
     def accelerator(self) -> Accelerator | None:
         return self._accelerator
@@ -144,7 +145,7 @@ class DraftFSDPStrategy(FSDPStrategy):
             plugin = DraftFSDPPrecision(plugin.precision, plugin.scaler)
         self._precision_plugin = plugin
 
-    def _setup_model(self, model: Module) -> Module:
+    def _setup_model(self, model: Module) -> Module:  # a private hook: lightning_internals.check probes it
         if getattr(model, "feature_scale", None) is not None:
             # The first step divides fc.weight's columns in place; under FSDP that weight is a 1-D shard.
             raise ConfigError(

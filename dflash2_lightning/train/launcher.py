@@ -38,11 +38,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 from dflash2_lightning.errors import ReportedByAnotherRank, UserError
 from dflash2_lightning.reporting import exception_chain, print_error
+from dflash2_lightning.train.lightning_internals import (
+    SubprocessScriptLauncher,
+    replace_launcher,
+    set_num_threads_if_needed,
+)
 from dflash2_lightning.train.preemption import STOP, FitInterrupted
 
 #: seconds a dead peer is given to surface as an error in the main thread before the watcher reports it itself
@@ -129,13 +132,13 @@ class Death:
     returncode: int
 
 
-class WatchedLauncher(_SubprocessScriptLauncher):
+class WatchedLauncher(SubprocessScriptLauncher):
     """Lightning's subprocess launcher with watchers that report a dead rank in one line (module docstring).
 
     ``command``: how to resume the fit (for the message).
     """
 
-    def __init__(self, launcher: _SubprocessScriptLauncher, command: str) -> None:
+    def __init__(self, launcher: SubprocessScriptLauncher, command: str) -> None:
         super().__init__(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
         self.command = command
         self.trainer: Any = None
@@ -152,13 +155,13 @@ class WatchedLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the children inherit it
-            self._call_children_scripts()
+            self._call_children_scripts()  # Lightning's private starter (probed by lightning_internals)
             STOP.abort_hooks.append(self.kill_children)
             self._start(self._watch_children, "dflash2-rank-watch")
         elif os.environ.get(LAUNCHER_PID_ENV) == str(os.getppid()):
             self.parent_pid = os.getppid()
             self._start(self._watch_launcher, "dflash2-launcher-watch")
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
     def _start(self, target: Callable[[], None], name: str) -> None:
@@ -318,8 +321,8 @@ def install_launcher(trainer: Any, command: str) -> None:
     """Give ``trainer``'s strategy a :class:`WatchedLauncher` in place of Lightning's subprocess launcher (the
     DDP / FSDP strategies' default); other launchers (spawn, external) are left as they are."""
     strategy = trainer.strategy
-    if type(strategy.launcher) is _SubprocessScriptLauncher:
-        strategy._launcher = WatchedLauncher(strategy.launcher, command)  # set by the strategy's _configure_launcher
+    if type(strategy.launcher) is SubprocessScriptLauncher:
+        replace_launcher(strategy, WatchedLauncher(strategy.launcher, command))
 
 
 __all__ = ["RankDiedError", "WatchedLauncher", "describe_exit", "install_launcher", "is_peer_failure"]

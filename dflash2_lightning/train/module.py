@@ -52,6 +52,7 @@ from dflash2_lightning.target.load import load_target
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.target import Target
 from dflash2_lightning.train.due_validation import DUE_KEY, run_due_validation, validation_due
+from dflash2_lightning.train.lightning_internals import attached_trainer
 from dflash2_lightning.train.metrics import DraftMetrics, plot_acceptance
 from dflash2_lightning.train.objective import DraftObjective, ObjectiveOutput, Teacher, sample_anchors
 from dflash2_lightning.train.options import (
@@ -393,7 +394,7 @@ class DFlash2Module(pl.LightningModule):
         valid[:, 0] = False
         x = features.float()[valid]
         sums = torch.stack([x.pow(2).sum(0), torch.full_like(x[0], float(x.shape[0]))])
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         if trainer is not None and trainer.world_size > 1:
             sums = trainer.strategy.reduce(sums, reduce_op="sum")
         rms = (sums[0] / sums[1].clamp(min=1)).sqrt()
@@ -525,15 +526,16 @@ class DFlash2Module(pl.LightningModule):
         # The draft's config and the target it was trained against: a resume is checked against both.
         checkpoint["draft_config"] = self.draft_config.to_hf_dict()
         checkpoint[TARGET_KEY] = self.target.describe()
+        trainer = attached_trainer(self)
         # Whether the validation after the step this checkpoint covers had still to run (it runs after a resume).
-        checkpoint[DUE_KEY] = validation_due(self._trainer)
+        checkpoint[DUE_KEY] = validation_due(trainer)
         # The metrics row of the step this checkpoint covers goes to disk before the checkpoint does.
-        if self._trainer is not None:
-            log_step_metrics_now(self._trainer)
+        if trainer is not None:
+            log_step_metrics_now(trainer)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Before any weight is loaded: the checkpoint must be of this target and this draft geometry.
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         check_resume(
             checkpoint, self.target.describe(), self.draft_config.to_hf_dict(), getattr(trainer, "ckpt_path", None)
         )

@@ -51,7 +51,7 @@ class PlanCLI(DFlash2CLI):
     def instantiate_classes(self) -> None:
         """Nothing: the plan is made from the config alone."""
 
-    def _set_seed(self) -> None:
+    def _set_seed(self) -> None:  # a private LightningCLI hook (probed by lightning_internals)
         """Nothing to seed (and no "Seed set" line in the plan's output)."""
 
 

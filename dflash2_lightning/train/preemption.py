@@ -58,11 +58,11 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from dflash2_lightning.errors import ReportedByAnotherRank, UserError
 from dflash2_lightning.reporting import print_error, split_debug
+from dflash2_lightning.train.lightning_internals import SignalConnector, cluster_environment, replace_signal_connector
 
 #: the signals that stop a fit at a step boundary (SLURM's requeue signal is added when it is another one)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -232,7 +232,7 @@ def interruption(signum: int, command: str, **details: Any) -> UserError:
     return ReportedByAnotherRank(str(report), exit_status=report.exit_status)
 
 
-class PreemptionSignalConnector(_SignalConnector):
+class PreemptionSignalConnector(SignalConnector):
     """Lightning's signal connector for ``fit``, replaced: its handlers record the signal (:data:`STOP`) instead
     of running a collective inside the handler; the ranks act on it together at step boundaries.
 
@@ -241,7 +241,7 @@ class PreemptionSignalConnector(_SignalConnector):
 
     def register_signal_handlers(self) -> None:
         self.received_sigterm = False
-        environment = self.trainer._accelerator_connector.cluster_environment  # where Lightning's own reads it
+        environment = cluster_environment(self.trainer)  # where Lightning's own reads it
         signals = list(STOP_SIGNALS)
         STOP.requeue_signal = None
         if (
@@ -376,7 +376,7 @@ def install_preemption(trainer: Any) -> None:
     The callback goes last, after the ``ModelCheckpoint`` callbacks (which Lightning moved to the end when the
     trainer was made): a step's own checkpoints are written before the stop is decided.
     """
-    trainer._signal_connector = PreemptionSignalConnector(trainer)  # Lightning's own is created in Trainer.__init__
+    replace_signal_connector(trainer, PreemptionSignalConnector(trainer))  # Lightning's own: made in Trainer.__init__
     if not any(isinstance(cb, StopAtStepBoundary) for cb in trainer.callbacks):
         trainer.callbacks.append(StopAtStepBoundary())
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
+from dflash2_lightning.train.lightning_internals import rich_available
+
 
 def _metrics(trainer: Any, items: dict[str, Any]) -> dict[str, Any]:
     items.pop("v_num", None)
@@ -22,7 +24,7 @@ def _metrics(trainer: Any, items: dict[str, Any]) -> dict[str, Any]:
 class StepRichProgressBar(RichProgressBar):
     """:class:`RichProgressBar` with ``Epoch N`` and ``step S/max_steps`` (no ``v_num``)."""
 
-    def _get_train_description(self, current_epoch: int) -> str:
+    def _get_train_description(self, current_epoch: int) -> str:  # private: probed by lightning_internals
         text = f"Epoch {current_epoch}"
         epochs = self.trainer.max_epochs
         if epochs is not None and epochs > 0:
@@ -44,6 +46,4 @@ class StepTQDMProgressBar(TQDMProgressBar):
 
 def step_progress_bar() -> RichProgressBar | TQDMProgressBar:
     """The bar Lightning would pick (rich when installed, else tqdm), with the changes above."""
-    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
-
-    return StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()
+    return StepRichProgressBar() if rich_available() else StepTQDMProgressBar()

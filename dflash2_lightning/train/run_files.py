@@ -43,6 +43,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from dflash2_lightning.files import append_durably, atomic_write, atomic_write_text
 from dflash2_lightning.model.checkpoint import CheckpointError
+from dflash2_lightning.train.lightning_internals import (
+    batches_that_stepped,
+    first_loop_iter,
+    logged_metrics,
+    should_accumulate,
+    should_update_logs,
+)
 
 
 def _is_local(path: str | os.PathLike) -> bool:
@@ -103,7 +110,7 @@ class _AppendingWriter(ExperimentWriter):
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = list(csv.DictReader(f).fieldnames or [])
 
-    def _check_log_dir_exists(self) -> None:
+    def _check_log_dir_exists(self) -> None:  # private hooks of ExperimentWriter: probed by lightning_internals
         pass  # keep what a previous (interrupted) run of this directory logged
 
     def save(self) -> None:
@@ -165,7 +172,7 @@ class ResumableCSVLogger(CSVLogger):
 
     @property
     @rank_zero_experiment
-    def experiment(self) -> ExperimentWriter:
+    def experiment(self) -> ExperimentWriter:  # CSVLogger's own, with its private _experiment and _fs
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
@@ -213,22 +220,20 @@ def log_step_metrics_now(trainer: Any) -> None:
     loggers = [lg for lg in trainer.loggers if isinstance(lg, ResumableCSVLogger)]
     if not loggers or not trainer.training or trainer.sanity_checking:
         return
-    connector = trainer._logger_connector
-    loop = trainer.fit_loop
-    progress = loop.epoch_loop.batch_progress.current
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
     if progress.processed <= progress.completed:  # not inside on_train_batch_end: the row is logged already
         return
-    if loop._should_accumulate() and trainer.lightning_module.automatic_optimization:
+    if should_accumulate(trainer) and trainer.lightning_module.automatic_optimization:
         return
-    if connector._first_loop_iter is None or not (connector.should_update_logs or trainer.fast_dev_run):
+    if first_loop_iter(trainer) is None or not (should_update_logs(trainer) or trainer.fast_dev_run):
         return
-    metrics = connector.metrics["log"]
+    metrics = logged_metrics(trainer)
     if not metrics:
         return
     scalars = convert_tensors_to_scalars(metrics)
     step = scalars.pop("step", None)
     if step is None:
         scalars.setdefault("epoch", trainer.current_epoch)
-        step = loop.epoch_loop._batches_that_stepped
+        step = batches_that_stepped(trainer)
     for logger in loggers:
         logger.log_early(scalars, int(step))

@@ -18,19 +18,6 @@ from dflash2_lightning.intervals import RESAMPLES, replay_summary
 from dflash2_lightning.model.draft import DraftModel
 
 
-def replay_lengths(
-    draft: DraftModel,
-    target: Any,
-    prompts: Sequence[Sequence[int]],
-    outputs: Sequence[Sequence[int]],
-    oracle_top_k: int | None = None,
-    progress: bool = False,
-) -> dict[str, list[list[int]]]:
-    """Per path (``selector``/``backbone`` where the draft has them, and ``oracle``): the accepted lengths
-    of the loop's cycles replayed along each prompt's greedy ``outputs`` (one list per prompt)."""
-    return replay_cycles(draft, target, prompts, outputs, oracle_top_k, progress)[0]
-
-
 def replay_cycles(
     draft: DraftModel,
     target: Any,
@@ -39,8 +26,10 @@ def replay_cycles(
     oracle_top_k: int | None = None,
     progress: bool = False,
 ) -> tuple[dict[str, list[list[int]]], dict[str, Any] | None]:
-    """:func:`replay_lengths`, and the selector health of the replayed cycles
-    (:func:`~dflash2_lightning.evaluate.loop.health_report`; None for a DFlash draft)."""
+    """Per path (``selector``/``backbone`` where the draft has them, and ``oracle``): the accepted lengths
+    of the loop's cycles replayed along each prompt's greedy ``outputs`` (one list per prompt); and the selector
+    health of the selector's replayed cycles (:func:`~dflash2_lightning.evaluate.loop.health_report`; None for a
+    DFlash draft)."""
     from tqdm.auto import tqdm
 
     from dflash2_lightning.train.metrics import SelectorHealth

@@ -17,7 +17,8 @@ def temperature_blocks(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
     """PNG: measured ``accept_k`` per path and temperature with its 95% band (the trainer's greedy
     estimate dashed), τ per temperature with its interval (and the T=0 replay's, when the report has
-    one), and the accepted-length histogram."""
+    one), the accepted-length histogram, τ per category (a named prompt set) and the selector's health per
+    offset (a DFlash2 draft at T=0)."""
     import matplotlib
 
     matplotlib.use("Agg")

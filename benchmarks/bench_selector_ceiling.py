@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from dflash2_lightning.data.prompts import EVAL_PROMPTS, encode_prompt, read_prompts
     from dflash2_lightning.decode.speculative import target_greedy
-    from dflash2_lightning.evaluate.replay import greedy_outputs, replay_lengths
+    from dflash2_lightning.evaluate.replay import greedy_outputs, replay_cycles
     from dflash2_lightning.intervals import replay_summary
     from dflash2_lightning.model.checkpoint import load_draft
     from dflash2_lightning.target.arguments import target_spec_from_arg
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         draft = load_draft(d)
         replays[d] = {
             path: replay_summary(lengths, draft.config.block_size)
-            for path, lengths in replay_lengths(draft, target, prompts, outputs).items()
+            for path, lengths in replay_cycles(draft, target, prompts, outputs)[0].items()
         }
         row = dict(replays[d])
         bb, orc = row["backbone"]["tau"], row["oracle"]["tau"]

@@ -77,6 +77,10 @@ def test_fit_end_to_end_in_process(tmp_path, argv, capsys):
     assert len(val) == 2  # a validation every 2 steps
     for key in ("val/backbone/accept_7", "val/selector/acc_1", "val/selector/coverage", "val/num_positions"):
         assert val[-1][key] != ""
+    for k in range(1, 8):  # selector health beside the per-position acceptance
+        recall, picked, passed = (float(val[-1][f"val/selector/{n}_{k}"]) for n in ("recall", "picked", "passed_over"))
+        assert picked + passed == pytest.approx(recall) and 0 <= picked <= recall <= 1
+    assert float(val[-1]["val/selector/picked_1"]) == pytest.approx(float(val[-1]["val/selector/accept_1"]))
     assert 1.0 <= float(val[-1]["val/tau"]) <= 8.0
     assert any(r.get("train/loss") for r in rows) and any(r.get("lr-AdamW/decay") for r in rows)
     assert (run / "acceptance.png").read_bytes()[:4] == b"\x89PNG"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from dflash2_lightning.evaluate.teacher_forced import PATHS, EstimateStats, defa
 from dflash2_lightning.intervals import RESAMPLES, bootstrap_intervals
 from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.model.sampling import Sampling
+
+if TYPE_CHECKING:
+    from dflash2_lightning.train.metrics import SelectorHealth
 
 
 @dataclass
@@ -219,6 +222,8 @@ def _evaluate_at(
     per category, with ``categories``: one name per prompt)."""
     from tqdm.auto import tqdm
 
+    from dflash2_lightning.train.metrics import SelectorHealth
+
     usable = list(drafters)
     kw = {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k}
     references: list[list[GreedyResult]] = []
@@ -227,6 +232,8 @@ def _evaluate_at(
         for x in usable
     }
     oracle = EstimateStats.empty(draft.config.block_size) if estimate and st.greedy else None
+    # Selector health of the loop's cycles (replayed, teacher-forced: equal to the loop's at T=0).
+    health = SelectorHealth(draft.config.block_size) if oracle is not None and "selector" in usable else None
     desc = "eval" if st.greedy else f"eval T={st.temperature:g}"
     for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
         refs = []
@@ -260,6 +267,8 @@ def _evaluate_at(
                 draft, target, prompt, refs[0].tokens, usable, sampling=st, oracle_top_k=oracle_top_k
             ).items():
                 (oracle if x == "oracle" else runs[x].estimate).add(tf)
+                if x == "selector" and health is not None:
+                    tf.cycle_health(health)
 
     flat = [r for refs in references for r in refs]
     block: dict[str, Any] = {
@@ -279,6 +288,10 @@ def _evaluate_at(
             "mismatched_prompts": run.mismatched,
             "per_prompt_accepted": [int(sum(sum(r.accepted) for r in rs)) for rs in run.by_prompt],
         }
+    if "selector" in block["paths"]:
+        block["paths"]["selector"]["selector_health"] = (
+            health_report(health, draft.config.selector_top_k) if health is not None else None
+        )
     block["tau"] = {x: v["measured"]["tau"] for x, v in block["paths"].items()}
     if categories is not None:
         block["categories"] = {
@@ -297,6 +310,19 @@ def _evaluate_at(
     if oracle is not None:
         block["oracle"] = {"top_k": oracle_top_k, **oracle.summary()}
     return block
+
+
+HEALTH_CONDITIONING = (
+    "per draft position (index 0 = offset 1), over the cycles that reached it: every earlier draft accepted"
+)
+
+
+def health_report(health: SelectorHealth, top_k: int) -> dict[str, Any]:
+    """A report's ``selector_health``: per draft position, the shares of the cycles that reached it in which the
+    target's token was among the selector's ``top_k`` candidates (``recall``), was drafted by the walk (``picked``)
+    or was among them but passed over (``passed_over``); ``reached`` counts those cycles, ``cycles`` all of them."""
+    figures = health.summary()
+    return {"top_k": top_k, "counted": HEALTH_CONDITIONING, "cycles": figures["reached"][0], **figures}
 
 
 def category_rows(categories: Sequence[str]) -> dict[str, list[int]]:

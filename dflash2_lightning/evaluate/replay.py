@@ -12,30 +12,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash2_lightning.decode.speculative import target_handles
-from dflash2_lightning.evaluate.loop import category_rows, check_inputs
+from dflash2_lightning.evaluate.loop import category_rows, check_inputs, health_report
 from dflash2_lightning.evaluate.teacher_forced import default_oracle_top_k, teacher_forced
 from dflash2_lightning.intervals import RESAMPLES, replay_summary
 from dflash2_lightning.model.draft import DraftModel
 
 
-def replay_lengths(
+def replay_cycles(
     draft: DraftModel,
     target: Any,
     prompts: Sequence[Sequence[int]],
     outputs: Sequence[Sequence[int]],
     oracle_top_k: int | None = None,
     progress: bool = False,
-) -> dict[str, list[list[int]]]:
+) -> tuple[dict[str, list[list[int]]], dict[str, Any] | None]:
     """Per path (``selector``/``backbone`` where the draft has them, and ``oracle``): the accepted lengths
-    of the loop's cycles replayed along each prompt's greedy ``outputs`` (one list per prompt)."""
+    of the loop's cycles replayed along each prompt's greedy ``outputs`` (one list per prompt); and the selector
+    health of the selector's replayed cycles (:func:`~dflash2_lightning.evaluate.loop.health_report`; None for a
+    DFlash draft)."""
     from tqdm.auto import tqdm
 
+    from dflash2_lightning.train.metrics import SelectorHealth
+
     k = oracle_top_k or default_oracle_top_k(draft)
+    health = SelectorHealth(draft.config.block_size) if draft.candidate_selector is not None else None
     lengths: dict[str, list[list[int]]] = {}
     for prompt, output in tqdm(list(zip(prompts, outputs)), desc="replay", unit="prompt", disable=not progress):
         for path, tf in teacher_forced(draft, target, prompt, output, oracle_top_k=k).items():
             lengths.setdefault(path, []).append(tf.replay())
-    return lengths
+            if path == "selector" and health is not None:
+                tf.cycle_health(health)
+    return lengths, health_report(health, draft.config.selector_top_k) if health is not None else None
 
 
 def greedy_outputs(
@@ -69,6 +76,7 @@ class ReplayRun:
     max_new_tokens: int
     oracle_top_k: int
     seconds: dict[str, float]
+    selector_health: dict[str, Any] | None = None  # the selector path's, over the replayed cycles
 
 
 def run_replay(
@@ -96,7 +104,7 @@ def run_replay(
     outputs = greedy_outputs(target, prompts, max_new_tokens, stop, batch_size)
     generated = time.perf_counter() - start
     k = oracle_top_k or default_oracle_top_k(draft)
-    lengths = replay_lengths(draft, target, prompts, outputs, k, progress)
+    lengths, health = replay_cycles(draft, target, prompts, outputs, k, progress)
     return ReplayRun(
         [list(p) for p in prompts],
         outputs,
@@ -105,6 +113,7 @@ def run_replay(
         max_new_tokens,
         k,
         {"generate": generated, "replay": time.perf_counter() - start - generated},
+        health,
     )
 
 
@@ -135,6 +144,8 @@ def replay_report(
         "method": "teacher-forced replay of the loop's cycles along the target's greedy outputs "
         "(equals the measured tau at T=0)",
     }
+    if run.selector_health is not None and "selector" in report["paths"]:
+        report["paths"]["selector"]["selector_health"] = run.selector_health
     if categories is not None:
         report["categories"] = {
             name: {

@@ -17,7 +17,8 @@ def temperature_blocks(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
     """PNG: measured ``accept_k`` per path and temperature with its 95% band (the trainer's greedy
     estimate dashed), τ per temperature with its interval (and the T=0 replay's, when the report has
-    one), and the accepted-length histogram."""
+    one), the accepted-length histogram, τ per category (a named prompt set) and the selector's health per
+    offset (a DFlash2 draft at T=0)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,10 +31,14 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
     styles = ["-o", "-s", "-^", "-v", "-D", "-x"]
     blocks = list(temperature_blocks(report).values())
     by_category = any(blk.get("categories") for blk in blocks)
-    fig, axes = plt.subplots(1, 4 if by_category else 3, figsize=(21 if by_category else 15, 4), dpi=100)
+    healths = health_series(report)
+    panels = 3 + by_category + bool(healths)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels + 1, 4), dpi=100)
     left, middle, right = axes[:3]
     if by_category:
         plot_categories(axes[3], blocks, report.get("replay"), colors, styles)
+    if healths:
+        plot_health(axes[-1], healths)
     for ti, blk in enumerate(blocks):
         t = blk["temperature"]
         for name, res in blk["paths"].items():
@@ -130,6 +135,40 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+def health_series(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``(label, selector_health)`` of the report's loop temperatures and T=0 replay that have one."""
+    series = [
+        (f"T={blk['temperature']:g} loop", health)
+        for blk in temperature_blocks(report).values()
+        if (health := (blk["paths"].get("selector") or {}).get("selector_health")) and health.get("cycles")
+    ]
+    replay = report.get("replay") or {}
+    health = (replay.get("paths", {}).get("selector") or {}).get("selector_health")
+    if health and health.get("cycles"):
+        series.append((f"T=0 replay ({replay['prompts']} prompts)", health))
+    return series
+
+
+def plot_health(ax: Any, series: list[tuple[str, dict[str, Any]]]) -> None:
+    """Selector health per draft position: recall (solid), picked (dashed), passed over (dotted)."""
+    from matplotlib.ticker import MaxNLocator
+
+    markers = ["o", "D", "s", "^"]
+    for j, (label, health) in enumerate(series):
+        ks = list(range(1, len(health["recall"]) + 1))
+        marker = markers[j % len(markers)]
+        ax.plot(ks, health["recall"], f"-{marker}", ms=3, color="tab:green", label=f"recall, {label}")
+        ax.plot(ks, health["picked"], f"--{marker}", ms=3, color="tab:orange", label=f"picked, {label}")
+        ax.plot(ks, health["passed_over"], f":{marker}", ms=3, color="tab:red", label=f"passed over, {label}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(
+        xlabel="block offset k",
+        ylabel="share of cycles that reached k",
+        ylim=(0, 1.02),
+        title=f"selector health (target's token in the top-{series[0][1]['top_k']})",
+    )
+
+
 def plot_categories(
     ax: Any, blocks: list[dict[str, Any]], replay: dict[str, Any] | None, colors: dict[str, str], styles: list[str]
 ) -> None:
@@ -191,6 +230,21 @@ def category_lines(categories: dict[str, dict[str, Any]] | None, indent: str = "
     return lines
 
 
+def health_lines(health: dict[str, Any] | None, indent: str = "") -> list[str]:
+    """The selector health's lines of a summary: per draft position, recall, picked and passed over (none
+    without one)."""
+    if not health or not health.get("cycles"):
+        return []
+    return [
+        f"{indent}selector health of the {health['cycles']} cycles: per offset k, of those reaching k, the "
+        f"target's token among the top-{health['top_k']} (recall), drafted (picked), passed over (passed)",
+        *(
+            f"{indent}{label} " + "  ".join(f"{x:.2f}" for x in health[name])
+            for name, label in (("recall", "recall_k"), ("picked", "picked_k"), ("passed_over", "passed_k"))
+        ),
+    ]
+
+
 def replay_lines(replay: dict[str, Any] | None, indent: str = "") -> list[str]:
     """The wide replay's lines of a summary (none without a replay)."""
     if not replay:
@@ -205,6 +259,7 @@ def replay_lines(replay: dict[str, Any] | None, indent: str = "") -> list[str]:
                 f"{indent}{name:>14}: tau {r['tau']:.2f}{interval_text(r['interval'])}  accept_k "
                 + "  ".join(f"{a:.2f}" for a in r["accept"])
             )
+            lines += health_lines(r.get("selector_health"), indent + " " * 16)
     return lines + category_lines(replay.get("categories"), indent)
 
 
@@ -250,6 +305,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                     + "accept_k "
                     + "  ".join(f"{a:.2f}{interval_text(b)}" for a, b in zip(m["accept"], iv["accept"]))
                 )
+            lines += health_lines(res.get("selector_health"), " " * 10)
         lines += category_lines(blk.get("categories"), " " * 2)
         orc = blk.get("oracle") or {}
         if orc.get("replayed_tau"):

@@ -76,6 +76,7 @@ class TeacherForced:
     seq_len: int
     block_size: int
     alpha: Tensor | None = None  # [N, bs-1] acceptance probability of each slot under sampling
+    covered: Tensor | None = None  # [N, bs-1] the target's token among the selector's top-k (selector path, T=0)
 
     def trainer_blocks(self) -> tuple[Tensor, Tensor]:
         """``(right, valid)`` of the anchors the trainer samples from: blocks that fit (``a <= S - bs``)."""
@@ -89,6 +90,10 @@ class TeacherForced:
         cycle counts when its bonus token lies inside the data; the replay stops at the first one that
         does not (the loop's final, truncated cycle).
         """
+        return [n for _, n in self.cycles()]
+
+    def cycles(self) -> list[tuple[int, int]]:
+        """``(row, accepted length)`` of each replayed cycle (see :meth:`replay`); ``row`` indexes ``anchors``."""
         right = (self.right & self.valid).long().cumprod(-1)
         lengths = right.sum(-1).tolist()
         # A length is final once a wrong token was seen inside the data or the whole block fit.
@@ -98,9 +103,18 @@ class TeacherForced:
             n = lengths[i]
             if not known[i] or int(self.anchors[i]) + n + 1 >= self.seq_len:
                 break
-            out.append(n)
+            out.append((i, n))
             i += n + 1
         return out
+
+    def cycle_health(self, health: Any) -> None:
+        """Add the replayed cycles' selector health (``covered`` needed) to a
+        :class:`~dflash2_lightning.train.metrics.SelectorHealth`: the loop's cycles, counted as the trainer counts."""
+        if self.covered is None:
+            raise ValueError("selector health needs the selector path's covered slots")
+        rows = torch.tensor([i for i, _ in self.cycles()], dtype=torch.long)
+        if rows.numel():
+            health.update(self.right[rows], self.covered[rows], self.valid[rows])
 
 
 @torch.no_grad()
@@ -123,7 +137,8 @@ def teacher_forced(
     With a sampling ``sampling`` each slot also gets its acceptance probability under speculative
     sampling (:func:`~dflash2_lightning.train.metrics.sampled_alpha`, the trainer's ``val/t<T>`` metric).
     With ``oracle_top_k`` (greedy only) the result also has an ``"oracle"`` entry: a slot is right when
-    the target's token is among the draft's top ``oracle_top_k`` logits.
+    the target's token is among the draft's top ``oracle_top_k`` logits. Greedy, the selector path's result
+    also has ``covered``: the target's token among the selector's own top-k candidates (selector health).
     """
     from dflash2_lightning.train.metrics import sampled_alpha
     from dflash2_lightning.train.objective import DraftObjective, Teacher
@@ -146,6 +161,7 @@ def teacher_forced(
     oracle = bool(oracle_top_k) and not sampled
     rights: dict[str, list[Tensor]] = {x: [] for x in want + (["oracle"] if oracle else [])}
     alphas: dict[str, list[Tensor]] = {x: [] for x in want}
+    covers: list[Tensor] = []
     valids = []
     anchors = torch.arange(p, s, device=device)
     for lo in range(0, anchors.shape[0], chunk):
@@ -166,6 +182,8 @@ def teacher_forced(
         for x in want:
             tokens = res.draft_tokens if x == "backbone" else res.selector_tokens
             rights[x].append((tokens == res.reference)[0])
+        if res.covered is not None and not sampled:
+            covers.append(res.covered[0])
         if oracle:
             top = res.logits.topk(min(oracle_top_k, res.logits.shape[-1]), dim=-1).indices
             rights["oracle"].append((top == res.reference[..., None]).any(-1)[0])
@@ -182,6 +200,7 @@ def teacher_forced(
             s,
             bs,
             torch.cat(alphas.get(x, [])).cpu() if alphas.get(x) else None,
+            torch.cat(covers).cpu() if x == "selector" and covers else None,
         )
         for x, r in rights.items()
     }

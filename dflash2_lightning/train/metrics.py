@@ -23,6 +23,20 @@ reports 0 (no evidence of acceptance).
 Selector ``coverage`` is P(the right token is among the draft's top-k) and ``accuracy`` P(the selector,
 scoring the top-k with the teacher-forced predecessor, picks the right token), both over counted slots.
 
+Selector health (:class:`SelectorHealth`, DFlash2 only), per offset ``k``, over the blocks that *reached*
+offset ``k`` (offsets ``1..k-1`` all right and counted, offset ``k`` counted: a verify step would look at it):
+
+``recall_k``
+    P(the right token is among the selector's top-k candidates at ``k``);
+``picked_k``
+    P(the selector's greedy walk drafted it), i.e. the acceptance at ``k`` given offsets ``1..k-1`` accepted;
+``passed_over_k``
+    P(it was among the candidates but the walk drafted another token).
+
+``picked_k + passed_over_k = recall_k`` (the walk drafts only candidates), and ``picked_1 = accept_1``.
+``dflash2 eval`` counts the same three over the loop's cycles (the T=0 replay), so its figures and these
+differ only in which anchors they average over.
+
 Every state is an integer count with ``sum`` reduction, so DDP ranks add up exactly; ratios are
 formed in ``compute``.
 
@@ -179,6 +193,55 @@ class SelectorAgreement(Metric):
         return {"coverage": self.covered / total, "accuracy": self.correct / total}
 
 
+class SelectorHealth(Metric):
+    """Per offset: how often the right token was among the selector's candidates, picked, or passed over.
+
+    Counted over the blocks that reached the offset (every earlier offset right and counted, this one
+    counted); see the module docstring.
+    """
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self, block_size: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.length = block_size - 1
+        for name in ("reached", "covered", "picked"):
+            self.add_state(name, default=torch.zeros(self.length, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, right: Tensor, covered: Tensor, valid: Tensor) -> None:
+        """``right`` (the walk drafted the right token), ``covered`` (it is among the candidates), ``valid``
+        (slot counted): bool ``[..., L]`` per block."""
+        right = right.reshape(-1, self.length).bool()
+        covered = covered.reshape(-1, self.length).bool()
+        valid = valid.reshape(-1, self.length).bool()
+        accepted = torch.cumprod((right & valid).long(), dim=1)
+        before = torch.cat([torch.ones_like(accepted[:, :1]), accepted[:, :-1]], dim=1).bool()
+        reached = before & valid
+        # Out of place: see BlockAcceptance.
+        self.reached = self.reached + reached.sum(0)
+        self.covered = self.covered + (reached & covered).sum(0)
+        self.picked = self.picked + (reached & right).sum(0)
+
+    def compute(self) -> dict[str, Tensor]:
+        """``recall``, ``picked``, ``passed_over`` ``[L]`` (shares of ``reached``) and the ``reached`` counts."""
+        total = self.reached.clamp(min=1).double()
+        return {
+            "recall": self.covered / total,
+            "picked": self.picked / total,
+            "passed_over": (self.covered - self.picked) / total,
+            "reached": self.reached,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as plain lists (a report's ``selector_health``; index 0 is offset 1)."""
+        result = self.compute()
+        return {
+            "reached": [int(x) for x in result["reached"]],
+            **{name: [float(x) for x in result[name]] for name in ("recall", "picked", "passed_over")},
+        }
+
+
 class DraftMetrics(nn.Module):
     """The backbone path, the selector path (DFlash2) and the selector's agreement, logged together.
 
@@ -194,6 +257,7 @@ class DraftMetrics(nn.Module):
         self.backbone = BlockAcceptance(block_size)
         self.selector = BlockAcceptance(block_size) if selector else None
         self.agreement = SelectorAgreement() if selector else None
+        self.health = SelectorHealth(block_size) if selector else None
         # The expected acceptance under sampling (a dflash2_lightning.model.sampling.Sampling), per path.
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
         self.sampled = (
@@ -209,6 +273,8 @@ class DraftMetrics(nn.Module):
         self.backbone.update(out.draft_tokens == out.reference, valid)
         if self.selector is not None and out.selector_tokens is not None:
             self.selector.update(out.selector_tokens == out.reference, valid)
+            if self.health is not None and out.covered is not None:
+                self.health.update(out.selector_tokens == out.reference, out.covered, valid)
         if self.agreement is not None and out.covered is not None and out.selector_correct is not None:
             self.agreement.update(out.covered, out.selector_correct, valid)
         if self.sampled is not None:
@@ -235,6 +301,11 @@ class DraftMetrics(nn.Module):
             agreement = self.agreement.compute()
             values[f"{p}/selector/coverage"] = float(agreement["coverage"])
             values[f"{p}/selector/accuracy"] = float(agreement["accuracy"])
+        if self.health is not None:
+            health = self.health.compute()
+            for name in ("recall", "picked", "passed_over"):
+                for k, share in enumerate(health[name].tolist(), start=1):
+                    values[f"{p}/selector/{name}_{k}"] = share
         values[f"{p}/tau"] = values[f"{p}/selector/tau" if self.selector is not None else f"{p}/backbone/tau"]
         if self.sampled is not None and int(self.sampled["backbone"].blocks[0]) > 0:
             t = f"{p}/t{self.sampling.temperature:g}"
@@ -248,7 +319,7 @@ class DraftMetrics(nn.Module):
         return values
 
     def reset(self) -> None:
-        for metric in (self.backbone, self.selector, self.agreement, *(self.sampled or {}).values()):
+        for metric in (self.backbone, self.selector, self.agreement, self.health, *(self.sampled or {}).values()):
             if metric is not None:
                 metric.reset()
 

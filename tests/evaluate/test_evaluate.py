@@ -13,9 +13,10 @@ from dflash2_lightning.evaluate.command import eval_main
 from dflash2_lightning.evaluate.loop import evaluate_draft
 from dflash2_lightning.evaluate.replay import replay_eval
 from dflash2_lightning.evaluate.report import summary_lines
-from dflash2_lightning.evaluate.teacher_forced import EstimateStats, teacher_forced
+from dflash2_lightning.evaluate.teacher_forced import EstimateStats, TeacherForced, teacher_forced
 from dflash2_lightning.intervals import replay_summary
 from dflash2_lightning.model.checkpoint import save_draft
+from dflash2_lightning.train.metrics import SelectorHealth
 
 # The trainer's estimate may differ from the measured τ by at most this fraction of the measured τ.
 # Both apply the same per-anchor acceptance (the replay below shows it exactly); they differ only in
@@ -46,6 +47,50 @@ def test_estimate_replay_and_measurement_agree(path: str) -> None:
     assert sum(h > 0 for h in measured.histogram) >= 3
     assert abs(summary["tau"] - measured.tau) <= TAU_TOLERANCE * measured.tau, (summary["tau"], measured.tau)
     assert summary["tau"] == pytest.approx(1 + sum(summary["accept"]))
+
+
+def test_selector_health_counts_the_replayed_cycles_only() -> None:
+    """Six anchors; the loop's cycles start at rows 0 (accepts 1), 2 (accepts 0) and 3 (accepts all 3). Row 1 is
+    inside cycle 0, so its passed-over token does not count."""
+    t, f = True, False
+    right = torch.tensor([[t, f, t], [f, f, f], [f, t, t], [t, t, t], [t, t, t], [t, t, t]])
+    covered = torch.tensor([[t, t, t], [t, t, t], [f, t, t], [t, t, t], [t, t, t], [t, t, t]])
+    tf = TeacherForced(torch.arange(10, 16), right, torch.ones(6, 3, dtype=torch.bool), 30, 4, covered=covered)
+    assert tf.cycles() == [(0, 1), (2, 0), (3, 3)] and tf.replay() == [1, 0, 3]
+    health = SelectorHealth(block_size=4)
+    tf.cycle_health(health)
+    result = health.summary()
+    assert result["reached"] == [3, 2, 1]
+    assert result["recall"] == pytest.approx([2 / 3, 1.0, 1.0])  # row 2's token was not among its candidates
+    assert result["picked"] == pytest.approx([2 / 3, 1 / 2, 1.0])
+    assert result["passed_over"] == pytest.approx([0.0, 1 / 2, 0.0])  # row 0 drafted another at offset 2
+    with pytest.raises(ValueError, match="covered"):
+        TeacherForced(torch.arange(10, 16), right, right, 30, 4).cycle_health(health)
+
+
+def check_health(health: dict, accept: list[float], histogram: list[int] | None = None) -> None:
+    """A report's selector health against its path's acceptance: picked at offset 1 is the acceptance there, and
+    picked + passed over = recall; with the loop's histogram, the cycles reaching offset k are those accepting k-1."""
+    assert len(health["recall"]) == len(health["picked"]) == len(health["passed_over"]) == BLOCK_SIZE - 1
+    assert health["picked"][0] == pytest.approx(accept[0], abs=1e-12)
+    for k in range(1, BLOCK_SIZE - 1):  # accept_k = accept_(k-1) * picked_k: picked is the conditional acceptance
+        assert accept[k] == pytest.approx(accept[k - 1] * health["picked"][k], abs=1e-12)
+    for recall, picked, passed in zip(health["recall"], health["picked"], health["passed_over"]):
+        assert picked + passed == pytest.approx(recall, abs=1e-12) and 0 <= picked <= recall <= 1
+    if histogram is not None:
+        assert health["reached"] == [sum(histogram[k:]) for k in range(BLOCK_SIZE - 1)]
+
+
+def test_selector_health_is_reported_at_t0_with_the_estimate_only() -> None:
+    """At T>0 the target's token is a sample: no selector health there; without the estimate none at all."""
+    target, draft = tiny_target(), trained_draft("dflash2")
+    kw = dict(progress=False, warmup=False, temperatures=(0.0, 1.0))
+    report = evaluate_draft(draft, target, prompts()[:2], NEW_TOKENS, **kw)
+    greedy = report["temperatures"]["0"]["paths"]["selector"]
+    check_health(greedy["selector_health"], greedy["measured"]["accept"], greedy["measured"]["histogram"])
+    assert report["temperatures"]["1"]["paths"]["selector"]["selector_health"] is None
+    bare = evaluate_draft(draft, target, prompts()[:1], 4, estimate=False, **kw)
+    assert all(blk["paths"]["selector"]["selector_health"] is None for blk in bare["temperatures"].values())
 
 
 def test_selector_and_backbone_paths_differ() -> None:
@@ -93,6 +138,15 @@ def test_eval_report_and_plot(tmp_path) -> None:
     replay = report["replay"]  # the T=0 replay on more prompts than the loop ran, at the same budget
     assert replay["prompts"] == 5 and replay["max_new_tokens"] == 12 and set(replay["paths"]) == set(report["paths"])
     assert all(r["tau"] >= 1.0 and len(r["accept"]) == BLOCK_SIZE - 1 for r in replay["paths"].values())
+    # Selector health: the loop's at T=0 (its cycles replayed) and the wide replay's, the selector path only.
+    loop = report["temperatures"]["0"]["paths"]["selector"]
+    health = loop["selector_health"]
+    assert health["top_k"] == trained_draft("dflash2").config.selector_top_k and health["cycles"] > 0
+    check_health(health, loop["measured"]["accept"], loop["measured"]["histogram"])
+    check_health(replay["paths"]["selector"]["selector_health"], replay["paths"]["selector"]["accept"])
+    assert "selector_health" not in report["paths"]["backbone"]
+    assert "selector_health" not in replay["paths"]["backbone"]
+    assert sum(line.strip().startswith("selector health of the") for line in summary_lines(report)) == 2
 
 
 def test_top_k_oracle_bounds_both_paths() -> None:

@@ -7,7 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash2_lightning.train.metrics import BlockAcceptance, DraftMetrics, acceptance_curves, plot_acceptance
+from dflash2_lightning.model.selector import CandidateSelector
+from dflash2_lightning.train.metrics import (
+    BlockAcceptance,
+    DraftMetrics,
+    SelectorHealth,
+    acceptance_curves,
+    plot_acceptance,
+)
 
 T, F = True, False
 # Six blocks of block_size 4 (offsets 1..3): whether the draft is right, and whether the slot counts.
@@ -70,6 +77,11 @@ def test_draft_metrics_names_both_paths_and_the_selector(tmp_path):
     assert values["val/tau"] == values["val/selector/tau"]  # DFlash2 drafts with the selector's walk
     assert values["val/selector/coverage"] == pytest.approx(5 / 6)
     assert values["val/selector/accuracy"] == pytest.approx(5 / 6)
+    # Selector health: block 1 reaches offset 3 with 3 outside its candidates (recall 1/2 there, nothing passed over).
+    assert [values[f"val/selector/recall_{k}"] for k in (1, 2, 3)] == [1.0, 1.0, 0.5]
+    assert [values[f"val/selector/picked_{k}"] for k in (1, 2, 3)] == [1.0, 1.0, 0.5]
+    assert [values[f"val/selector/passed_over_{k}"] for k in (1, 2, 3)] == [0.0, 0.0, 0.0]
+    assert values["val/selector/picked_1"] == values["val/selector/accept_1"]
     assert values["val/backbone/acc_1"] == 1.0 and values["val/backbone/acc_2"] == 0.5
     assert values["val/num_positions"] == 6 and values["val/num_blocks"] == 2
     curves = acceptance_curves(values)
@@ -80,6 +92,60 @@ def test_draft_metrics_names_both_paths_and_the_selector(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))  # written atomically, no temporary left behind
     metrics.reset()
     assert metrics.compute()["val/num_positions"] == 0
+
+
+# Selector health on the same six blocks: whether the right token was among the candidates (RIGHT implies it).
+COVERED = [[T, T, T], [T, T, T], [T, T, T], [T, T, T], [T, T, T], [T, F, T]]
+
+
+def test_selector_health_counts_only_the_offsets_a_block_reached():
+    metric = SelectorHealth(block_size=4)
+    metric.update(torch.tensor(RIGHT), torch.tensor(COVERED), torch.tensor(VALID))
+    result = metric.summary()
+    # Reached k=1: the five counted blocks (not the padded one). k=2: blocks 0, 1, 3 (right at 1, counted at 2;
+    # block 2 was rejected at 1, block 5 has a hole at 2). k=3: block 0 only (block 1 rejected at 2, block 3
+    # truncated before 3).
+    assert result["reached"] == [5, 3, 1]
+    # k=1: covered in all 5, picked in 4 (block 2 passed over). k=2: all 3 covered, block 1 passed over.
+    # k=3: block 0 covered, not picked.
+    assert result["recall"] == [1.0, 1.0, 1.0]
+    assert result["picked"] == pytest.approx([4 / 5, 2 / 3, 0.0])
+    assert result["passed_over"] == pytest.approx([1 / 5, 1 / 3, 1.0])
+    accept = BlockAcceptance(block_size=4)
+    accept.update(torch.tensor(RIGHT), torch.tensor(VALID))
+    assert result["picked"][0] == accept.compute()["accept"][0].item()  # the first offset is the acceptance
+
+
+def test_selector_health_of_a_real_walk_that_passes_the_right_token_over():
+    """The selector walks candidates (7, 3, 9) at each of three offsets; the transition scores make it pick 7
+    first, then 9, then 3. The target wants 3 at offset 1 (among the candidates, passed over) in one block and
+    7, 9, 5 in another (picked, picked, not among the candidates)."""
+    selector = CandidateSelector(hidden_size=4, vocab_size=16, rank=2, top_k=3, std=0.0)
+    with torch.no_grad():
+        selector.hidden_projection.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]))
+        selector.predecessor_codebook.zero_()
+        selector.successor_codebook.zero_()
+        selector.predecessor_codebook[7] = torch.tensor([1.0, 0.0])  # after 7, 9 wins
+        selector.successor_codebook[9] = torch.tensor([10.0, 0.0])
+        selector.predecessor_codebook[9] = torch.tensor([0.0, 1.0])  # after 9, 3 wins
+        selector.successor_codebook[3] = torch.tensor([0.0, 10.0])
+    cand = torch.tensor([[7, 3, 9]] * 3).expand(2, 3, 3)
+    unary = torch.tensor([3.0, 2.0, 1.0]).expand(2, 3, 3)  # alone, the unary picks 7 everywhere
+    hidden = torch.ones(2, 3, 4)
+    walk = selector.greedy_path(cand, unary, hidden, anchor=torch.tensor([1, 1]))
+    assert walk.tolist() == [[7, 9, 3], [7, 9, 3]]
+    reference = torch.tensor([[3, 9, 3], [7, 9, 5]])
+    covered = (cand == reference[..., None]).any(-1)
+    metric = SelectorHealth(block_size=4)
+    metric.update(walk == reference, covered, torch.ones(2, 3, dtype=torch.bool))
+    result = metric.summary()
+    # Block 0 stops at offset 1 (3 among the candidates, 7 drafted); block 1 reaches offset 3 (5 not a candidate).
+    assert result["reached"] == [2, 1, 1]
+    assert result["recall"] == [1.0, 1.0, 0.0]
+    assert result["picked"] == [0.5, 1.0, 0.0]
+    assert result["passed_over"] == [0.5, 0.0, 0.0]
+    for k in range(3):
+        assert result["picked"][k] + result["passed_over"][k] == pytest.approx(result["recall"][k])
 
 
 def test_dflash_baseline_has_no_selector_metrics():

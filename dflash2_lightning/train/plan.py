@@ -12,8 +12,9 @@ block rows, ``C = B*S`` context rows; ``s`` bytes of a parameter, ``a`` of the c
                                   unless gradient_as_bucket_view)
     AdamW m, v                    2*P*s (the fp32 master weights are the weights: mixed precision keeps them)
     frozen target                 online: all its weights in its dtype; offline: its embedding and head only
-    target forward (online)       every hidden state (HF output_hidden_states), one layer's MLP, the logits when
-                                  they are read (kd), under no_grad, before the draft's step
+    target forward (online)       the feature layers (captured by hooks), a layer's input, output and MLP, the
+                                  final hidden state, the logits when they are read (kd), under no_grad, before
+                                  the draft's step
     draft activations             the context path (fc, hidden_norm, per-layer K/V of C rows), per layer the
                                   norms, q/k/v with their norms and RoPE, K/V over context + block, the attention
                                   output, the MLP's four I-wide tensors, the block convolutions' deltas and outputs
@@ -471,7 +472,9 @@ def target_forward(run: RunSetup) -> tuple[int, int]:
     cfg, t, d = run.target.config, run.target.dtype_bytes, run.draft
     c, h, v = run.batch_size * run.seq_len, int(cfg.hidden_size), run.target.vocab_size
     keep_logits = run.objective.token_loss == "kd"
-    states = (int(cfg.num_hidden_layers) + 1) * c * h * t  # output_hidden_states keeps every layer's
+    # Hooks capture the feature layers (target/capture.py): beside the features, a layer's input and output and
+    # the final hidden state are alive, not every layer's.
+    states = 3 * c * h * t
     layer = c * (3 * int(cfg.intermediate_size) + 4 * h) * t  # one layer's MLP and attention, transient
     logits = c * v * t if keep_logits else 0
     features = c * d.num_target_features * h * t
@@ -630,7 +633,7 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
             Item(
                 "target forward (no_grad)",
                 target_peak,
-                "all hidden states; before the step (the peak takes the larger)",
+                "the feature layers (hooks); before the step (the peak takes the larger)",
             )
         )
     # The for-each AdamW of a CPU run keeps temporaries of two parameter-sized lists; CUDA runs the fused AdamW

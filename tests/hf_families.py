@@ -80,3 +80,18 @@ def save_tiny_hf(family: str, directory: Path, seed: int = 0, **overrides: Any) 
     tiny_hf(family, seed, **overrides).save_pretrained(directory)
     tiny_tokenizer(VOCAB).save_pretrained(directory)
     return directory
+
+
+def hand_count(family: str) -> tuple[int, int]:
+    """(all parameters, those one token reads) of the tiny ``family`` model, from its geometry by hand."""
+    cfg = tiny_config(family)
+    h, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    attention = h * q + 2 * h * kv + q * h + (2 * head_dim if family == "qwen3_moe" else 0)  # q/k norms in Qwen3
+    experts, k = EXPERTS[family]
+    width = cfg.moe_intermediate_size if family == "qwen3_moe" else cfg.intermediate_size
+    expert = 3 * h * width  # gate, up and down projections, no biases
+    layer = attention + 2 * h + experts * h  # two norms, the router
+    ends = 2 * v * h + h  # embedding, head, final norm
+    return ends + layers * (layer + experts * expert), ends + layers * (layer + k * expert)

@@ -24,28 +24,23 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     """A tiny random config of ``family``: ``llama``, ``qwen3_moe`` or ``mixtral`` (4 layers, hidden 64)."""
     import transformers as tf
 
-    from dflash2_lightning.target.tiny import tiny_tokenizer
+    from dflash2_lightning.target.tiny import TINY_DEFAULTS, tiny_tokenizer
 
     tok = tiny_tokenizer(VOCAB)
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=[tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")],
-    )
+    common: dict[str, Any] = {
+        **TINY_DEFAULTS,  # the tiny target's geometry: 4 layers, hidden 64, 4 heads of 16, 2 KV heads
+        "max_position_embeddings": 512,
+        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")],
+    }
     common.update(overrides)
     if family == "llama":
         return tf.LlamaConfig(**common)
     if family == "qwen3_moe":
         experts, active = EXPERTS[family]
         return tf.Qwen3MoeConfig(
-            **{"head_dim": 16, "moe_intermediate_size": 32, **common},
+            **common,
+            moe_intermediate_size=32,
             num_experts=experts,
             num_experts_per_tok=active,
             decoder_sparse_step=1,

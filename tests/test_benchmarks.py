@@ -206,6 +206,11 @@ def _check_dflash_vs_dflash2(record: dict[str, Any]) -> None:
     assert all("--target tiny" in c for c in record["eval_commands"])
 
 
+def _check_features(record: dict[str, Any]) -> None:
+    assert [r["call"] for r in record["rows"]] == ["online", "cache_build"]
+    assert all(r["hooks_peak_bytes"] < r["output_hidden_states_peak_bytes"] for r in record["rows"])
+
+
 TINY_RUNS: dict[str, Tiny] = {
     "bench_attention_mask.py": Tiny(
         ["--anchors", "2", "--seq-len", "64", "--json", "{json}"],
@@ -292,6 +297,33 @@ TINY_RUNS: dict[str, Tiny] = {
         {"command", "geometry", "rows", "machine", "table"},
         _rows(2),
         slow=True,
+    ),
+    "bench_features.py": Tiny(
+        [
+            "--num-hidden-layers",
+            "4",
+            "--hidden-size",
+            "64",
+            "--intermediate-size",
+            "128",
+            "--num-attention-heads",
+            "4",
+            "--num-key-value-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--vocab-size",
+            "512",
+            "--seq-len",
+            "64",
+            "--draft-layers",
+            "2",
+            "--json",
+            "{json}",
+        ],
+        MARKDOWN_TABLE,
+        {"command", "geometry", "rows", "machine", "table"},
+        _check_features,
     ),
     "bench_llama_cpp.py": Tiny(
         [

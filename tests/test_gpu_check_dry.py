@@ -48,7 +48,7 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "3 passed" in done.stdout, done.stdout[-2000:]
+    assert "4 passed" in done.stdout, done.stdout[-2000:]
     versions = json.loads(re.search(r"^gpu_check: running with (\{.*\})$", done.stdout, re.MULTILINE).group(1))
     assert versions["torch"] and versions["jsonargparse"] and versions["python"]  # what it ran with, printed
     assert "-m gpu_dry_run" in done.stdout and "training_step: passed" in done.stdout
@@ -58,7 +58,7 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
     assert {"torch", "triton", "cuda", "device", "python"} <= set(data)
     assert data["device"] is None  # no GPU figures pretend to come from a device
     checks = data["checks"]
-    assert set(checks) == {"training_step", "drafting_latency", "fit_resume"}
+    assert set(checks) == {"training_step", "feature_capture", "drafting_latency", "fit_resume"}
     assert all(c["passed"] is True and c["in_progress"] is False for c in checks.values()), checks
 
     step = checks["training_step"]
@@ -71,6 +71,10 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
     assert set(step["sdpa_backends"]) == {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"}
     assert step["sdpa_backends"]["MATH"]["ran"] and step["sdpa_backends"]["MATH"]["grad_rel_diff_vs_math"] == 0.0
     assert all("error" in b for b in step["sdpa_backends"].values() if not b["ran"])
+
+    capture = checks["feature_capture"]
+    assert capture["bitwise_equal"] is True and capture["tensor_peak_saved_gib"] is not None
+    assert all(p["allocated_peak_gib"] is None for p in capture["peaks"].values())  # a GPU-only figure
 
     latency = checks["drafting_latency"]["steps"]
     assert len(latency) == 4  # 2 batches x 2 contexts

@@ -494,6 +494,67 @@ def test_training_step_at_recipe_geometry(
     assert ok, {"anchors": per_anchors, "sdpa_backends": backends}
 
 
+def test_feature_capture_at_recipe_geometry(
+    geo: Geometry, device: torch.device, dry: bool, target: torch.nn.Module, gpu_record: GpuRecord
+) -> None:
+    """Target.features' capture (hooks on the layers the draft reads) against ``output_hidden_states`` (every state
+    kept) on the recipe's target and sample (1 x 3072, bf16): the same features and final hidden state bit for bit,
+    and each one's peak beyond what was allocated before it (the allocator's on a GPU; the tensors' own, as
+    benchmarks/bench_features.py counts them on the meta device, everywhere)."""
+    from dflash2_lightning.target.capture import capture_features
+
+    layer_ids = list(draft_config(geo).target_layer_ids)
+    ids = torch.randint(0, geo.vocab, (1, geo.seq_len), device=device)
+
+    def kept_all() -> tuple[Tensor, Tensor]:
+        out = target(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), out.hidden_states[-1]
+
+    def hooks() -> tuple[Tensor, Tensor]:
+        got = capture_features(target, ids, None, layer_ids, logits=False, last_hidden=True)
+        assert got.last_hidden is not None
+        return got.features, got.last_hidden
+
+    results: dict[str, tuple[Tensor, Tensor]] = {}
+    peaks: dict[str, dict[str, float | None]] = {}
+    tensor_peaks: dict[str, float] = {}
+    for name, fn in (("output_hidden_states", kept_all), ("hooks", hooks)):
+        with torch.no_grad():
+            fn()  # warm-up (kernel selection, allocator)
+            sync(device)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            with LiveTensorBytes() as tensors:
+                tensors.track(*target.parameters(), *target.buffers(), ids)
+                base = tensors.live
+                results[name] = fn()
+                sync(device)
+                tensor_peak = tensors.peak - base
+        allocated = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
+        tensor_peaks[name] = tensor_peak / 2**30
+        peaks[name] = {
+            "tensor_peak_gib": tensor_peak / 2**30,
+            "allocated_peak_gib": None if allocated is None else allocated / 2**30,
+        }
+    equal = all(torch.equal(a, b) for a, b in zip(results["output_hidden_states"], results["hooks"], strict=True))
+    saved = tensor_peaks["output_hidden_states"] - tensor_peaks["hooks"]
+    gpu_record.check(
+        "feature_capture",
+        passed=equal and (dry or saved > 0),
+        in_progress=False,
+        layer_ids=layer_ids,
+        target_layers_built=max(layer_ids) + 1,
+        tokens=geo.seq_len,
+        bitwise_equal=equal,
+        peaks=peaks,
+        tensor_peak_saved_gib=saved,
+    )
+    assert equal, "the hooks' features differ from output_hidden_states'"
+    # At the dry geometry the draft reads most of the few layers built: there is nothing to save.
+    assert dry or saved > 0, peaks
+
+
 def test_drafting_latency_eager_vs_cuda_graph(
     geo: Geometry, device: torch.device, dry: bool, target: torch.nn.Module, gpu_record: GpuRecord
 ) -> None:

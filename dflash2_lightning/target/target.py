@@ -16,6 +16,7 @@ from torch import nn
 
 from dflash2_lightning.config import DraftConfig, default_target_layer_ids, rope_theta_of
 from dflash2_lightning.errors import ConfigError
+from dflash2_lightning.target.capture import capture_features
 from dflash2_lightning.target.cpu_linear import CpuLinears, declare_rows, install_cpu_linears
 from dflash2_lightning.target.spec import TargetError, TargetSpec
 
@@ -199,25 +200,17 @@ class Target(nn.Module):
 
         HF ``hidden_states[0]`` is the embedding output, so layer ``l``'s output is index ``l + 1``; the last
         entry is the final normed hidden state (``last_hidden=True`` returns it, for :meth:`greedy_at`).
-        ``logits=False`` computes the head at the last position only. ``no_grad`` rather than
-        ``inference_mode``: the draft's ``fc`` saves these features for backward.
+        ``logits=False``: no logits, and the head never runs. The layers the draft reads are captured by forward
+        hooks, every other hidden state is freed as the forward goes, and the forward stops once nothing more is
+        needed (:mod:`dflash2_lightning.target.capture`); the result equals the ``output_hidden_states`` path's
+        bit for bit. ``no_grad`` rather than ``inference_mode``: the draft's ``fc`` saves these features for
+        backward.
         """
         ids = self.check_layer_ids(layer_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.to(torch.long)
-        out = self.hf(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            output_hidden_states=True,
-            use_cache=False,
-            logits_to_keep=0 if logits else 1,
-        )
-        feats = torch.cat([out.hidden_states[i + 1] for i in ids], dim=-1)
-        return TargetOutput(
-            features=feats,
-            logits=out.logits if logits else None,
-            last_hidden=out.hidden_states[-1] if last_hidden else None,
-        )
+        out = capture_features(self.hf, input_ids, attention_mask, ids, logits=logits, last_hidden=last_hidden)
+        return TargetOutput(features=out.features, logits=out.logits, last_hidden=out.last_hidden)
 
     @torch.no_grad()
     def greedy_at(

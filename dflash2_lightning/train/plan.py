@@ -12,8 +12,9 @@ block rows, ``C = B*S`` context rows; ``s`` bytes of a parameter, ``a`` of the c
                                   unless gradient_as_bucket_view)
     AdamW m, v                    2*P*s (the fp32 master weights are the weights: mixed precision keeps them)
     frozen target                 online: all its weights in its dtype; offline: its embedding and head only
-    target forward (online)       every hidden state (HF output_hidden_states), one layer's MLP, the logits when
-                                  they are read (kd), under no_grad, before the draft's step
+    target forward (online)       the feature layers (captured by hooks), a layer's input, output and MLP, the
+                                  final hidden state, the logits when they are read (kd), under no_grad, before
+                                  the draft's step
     draft activations             the context path (fc, hidden_norm, per-layer K/V of C rows), per layer the
                                   norms, q/k/v with their norms and RoPE, K/V over context + block, the attention
                                   output, the MLP's four I-wide tensors, the block convolutions' deltas and outputs
@@ -24,6 +25,10 @@ block rows, ``C = B*S`` context rows; ``s`` bytes of a parameter, ``a`` of the c
 
 Peak = the persistent part + the largest of the target's forward, the draft's step and the optimiser step (the
 for-each AdamW's temporaries on a CPU; CUDA's fused AdamW updates in place).
+A mixture-of-experts target holds every expert's weights (the frozen target's memory) but a token's forward reads
+only ``num_experts_per_tok`` of each layer's routed experts (:mod:`dflash2_lightning.target.experts`): the compute
+line (the target forward's FLOPs, online per step, offline per sample of the cache build) counts those, and the
+forward's MLP transient is their width.
 It is an estimate of what is saved for backward, not a trace: ``tests/train/test_plan.py`` checks it against the
 measured peak of CPU fits (within 20%) and the offline cache against the bytes a real build writes.
 """
@@ -42,6 +47,7 @@ import torch
 
 from dflash2_lightning.config import DraftConfig, rope_theta_of
 from dflash2_lightning.errors import ConfigError, format_bytes
+from dflash2_lightning.target.experts import RoutedExperts, routed_experts
 from dflash2_lightning.target.spec import DTYPES, TargetSpec
 from dflash2_lightning.train.objective import LOGITS_CHUNK_ELEMENTS
 from dflash2_lightning.train.options import DraftOptions, ObjectiveOptions, as_options, draft_settings_named
@@ -98,6 +104,8 @@ class Plan:
     cache_dir: Path | None = None
     free_disk: int | None = None
     advice: list[str] = field(default_factory=list)
+    target_flops: float = 0.0  # the target forward's FLOPs (online: per step; offline: per sample, once)
+    target_flops_note: str = ""
 
     @property
     def memory_fits(self) -> bool | None:
@@ -144,6 +152,9 @@ class Plan:
                 f"({self.peak / self.capacity:.0%} of it; up to {USABLE_SHARE:.0%} counts as fitting)"
             )
         lines.append("")
+        if self.target_flops:
+            lines.append(f"compute: target forward {self.target_flops / 1e12:.2f} TFLOP {self.target_flops_note}")
+            lines.append("")
         if self.cache_bytes is None:
             lines.append("disk: online mode, no feature cache")
         else:
@@ -204,6 +215,22 @@ class TargetSize:
     head: int  # parameters of the output head (0 when tied to the embedding)
     vocab_size: int
     dtype_bytes: int
+    experts: RoutedExperts | None = None  # a mixture-of-experts target's routed experts (None: dense)
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token's forward reads: all of a dense target; a MoE target's routed experts counted for
+        the ``num_experts_per_tok`` of them a token uses (memory holds all of them: :attr:`parameters`)."""
+        return self.parameters if self.experts is None else self.experts.active(self.parameters)
+
+    def describe_parameters(self) -> str:
+        """``8.19 B parameters``, or for a MoE target ``235.09 B parameters (all 128 experts; 22.19 B active: 8 a
+        token)``."""
+        text = f"{self.parameters / 1e9:.2f} B parameters"
+        if self.experts is not None:
+            e = self.experts
+            text += f" (all {e.experts} experts; {self.active_parameters / 1e9:.2f} B active: {e.per_token} a token)"
+        return text
 
 
 def target_size(spec: TargetSpec) -> TargetSize:
@@ -221,6 +248,7 @@ def target_size(spec: TargetSpec) -> TargetSize:
         head=0 if head is embed else head.numel(),
         vocab_size=int(embed.shape[0]),
         dtype_bytes=DTYPES[spec.dtype].itemsize,
+        experts=routed_experts(model, config),
     )
 
 
@@ -471,11 +499,39 @@ def target_forward(run: RunSetup) -> tuple[int, int]:
     cfg, t, d = run.target.config, run.target.dtype_bytes, run.draft
     c, h, v = run.batch_size * run.seq_len, int(cfg.hidden_size), run.target.vocab_size
     keep_logits = run.objective.token_loss == "kd"
-    states = (int(cfg.num_hidden_layers) + 1) * c * h * t  # output_hidden_states keeps every layer's
-    layer = c * (3 * int(cfg.intermediate_size) + 4 * h) * t  # one layer's MLP and attention, transient
+    # Hooks capture the feature layers (target/capture.py): beside the features, a layer's input and output and
+    # the final hidden state are alive, not every layer's.
+    states = 3 * c * h * t
+    layer = c * (3 * mlp_width(run.target) + 4 * h) * t  # one layer's MLP and attention, transient
     logits = c * v * t if keep_logits else 0
     features = c * d.num_target_features * h * t
     return states + layer + logits + features, features + logits
+
+
+def mlp_width(target: TargetSize) -> int:
+    """The MLP width one token's forward goes through in a layer: ``intermediate_size``, or for a MoE target its
+    ``num_experts_per_tok`` experts' (``moe_intermediate_size`` each where the family has it)."""
+    cfg = target.config
+    if target.experts is None:
+        return int(cfg.intermediate_size)
+    return target.experts.per_token * int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+
+
+def target_flops(run: RunSetup, anchors: int) -> tuple[float, str]:
+    """Multiply-add FLOPs of the target's forward with the weights (attention scores not counted): per step online
+    (``B*S`` tokens; the head over every position where the full logits are read, else over the rows the blocks
+    read), per sample in the offline cache build (the head over every position). A MoE target counts the experts a
+    token uses, not all of them."""
+    tgt, d = run.target, run.draft
+    body = tgt.active_parameters - tgt.embedding - tgt.head  # the embedding is a lookup; the head is counted below
+    head = tgt.head or tgt.embedding
+    tokens = run.seq_len if run.mode == "offline" else run.batch_size * run.seq_len
+    full = run.mode == "offline" or run.objective.token_loss == "kd"
+    head_rows = tokens if full else min(tokens, run.batch_size * anchors * d.block_size)
+    per = "a sample, once (offline cache build)" if run.mode == "offline" else "a step"
+    return 2.0 * (body * tokens + head * head_rows), (
+        f"{per}: 2 x {body / 1e9:.2f} B active parameters x {tokens} tokens + the head over {head_rows} rows"
+    )
 
 
 def local_device_index(devices: Any) -> int:
@@ -584,9 +640,7 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
         )
     tgt, t = run.target, run.target.dtype_bytes
     if run.mode == "online":
-        items.append(
-            Item("frozen target", tgt.parameters * t, f"{tgt.parameters / 1e9:.2f} B parameters x {t} B, every device")
-        )
+        items.append(Item("frozen target", tgt.parameters * t, f"{tgt.describe_parameters()} x {t} B, every device"))
     else:
         resident = tgt.embedding + tgt.head
         items.append(Item("target embedding + head", resident * t, "offline: the rest stays on the host"))
@@ -630,7 +684,7 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
             Item(
                 "target forward (no_grad)",
                 target_peak,
-                "all hidden states; before the step (the peak takes the larger)",
+                "the feature layers (hooks); before the step (the peak takes the larger)",
             )
         )
     # The for-each AdamW of a CPU run keeps temporaries of two parameter-sized lists; CUDA runs the fused AdamW
@@ -641,12 +695,13 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
     strategy = "FSDP" if run.sharded else "DDP" if run.world_size > 1 else "one device"
     heading = (
         f"dflash2 plan: {d.architecture}, {d.num_hidden_layers} layers, hidden {d.hidden_size}, vocab "
-        f"{d.vocab_size}; target {tgt.parameters / 1e9:.2f} B parameters ({run.mode})\n"
+        f"{d.vocab_size}; target {tgt.describe_parameters()} ({run.mode})\n"
         f"{run.world_size} x {run.accelerator}, {strategy}, "
         f"{'mixed' if run.param_bytes != run.compute_bytes else 'uniform'} precision "
         f"({run.param_bytes} B weights, {run.compute_bytes} B compute)"
     )
     plan = Plan(heading=heading, memory=items, peak=peak, device=device, capacity=capacity)
+    plan.target_flops, plan.target_flops_note = target_flops(run, anchors)
     if run.mode == "offline":
         from dflash2_lightning import files
         from dflash2_lightning.target.spec import default_cache_dir

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from dflash2_lightning.data.cache_build import DONE, build_dir_of
-from dflash2_lightning.data.datamodule import MANIFEST, DraftDataModule
+from dflash2_lightning.data.datamodule import DraftDataModule
+from dflash2_lightning.data.feature_cache import MANIFEST
 from dflash2_lightning.data.ranks import PeerFailedError
 from dflash2_lightning.data.records import DataError
 from dflash2_lightning.errors import ReportedByAnotherRank

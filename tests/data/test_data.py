@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash2_lightning.data.datamodule import MANIFEST, DraftDataModule
+from dflash2_lightning.data.datamodule import DraftDataModule
 from dflash2_lightning.data.encode import encode_chat, encode_records
+from dflash2_lightning.data.feature_cache import MANIFEST
 from dflash2_lightning.data.records import DataError, held_out_by_prompt, prompt_key
 from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.load import load_target

@@ -23,8 +23,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hf_families import EXPERTS, MOE, hand_count, save_tiny_hf
 
 from dflash2_lightning import cli
+from dflash2_lightning.train.plan import PlanOptions, make_plan, setup_from_config
 
 REPO = Path(__file__).resolve().parents[2]
 #: The real Qwen3-8B checkpoint's config.json values (see the design's reference): nothing else of it is needed.
@@ -527,3 +529,81 @@ def test_the_qwen3_recipe_on_another_vocabulary_names_the_mask_setting_and_the_f
         ]
     )
     assert code in (0, 1), capsys.readouterr().err  # the fix given works: a plan, fitting or not
+
+
+# ----------------------------------------------------------------------------- mixture-of-experts targets
+#: Qwen3-235B-A22B's config.json values (the fields the plan reads); its model card: 235B parameters, 22B active.
+QWEN3_235B_A22B = {
+    **QWEN3_8B,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 94,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "moe_intermediate_size": 1536,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+
+
+def moe_config(tmp_path: Path, directory: Path) -> dict:
+    """small_config's fit with ``directory`` as the target."""
+    config = yaml.safe_load(small_config(tmp_path).read_text())
+    config["model"]["init_args"]["target"] = {"path": str(directory)}
+    return config
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_plan_counts_all_experts_for_memory_and_the_active_ones_for_flops(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    directory = save_tiny_hf(family, tmp_path / family)
+    built = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True)  # what the fit loads
+    total, active = hand_count(family)
+    config = moe_config(tmp_path, directory)
+    run = setup_from_config(config)
+    assert run.target.parameters == sum(p.numel() for p in built.parameters()) == total
+    assert run.target.active_parameters == active
+    # The plan's draft has the geometry the fit derives from the loaded target (Target.draft_config).
+    from dflash2_lightning.target.load import load_target
+    from dflash2_lightning.target.spec import TargetSpec
+
+    fitted = load_target(TargetSpec(path=str(directory))).draft_config(num_hidden_layers=2, block_size=8)
+    for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert getattr(run.draft, name) == getattr(fitted, name), name
+    assert run.draft.intermediate_size == fitted.intermediate_size and run.draft.rope_theta == fitted.rope_theta
+    assert list(run.draft.target_layer_ids) == list(fitted.target_layer_ids)
+    plan = make_plan(config, PlanOptions(device_memory="80GB"))
+    frozen = next(item for item in plan.memory if item.name == "frozen target")
+    assert frozen.bytes == total * 4  # float32: every expert's weights
+    experts, k = EXPERTS[family]
+    assert f"all {experts} experts" in frozen.note and f"{k} a token" in frozen.note
+    # FLOPs: the active parameters but the embedding (a lookup) and the head over every token; with hard CE the head
+    # runs over the rows the blocks read only (anchors x block, at most every token).
+    tokens, vh = run.batch_size * run.seq_len, 512 * 64
+    anchors = min(run.objective.num_anchors, run.seq_len - run.draft.block_size + 1)
+    rows = min(tokens, run.batch_size * anchors * run.draft.block_size)
+    assert plan.target_flops == 2 * ((active - 2 * vh) * tokens + vh * rows)
+    assert "compute: target forward" in plan.render()
+
+
+def test_plan_of_qwen3_235b_a22b_counts_235b_parameters_and_22b_active(tmp_path):
+    directory = tmp_path / "qwen3-235b-a22b"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(QWEN3_235B_A22B))
+    code, out, err = run_plan(
+        "--config",
+        str(REPO / "configs" / "qwen3_8b_online.yaml"),
+        "--model.init_args.target.path",
+        str(directory),
+        "--plan.device_memory",
+        "141GB",
+    )
+    assert code == 1, out + err  # the whole target on every GPU: it does not fit
+    assert "target 235.09 B parameters (all 128 experts; 22.19 B active: 8 a token)" in out
+    assert 470.0 * GB <= figure(out, "frozen target") <= 470.4 * GB
+    # 2 x (22.19 B - embedding and head 2 x 0.62 B) x 3072 tokens + the head over 3072 rows
+    assert "compute: target forward 132.52 TFLOP a step" in out

@@ -8,9 +8,12 @@ draft earns at T=0, with the expected τ and its 95% interval over prompts. This
 and checks, in this order:
 
 1. **drafts**: the engine speculates at all (it drafted tokens);
-2. **outputs**: every served output equals the target's greedy continuation (token ids where the engine
-   returns them, else text); if not, the engine serves another target (model, revision, dtype or
-   quantisation), another tokenizer, or does not decode greedily;
+2. **outputs** (losslessness): with a reference (``--reference-url``: the same engine serving the same target
+   without the draft), every output served with the draft equals the reference's, and the record's
+   continuation is compared as information only (an engine's quantised kernels pick otherwise than the
+   project's forward pass at near ties); without one, every served output equals the record's greedy
+   continuation (token ids where the engine returns them, else text); if not, the engine serves another
+   target (model, revision, dtype or quantisation), another tokenizer, or does not decode greedily;
 3. **width**: the engine drafts ``block_size - 1`` tokens per verify step (vLLM
    ``num_speculative_tokens``, SGLang draft tokens - 1, llama.cpp ``--spec-draft-n-max``);
 4. **τ**: the served τ = 1 + accepted / verify steps lies within the expected 95% interval of the same

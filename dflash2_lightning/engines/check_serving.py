@@ -8,9 +8,12 @@ draft earns at T=0, with the expected τ and its 95% interval over prompts. This
 and checks, in this order:
 
 1. **drafts**: the engine speculates at all (it drafted tokens);
-2. **outputs**: every served output equals the target's greedy continuation (token ids where the engine
-   returns them, else text); if not, the engine serves another target (model, revision, dtype or
-   quantisation), another tokenizer, or does not decode greedily;
+2. **outputs** (losslessness): with a reference (``--reference-url``: the same engine serving the same target
+   without the draft), every output served with the draft equals the reference's, and the record's
+   continuation is compared as information only (an engine's quantised kernels pick otherwise than the
+   project's forward pass at near ties); without one, every served output equals the record's greedy
+   continuation (token ids where the engine returns them, else text); if not, the engine serves another
+   target (model, revision, dtype or quantisation), another tokenizer, or does not decode greedily;
 3. **width**: the engine drafts ``block_size - 1`` tokens per verify step (vLLM
    ``num_speculative_tokens``, SGLang draft tokens - 1, llama.cpp ``--spec-draft-n-max``);
 4. **τ**: the served τ = 1 + accepted / verify steps lies within the expected 95% interval of the same
@@ -74,9 +77,18 @@ class Verdict:
     expected: dict[str, Any]
     served: list[Served]
     counts: Counts | None
-    mismatched: list[tuple[int, str]] = field(default_factory=list)  # (prompt, where it first differs)
+    # (prompt, where it first differs) from what judges losslessness: the reference's outputs, else the record's
+    mismatched: list[tuple[int, str]] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    reference_url: str | None = None
+    reference: list[Served] | None = None  # the same engine's outputs without the draft, where one was asked
+    record_mismatched: list[tuple[int, str]] = field(default_factory=list)  # information beside a reference
+
+    @property
+    def judged_by(self) -> str:
+        """What judged losslessness: ``"engine"`` (the same engine without the draft) or ``"record"``."""
+        return "record" if self.reference is None else "engine"
 
     @property
     def status(self) -> int:
@@ -133,8 +145,12 @@ class Verdict:
                 for k in ("prompts", "tau", "interval", "accept", "accepted", "steps", "per_prompt_accepted")
             },
             "allowed": list(self.allowed) if self.allowed is not None else None,
+            "lossless_reference": self.judged_by,
+            "reference_url": self.reference_url,
             "outputs_equal": len(self.served) - len(self.mismatched),
             "mismatched": [{"prompt": i, "where": w} for i, w in self.mismatched],
+            "record_outputs_equal": None if self.reference is None else len(self.served) - len(self.record_mismatched),
+            "record_mismatched": [{"prompt": i, "where": w} for i, w in self.record_mismatched],
             "notes": self.notes,
         }
 
@@ -144,26 +160,34 @@ def _strip_stop(ids: Sequence[int], stop: Sequence[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop else ids
 
 
+def _first_difference(got: Sequence[Any], want: Sequence[Any], unit: str) -> str | None:
+    """Where ``got`` first differs from ``want`` (``"token 5 of 32"``), None when equal."""
+    if list(got) == list(want):
+        return None
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return f"{unit} {i} of {len(want)}" + (
+        " (the engine stopped early)" if i == len(got) else " (the engine went on)" if i == len(want) else ""
+    )
+
+
 def compare_output(served: Served, prompt: dict[str, Any], stop: Sequence[int]) -> str | None:
     """Where ``served`` first differs from the record's greedy continuation (None: equal).
 
     Token ids when the engine returned them (a final stop token ignored on both sides), else the text.
     """
     if served.token_ids is not None:
-        got, want = _strip_stop(served.token_ids, stop), _strip_stop(prompt["continuation_ids"], stop)
-        if got == want:
-            return None
-        i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        return f"token {i} of {len(want)}" + (
-            " (the engine stopped early)" if i == len(got) else " (the engine went on)" if i == len(want) else ""
+        return _first_difference(
+            _strip_stop(served.token_ids, stop), _strip_stop(prompt["continuation_ids"], stop), "token"
         )
-    got, want = served.text, prompt["continuation_text"]
-    if got == want:
-        return None
-    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    return f"character {i} of {len(want)}" + (
-        " (the engine stopped early)" if i == len(got) else " (the engine went on)" if i == len(want) else ""
-    )
+    return _first_difference(served.text, prompt["continuation_text"], "character")
+
+
+def compare_with_reference(served: Served, reference: Served, stop: Sequence[int]) -> str | None:
+    """Where ``served`` (with the draft) first differs from ``reference`` (the same engine without it; None:
+    equal): token ids when both carry them (a final stop token ignored), else the text."""
+    if served.token_ids is not None and reference.token_ids is not None:
+        return _first_difference(_strip_stop(served.token_ids, stop), _strip_stop(reference.token_ids, stop), "token")
+    return _first_difference(served.text, reference.text, "character")
 
 
 def check_serving(
@@ -173,6 +197,7 @@ def check_serving(
     max_prompts: int | None = None,
     timeout: float = 600.0,
     progress: Callable[[int, int], None] | None = None,
+    reference_url: str | None = None,
 ) -> Verdict:
     """Send the record's prompts to the engine at ``url`` and compare (see the module docstring).
 
@@ -184,6 +209,9 @@ def check_serving(
             interval are recomputed for them.
         timeout: seconds one request may take.
         progress: called with ``(done, total)`` after every request.
+        reference_url: the same engine serving the same target without the draft; losslessness is then
+            judged against its outputs (the record's continuation stays as information). None: against the
+            record's greedy continuation.
 
     Raises :class:`~dflash2_lightning.engines.counters.EngineError` when the check cannot run.
     """
@@ -212,6 +240,10 @@ def check_serving(
         if progress is not None:
             progress(i + 1, count)
     verdict = Verdict(client.engine, client.root, record, exp, served, None)
+    if reference_url is not None:
+        verdict.reference_url, verdict.reference = reference_outputs(
+            client, reference_url, engine, prompts, int(record["max_new_tokens"]), timeout
+        )
     if all(s.counts is not None for s in served):
         verdict.counts = total(s.counts for s in served)  # type: ignore[misc]
     elif client.engine == VLLM and before_all is not None:
@@ -238,12 +270,53 @@ def check_serving(
     return verdict
 
 
+def reference_outputs(
+    client: EngineClient,
+    url: str,
+    engine: str | None,
+    prompts: Sequence[dict[str, Any]],
+    max_tokens: int,
+    timeout: float,
+) -> tuple[str, list[Served]]:
+    """The outputs of the engine-alone reference at ``url`` (the same engine and model as ``client``, no draft)
+    for ``prompts``, sent as ``client``'s are; returns ``(its root URL, outputs)``.
+
+    Raises :class:`EngineError` when it is another engine, serves another model or drafts: then it is no
+    reference for the outputs with the draft."""
+    ref = EngineClient(url, engine, timeout)
+    if ref.engine != client.engine:
+        raise EngineError(
+            f"the reference at {ref.root} is {ref.engine}, the engine at {client.root} {client.engine}: losslessness "
+            "compares the same engine with and without the draft; start the reference with the same engine"
+        )
+    if ref.model != client.model:
+        raise EngineError(
+            f"the reference at {ref.root} serves {ref.model!r}, the engine at {client.root} {client.model!r}: start "
+            "the reference with the same target and no draft"
+        )
+    outputs = [ref.complete(p["prompt_ids"], max_tokens) for p in prompts]
+    drafted = sum(s.counts.drafted for s in outputs if s.counts is not None)
+    if drafted > 0:
+        raise EngineError(
+            f"the reference at {ref.root} drafted {int(drafted)} tokens: it must serve the target alone (start it "
+            "without the draft: llama-server without -md, vLLM without --speculative-config, SGLang without "
+            "--speculative-algorithm)"
+        )
+    return ref.root, outputs
+
+
 def _judge(v: Verdict, stop: Sequence[int], width: int) -> None:
-    """Fill ``v.mismatched`` and ``v.problems``."""
-    for i, (s, p) in enumerate(zip(v.served, v.record["prompts"])):
-        where = compare_output(s, p, stop)
-        if where is not None:
-            v.mismatched.append((i, where))
+    """Fill ``v.mismatched`` (``v.record_mismatched`` beside a reference) and ``v.problems``."""
+    against_record = [(i, compare_output(s, p, stop)) for i, (s, p) in enumerate(zip(v.served, v.record["prompts"]))]
+    if v.reference is None:
+        v.mismatched = [(i, w) for i, w in against_record if w is not None]
+    else:
+        v.record_mismatched = [(i, w) for i, w in against_record if w is not None]
+        v.mismatched = [
+            (i, w)
+            for i, w in ((i, compare_with_reference(s, r, stop)) for i, (s, r) in enumerate(zip(v.served, v.reference)))
+            if w is not None
+        ]
     c = v.counts
     if c is None or c.drafted <= 0:
         v.problems.append(
@@ -253,14 +326,22 @@ def _judge(v: Verdict, stop: Sequence[int], width: int) -> None:
             )
         )
         return
-    if v.mismatched:
-        first = ", ".join(f"prompt {i} from {w}" for i, w in v.mismatched[:3])
+    first = ", ".join(f"prompt {i} from {w}" for i, w in v.mismatched[:3]) + (", ..." if len(v.mismatched) > 3 else "")
+    if v.mismatched and v.reference is not None:
+        v.problems.append(
+            Problem(
+                "lossless",
+                f"served outputs with the draft differ from the same engine's outputs without it on "
+                f"{len(v.mismatched)} of {len(v.served)} prompts ({first}): speculative decoding in this "
+                "deployment is not lossless",
+            )
+        )
+    elif v.mismatched:
         v.problems.append(
             Problem(
                 "outputs",
                 f"served outputs differ from the target's greedy continuation on "
-                f"{len(v.mismatched)} of {len(v.served)} prompts ({first}"
-                f"{', ...' if len(v.mismatched) > 3 else ''}): the engine serves another target, "
+                f"{len(v.mismatched)} of {len(v.served)} prompts ({first}): the engine serves another target, "
                 "tokenizer or sampling than the record's",
             )
         )
@@ -302,8 +383,15 @@ def likely_causes(engine: str, code: str, block_size: int, dtype: str | None, wi
         "not greedy: the check sends temperature 0 and top_k 1; a server-side sampling default or override "
         "(generation config, sampler chain) changes the picks",
     ]
+    lossless = [
+        "the reference runs with other settings than the engine (another quantisation, KV-cache type, context "
+        "or batch size): start both with the same flags, the draft's aside",
+        "the engine's verify step computes the target's logits otherwise than its one-token decode (batched "
+        "kernels) and near-tie picks flip: report it to the engine with the first differing prompt",
+    ]
     table: dict[str, dict[str, list[str]]] = {
         LLAMA_CPP: {
+            "lossless": lossless,
             "no_drafts": [
                 "llama-server runs without the draft: start it with `-md draft.gguf --spec-type draft-dflash`"
             ],
@@ -326,6 +414,7 @@ def likely_causes(engine: str, code: str, block_size: int, dtype: str | None, wi
             ],
         },
         VLLM: {
+            "lossless": lossless,
             "no_drafts": ['vLLM runs without `--speculative-config` (or with another method than "dflash")'],
             "outputs": [
                 f"the target runs in another dtype than the record's ({served}) or quantised "
@@ -350,6 +439,7 @@ def likely_causes(engine: str, code: str, block_size: int, dtype: str | None, wi
             ],
         },
         SGLANG: {
+            "lossless": lossless,
             "no_drafts": ["SGLang runs without `--speculative-algorithm DFLASH --speculative-draft-model-path DRAFT`"],
             "outputs": [
                 f"the target runs in another dtype than the record's ({served}) or quantised: greedy "
@@ -383,10 +473,26 @@ def verdict_lines(v: Verdict, commands: dict[str, list[str]] | None = None) -> l
         f"({rec['draft'].get('architecture', 'draft')}, block_size {bs}, {rec['path']} path, T=0, "
         f"up to {rec['max_new_tokens']} tokens)"
     ]
-    lines.append(
-        f"  outputs: {len(v.served) - len(v.mismatched)}/{len(v.served)} equal to the target's greedy "
-        "continuation" + (" (token ids)" if all(s.token_ids is not None for s in v.served) else " (text)")
-    )
+    unit = " (token ids)" if all(s.token_ids is not None for s in v.served) else " (text)"
+    if v.reference is None:
+        lines.append(
+            f"  outputs: {len(v.served) - len(v.mismatched)}/{len(v.served)} equal to the target's greedy "
+            f"continuation{unit}; losslessness judged by the record's continuation (--reference-url: by the "
+            "engine without the draft)"
+        )
+    else:
+        unit = " (token ids)" if unit == " (token ids)" and all(r.token_ids is not None for r in v.reference) else unit
+        lines.append(
+            f"  outputs: {len(v.served) - len(v.mismatched)}/{len(v.served)} equal to the same engine's outputs "
+            f"without the draft ({v.reference_url}){unit}; losslessness judged by the engine without the draft"
+        )
+        where = "".join(f"; prompt {i} from {w}" for i, w in v.record_mismatched[:3])
+        lines.append(
+            f"  record: {len(v.served) - len(v.record_mismatched)}/{len(v.served)} equal to the record's greedy "
+            f"continuation{where} (the project's forward pass; information only: an engine's quantised kernels "
+            "pick otherwise at near ties, while another target than the record's differs on most prompts from "
+            "the first tokens)"
+        )
     if c is not None and c.steps > 0:
         width = f"{c.width}" if c.width is not None else "not reported"
         lines.append(
@@ -412,7 +518,12 @@ def verdict_lines(v: Verdict, commands: dict[str, list[str]] | None = None) -> l
         )
     lines += [f"  note: {n}" for n in v.notes]
     if not v.problems:
-        lines.append("verdict: AGREE (the engine serves the target's outputs and the acceptance this draft earns)")
+        lines.append(
+            "verdict: AGREE (the engine serves the target's outputs and the acceptance this draft earns)"
+            if v.reference is None
+            else "verdict: AGREE (the engine's outputs with the draft equal its own without it, and it serves the "
+            "acceptance this draft earns)"
+        )
         return lines
     lines.append(f"verdict: DISAGREE — {v.problems[0].message}")
     lines += [f"  also: {p.message}" for p in v.problems[1:]]
@@ -475,7 +586,7 @@ def check_serving_main(argv: Sequence[str] | None = None) -> int:
         "(llama-server: response timings and, with --metrics, /metrics; vLLM: "
         "--per-request-spec-decode-metrics summary, else its Prometheus /metrics; SGLang: per-request "
         "spec_tokens_details) and checks that it drafts at all, that every served output equals the "
-        "target's greedy continuation, that it drafts block_size - 1 tokens per step, and that the "
+        "target's greedy continuation (with --reference-url: the same engine's output without the draft), that it drafts block_size - 1 tokens per step, and that the "
         "served tau lies within the expected 95% interval. On a disagreement it names the failed "
         "check, the likely causes for that engine and SERVING.md's command. Exit 0: agree, 1: "
         "disagree, 2: could not check.",
@@ -508,12 +619,26 @@ def check_serving_main(argv: Sequence[str] | None = None) -> int:
         help="check against a record made for other weights than the draft's model.safetensors "
         "(a warning instead of the refusal; the verdict then says little about these weights)",
     )
+    parser.add_argument(
+        "--reference-url",
+        default=None,
+        metavar="URL",
+        help="the same engine serving the same target without the draft (e.g. a second llama-server without -md): "
+        "losslessness is then judged against its outputs, and the record's continuation is reported as "
+        "information (default: judged against the record's continuation; llama-server 11434 has no per-request "
+        "switch that turns drafting off)",
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the verdict as JSON to FILE")
     args = parser.parse_args(list(argv) if argv is not None else None)
     record = read_record(args.draft if args.draft is not None else args.record)
     stale = _stale_record_note(record, args.draft, args.record, args.allow_stale_record)
     verdict = check_serving(
-        args.server, record, ENGINE_CHOICES[args.engine] if args.engine else None, args.max_prompts, args.timeout
+        args.server,
+        record,
+        ENGINE_CHOICES[args.engine] if args.engine else None,
+        args.max_prompts,
+        args.timeout,
+        reference_url=args.reference_url,
     )
     if stale is not None:
         verdict.notes.append(stale)

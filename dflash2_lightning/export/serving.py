@@ -152,8 +152,12 @@ def serving_markdown(
         "the running engine, reads the engine's own acceptance counters (llama-server: per-response "
         "`timings` and, with `--metrics`, `/metrics`; vLLM: `--per-request-spec-decode-metrics summary` or "
         "its Prometheus `/metrics`; SGLang: per-request `spec_tokens_details`) and says whether the served "
-        "outputs equal the target's and the served tau lies in the expected interval; if not, which and the "
-        "likely causes (exit 0 agree, 1 disagree, 2 could not check; docs/serving-check.md).",
+        "outputs are lossless and the served tau lies in the expected interval; if not, which and the "
+        "likely causes (exit 0 agree, 1 disagree, 2 could not check; docs/serving-check.md). Losslessness is "
+        "judged against the same engine without the draft when you give one: start a second server of the same "
+        "target without the draft (llama-server without `-md`) and add `--reference-url http://HOST:PORT2`; "
+        "do so for a quantised target (such as a Q4 GGUF), whose kernels pick otherwise than the record's "
+        "greedy continuation at near ties. Without it the record's continuation judges.",
         "",
     ]
     lines += ["## Checks", ""]

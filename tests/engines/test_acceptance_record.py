@@ -298,3 +298,5 @@ def test_serving_md_describes_the_record_and_the_check(draft_dir, tmp_path):
     assert f"`{RECORD_NAME}` beside this checkpoint" in text and "`dflash2 acceptance-record --draft" in text
     assert "`dflash2 check-serving --server http://HOST:PORT --draft" in text
     assert "--spec-draft-n-max 3 --metrics" in text  # llama-server's counters for the check
+    # a quantised target is checked against the same engine without the draft, not the record's continuation
+    assert "llama-server without `-md`) and add `--reference-url http://HOST:PORT2`" in text

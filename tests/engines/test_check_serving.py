@@ -496,3 +496,90 @@ def test_a_server_that_is_not_http_or_cuts_its_answer_off_is_said_so(record, tmp
     assert code == 2
     one_error_line(err, f"{cut.url}/v1/models cut its answer off (20 of 500 bytes received)")
     assert "cannot reach" not in err and "running" not in err
+
+
+# ----------------------------------------------------------------------------- the engine alone as the reference
+def near_ties(i: int, ids: list[int]) -> list[int]:
+    """What a quantised target's kernels serve: the record's continuation, another pick from token 7 on two prompts."""
+    return ids[:7] + [t + 1 for t in ids[7:]] if i in (1, 4) else ids
+
+
+def near_tie_text(i: int, text: str) -> str:
+    return text[:9] + text[9:].upper() if i in (1, 4) else text
+
+
+def alone(engine: str, record: dict, **behaviour) -> FakeEngine:
+    """The same engine serving the same target without the draft: it drafts nothing."""
+    return fake(engine, record, width=0, accepted=lambda a: [], **behaviour)
+
+
+@pytest.mark.parametrize("engine", [LLAMA_CPP, VLLM])
+def test_the_engine_alone_judges_losslessness_and_the_record_is_information(record, tmp_path, capsys, engine):
+    """A quantised target picks otherwise than the record at near ties, with and without the draft alike: lossless,
+    so the verdict agrees; the record's comparison is reported, and the JSON says which reference judged."""
+    ties = {"output": near_ties, "text": near_tie_text}
+    with Served(fake(engine, record, **ties)) as server, Served(alone(engine, record, **ties)) as ref:
+        code, out, err = run_cli(
+            capsys, record, tmp_path, server, "--reference-url", ref.url, "--json", str(tmp_path / "v.json")
+        )
+        assert [r["prompt"] for r in ref.fake.requests] == [p["prompt_ids"] for p in record["prompts"]]
+        assert all(r["temperature"] == 0.0 and r["top_k"] == 1 for r in ref.fake.requests)
+    assert code == 0, out + err
+    unit = "token ids" if engine == VLLM else "text"
+    assert f"6/6 equal to the same engine's outputs without the draft ({ref.url}) ({unit})" in out
+    assert "losslessness judged by the engine without the draft" in out
+    assert "record: 4/6 equal to the record's greedy continuation" in out and "information only" in out
+    assert "verdict: AGREE (the engine's outputs with the draft equal its own without it" in out
+    verdict = json.loads((tmp_path / "v.json").read_text())
+    assert verdict["lossless_reference"] == "engine" and verdict["reference_url"] == ref.url
+    assert verdict["outputs_equal"] == 6 and verdict["record_outputs_equal"] == 4
+    assert [m["prompt"] for m in verdict["record_mismatched"]] == [1, 4]
+    with Served(fake(engine, record, **ties)) as server:  # without a reference the record judges, as before
+        code, out, _ = run_cli(capsys, record, tmp_path, server)
+    assert code == 1 and "verdict: DISAGREE — served outputs differ from the target's greedy continuation" in out
+    assert "losslessness judged by the record's continuation (--reference-url" in out
+
+
+def test_outputs_with_the_draft_that_differ_from_the_engine_alone_are_not_lossless(record, tmp_path, capsys):
+    with Served(fake(VLLM, record, output=near_ties)) as server, Served(alone(VLLM, record)) as ref:
+        code, out, _ = run_cli(capsys, record, tmp_path, server, "--reference-url", ref.url)
+    assert code == 1
+    assert (
+        "verdict: DISAGREE — served outputs with the draft differ from the same engine's outputs without it on 2 of "
+        "6 prompts (prompt 1 from token 7 of"
+    ) in out
+    assert "speculative decoding in this deployment is not lossless" in out
+    assert "likely causes (vLLM):" in out and "the reference runs with other settings than the engine" in out
+
+
+@pytest.mark.parametrize(
+    "engine, broken, first",
+    [
+        (LLAMA_CPP, {"width": 1}, "verdict: DISAGREE — llama.cpp drafts 1 token per verify step"),
+        (SGLANG, {"accepted": lambda a: [0] * len(a)}, "verdict: DISAGREE — served tau"),
+        (LLAMA_CPP, {"width": 0, "accepted": lambda a: []}, "verdict: DISAGREE — llama.cpp drafted no token"),
+    ],
+    ids=["width", "tau", "no-drafts"],
+)
+def test_broken_deployments_still_disagree_beside_a_reference(record, tmp_path, capsys, engine, broken, first):
+    with Served(fake(engine, record, **broken)) as server, Served(alone(engine, record)) as ref:
+        code, out, _ = run_cli(capsys, record, tmp_path, server, "--reference-url", ref.url)
+    assert code == 1 and first in out, out
+
+
+def test_a_reference_that_is_no_engine_alone_cannot_judge(record, tmp_path, capsys):
+    """A reference that drafts, serves another model or is another engine: exit 2, one line, before any verdict."""
+    cases = [
+        (fake(LLAMA_CPP, record), "drafted", "it must serve the target alone"),
+        (FakeEngine(LLAMA_CPP, [], behaviour_of(record, width=0), model="/models/other"), "serves '/models/other'"),
+        (alone(VLLM, record), "is vLLM, the engine at", "start the reference with the same engine"),
+    ]
+    for reference, *needles in cases:
+        with Served(fake(LLAMA_CPP, record)) as server, Served(reference) as ref:
+            code, out, err = run_cli(capsys, record, tmp_path, server, "--reference-url", ref.url)
+        assert code == 2 and out == ""
+        one_error_line(err, f"the reference at {ref.url}", *needles)
+    with Served(fake(LLAMA_CPP, record)) as server:
+        code, out, err = run_cli(capsys, record, tmp_path, server, "--reference-url", "http://127.0.0.1:9")
+    assert code == 2 and out == ""
+    one_error_line(err, "nothing answers at http://127.0.0.1:9")

@@ -9,11 +9,16 @@ with the record; each deliberately broken deployment is caught with exit 1 and i
 - the GGUF of another draft (a random one of the same geometry),
 - another target (the same model with another final norm: another revision, same vocabulary),
 - no draft at all.
+
+Exactly the deployment SERVING.md recommends (the shipped Q4_1 target GGUF, ``--spec-draft-n-max 3 --metrics``)
+is checked against the same llama-server without the draft (``--reference-url``): lossless, it agrees, though
+llama.cpp's Q4_1 kernels may pick otherwise than the record at near ties; another draft's GGUF still disagrees.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -72,11 +77,14 @@ def other_revision(target: Path, out: Path) -> Path:
     return out
 
 
-def check(pair: dict, capsys, model: Path, draft: Path | None, *server_args: str) -> tuple[int, str]:
+def check(
+    pair: dict, capsys, model: Path, draft: Path | None, *server_args: str, reference: str | None = None
+) -> tuple[int, str]:
     from dflash2_lightning.engines.llama_server import serve
 
     with serve(model, draft, threads=2, ctx_size=512, extra=list(server_args), log_dir=pair["work"]) as server:
-        code = cli.main(["check-serving", "--server", server.url, "--draft", str(pair["draft"])])
+        more = ["--reference-url", reference] if reference is not None else []
+        code = cli.main(["check-serving", "--server", server.url, "--draft", str(pair["draft"]), *more])
     out = capsys.readouterr().out
     print(out)  # shown with -s and on failure
     return code, out
@@ -121,6 +129,31 @@ def test_a_server_without_the_draft_is_caught(pair, capsys):
     assert code == 1, out
     assert "verdict: DISAGREE — llama.cpp drafted no token" in out
     assert "-md draft.gguf --spec-type draft-dflash" in out
+
+
+def test_the_recommended_quantised_deployment_is_judged_against_the_engine_alone(pair, capsys):
+    """SERVING.md's deployment as a user runs it: the shipped Q4_1 target GGUF, the draft exported against it,
+    ``--spec-draft-n-max 3 --metrics``; the reference is the same llama-server and target without ``-md``."""
+    from dflash2_lightning.engines.draft_gguf import export_gguf
+    from dflash2_lightning.engines.llama_server import serve
+    from dflash2_lightning.target.gguf import resolve_gguf
+
+    shipped = resolve_gguf("smollm2")
+    gguf = export_gguf(pair["draft"], shipped, pair["work"] / "draft-q4_1.gguf")
+    with serve(shipped, None, threads=2, ctx_size=512, log_dir=pair["work"]) as alone:
+        code, out = check(pair, capsys, shipped, gguf, "--spec-draft-n-max", "3", "--metrics", reference=alone.url)
+        assert code == 0, out
+        assert f"{PROMPTS}/{PROMPTS} equal to the same engine's outputs without the draft ({alone.url})" in out
+        assert "losslessness judged by the engine without the draft" in out
+        assert re.search(rf"record: \d/{PROMPTS} equal to the record's greedy continuation", out), out
+        assert "(within)" in out and "verdict: AGREE (the engine's outputs with the draft equal its own" in out
+
+        code, out = check(
+            pair, capsys, shipped, pair["other_gguf"], "--spec-draft-n-max", "3", "--metrics", reference=alone.url
+        )
+        assert code == 1, out  # lossless all the same: the acceptance is another draft's
+        assert f"{PROMPTS}/{PROMPTS} equal to the same engine's outputs without the draft" in out
+        assert "verdict: DISAGREE — served tau" in out and "is below the expected" in out
 
 
 def test_the_quickstart_checks_its_own_draft_and_reuses_the_verdict(pair, tmp_path, capsys):

@@ -22,6 +22,7 @@ from torch import nn
 
 from dflash2_lightning.target.gguf import convert_gguf, resolve_gguf
 from dflash2_lightning.target.hf_config import check_config_sizes, target_config
+from dflash2_lightning.target.shard import load_sharded_hf
 from dflash2_lightning.target.spec import DTYPES, TargetError, TargetSpec
 from dflash2_lightning.target.target import Target
 from dflash2_lightning.target.tiny import TINY_DEFAULTS, build_tiny
@@ -52,7 +53,7 @@ def build_target(spec: TargetSpec) -> Target:
         hf = hf.to(dtype)
     else:
         directory = hf_dir_of(spec)
-        hf, tok = _load_hf_dir(directory, dtype)
+        hf, tok = _load_hf_dir(directory, dtype, sharded=spec.shard == "fsdp")
     return Target(hf.eval(), tok, spec)
 
 
@@ -69,12 +70,15 @@ def hf_dir_of(spec: TargetSpec) -> Path:
     return convert_gguf(resolve_gguf(spec.gguf or ""), Path(spec.cache_dir) if spec.cache_dir else None)
 
 
-def _load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+def _load_hf_dir(directory: Path, dtype: torch.dtype, sharded: bool) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = target_config(directory)  # a broken config.json is refused before any layer is built
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(directory), config=config, dtype=dtype, local_files_only=True)
+        if sharded:
+            hf = load_sharded_hf(directory, config, dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(directory), config=config, dtype=dtype, local_files_only=True)
     except OSError as error:
         if error.errno is not None:  # the file system's own fault (a permission, a full disk): reported as such
             raise

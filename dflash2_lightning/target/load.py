@@ -10,10 +10,13 @@ Three sources, chosen by exactly one field of the spec:
   (:mod:`dflash2_lightning.target.tiny`): what tests and CI use, nothing downloaded.
 
 :func:`load_target` memoises per spec, so the LightningModule and the DataModule share one instance.
+:func:`load_geometry` gives what a module needs to be built (config, tokenizer, the embedding's shape) without
+the weights of a sharded target, which only the processes of a running job can load together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,26 @@ def load_target(spec: TargetSpec | dict[str, Any]) -> Target:
     key = spec.key()
     if key not in _TARGETS:
         _TARGETS[key] = build_target(spec)
+    return _TARGETS[key]
+
+
+def load_geometry(spec: TargetSpec | dict[str, Any]) -> Target:
+    """The target's geometry: :func:`load_target` for a whole target; for a sharded one (``shard: fsdp``) the
+    model built on the meta device (no weight read, no process group needed) with its real config and tokenizer,
+    memoised. Its config, tokenizer, vocabulary, depth and dtype are the target's; it cannot compute."""
+    spec = spec if isinstance(spec, TargetSpec) else TargetSpec(**spec)
+    if spec.shard == "none":
+        return load_target(spec)
+    key = "geometry " + spec.key()
+    if key not in _TARGETS:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        directory = hf_dir_of(spec)
+        config = target_config(directory)
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=DTYPES[spec.dtype])
+        tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        _TARGETS[key] = Target(hf.eval(), tok, dataclasses.replace(spec, shard="none", cpu_linear="stock"))
     return _TARGETS[key]
 
 

@@ -300,9 +300,10 @@ class Target(nn.Module):
             self.__dict__["_fingerprint"] = cached
         return cached
 
-    def describe(self) -> dict[str, Any]:
-        """What a checkpoint records of the target it was trained against: the spec, geometry, fingerprint."""
-        return {
+    def describe(self, fingerprint: bool = True) -> dict[str, Any]:
+        """What a checkpoint records of the target it was trained against: the spec, geometry, fingerprint
+        (left out with ``fingerprint=False``: for a target whose weights are not loaded, only its geometry)."""
+        record = {
             "spec": json.loads(self.spec.key()) if self.spec is not None else None,
             "geometry": {
                 "hidden_size": self.hidden_size,
@@ -310,8 +311,10 @@ class Target(nn.Module):
                 "vocab_size": self.vocab_size,
                 "context_length": self.context_length,
             },
-            "fingerprint": self.fingerprint(),
         }
+        if fingerprint:
+            record["fingerprint"] = self.fingerprint()
+        return record
 
     def _compute_fingerprint(self) -> str:
         # Where the config was loaded from and the library version do not change the model; nor do the

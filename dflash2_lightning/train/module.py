@@ -228,6 +228,14 @@ class DFlash2Module(pl.LightningModule):
             object.__setattr__(self, "_target", tgt)  # plain attribute, not a registered child
         return tgt
 
+    def target_record(self) -> dict[str, Any]:
+        """The target as the checks before a fit's launch see it (:meth:`Target.describe`): a sharded target's
+        weights load only in the running job, so before it only its geometry is compared; the fingerprint is
+        checked again in :meth:`on_load_checkpoint`, on every rank."""
+        if self.target_spec.shard == "none":
+            return self.target.describe()
+        return load_geometry(self.target_spec).describe(fingerprint=False)
+
     def __getstate__(self) -> dict[str, Any]:
         # Spawned DDP workers rebuild the target from its spec instead of pickling it.
         state = dict(super().__getstate__())

@@ -319,7 +319,8 @@ def compute_shard(tgt: Target, build: Path, batches: list[Batch], spec: FeatureS
     """Compute this rank's batches (every ``world``-th of ``batches``) and write them; collective.
 
     Every rank takes the same number of steps (a rank out of batches just exchanges), so a failure anywhere is
-    seen by all at the next exchange.
+    seen by all at the next exchange. A sharded target's forward is itself a collective (every layer gathered
+    from every rank): there a rank out of batches runs a one-token forward whose result is dropped.
     """
     from tqdm.auto import tqdm
 
@@ -334,7 +335,8 @@ def compute_shard(tgt: Target, build: Path, batches: list[Batch], spec: FeatureS
     def start() -> None:
         nonlocal writer
         writer = RowWriter(build, spec.feature_dtype)
-        tgt.to(device)
+        if not tgt.sharded:  # a sharded one was loaded on the rank's device
+            tgt.to(device)
         for split in {b.split for b in mine}:
             tokens[split] = {
                 name: np.load(build / split / f"{name}.npy", mmap_mode="r") for name in ("input_ids", "attention_mask")
@@ -347,6 +349,8 @@ def compute_shard(tgt: Target, build: Path, batches: list[Batch], spec: FeatureS
             batch = mine[i]
             length, host, ready = _compute(tgt, tokens[batch.split], batch, spec, device, copier)
             writer.put(batch, length, host, ready)
+        elif tgt.sharded:
+            _idle_forward(tgt, spec, device)
 
     def stop() -> None:
         if writer is not None:
@@ -361,7 +365,8 @@ def compute_shard(tgt: Target, build: Path, batches: list[Batch], spec: FeatureS
     finally:
         if writer is not None and writer.thread.is_alive():
             _close_quietly(writer)
-        tgt.to(home)
+        if not tgt.sharded:
+            tgt.to(home)
 
 
 def _close_quietly(writer: RowWriter) -> None:
@@ -374,6 +379,20 @@ def _close_quietly(writer: RowWriter) -> None:
 
 
 @torch.no_grad()
+def _idle_forward(tgt: Target, spec: FeatureSpec, device: torch.device) -> None:
+    """The forward of a rank with no batch left, while the others compute theirs: one token, the same call (and
+    so the same collectives) as :func:`_compute`'s, the result dropped."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with _target_autocast(spec, device):
+        tgt.features(ids, torch.ones_like(ids), spec.layer_ids)
+
+
+def _target_autocast(spec: FeatureSpec, device: torch.device) -> torch.autocast:
+    """The autocast the target's forward runs under: bf16 with ``feature_autocast: bf16``, else none."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.autocast == "bf16")
+
+
+@torch.no_grad()
 def _compute(
     tgt: Target, tokens: dict[str, np.ndarray], batch: Batch, spec: FeatureSpec, device: torch.device, copier: Any
 ) -> tuple[int, dict[str, torch.Tensor], Any]:
@@ -382,7 +401,7 @@ def _compute(
     length = max(int(attn.sum(1).max()), 1)  # right padding: positions past it never matter
     ids = torch.from_numpy(np.array(tokens["input_ids"][batch.start : batch.stop, :length])).long()
     am = torch.from_numpy(np.array(attn[:, :length])).to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.autocast == "bf16"):
+    with _target_autocast(spec, device):
         res = tgt.features(ids.to(device), am, spec.layer_ids)
     # Converted on the device, so the host only copies and writes. Multiplying by the mask (not masked_fill)
     # keeps the one-process build's bytes, signed zeros included.

@@ -54,7 +54,14 @@ class ExportOnFitEnd(pl.Callback):
             if finding.level != "note":  # notes are in SERVING.md; warnings must be seen now
                 rank_zero_warn(str(finding))
         removed = remove_stale_record(directory)  # a previous run's record never stays beside new weights
-        if export.acceptance_prompts > 0:
+        if export.acceptance_prompts > 0 and pl_module.target.sharded:
+            # The record runs the target on this process alone; a sharded one runs only with every process.
+            rank_zero_warn(
+                f"warning: [export] no acceptance record beside {directory}: the target is sharded across the "
+                "job's processes (target.shard='fsdp'); write it with "
+                f"`dflash2 acceptance-record --draft {directory} --target TARGET` where the target fits"
+            )
+        elif export.acceptance_prompts > 0:
             write_acceptance_record(pl_module, directory)
         elif removed is not None:
             rank_zero_info(

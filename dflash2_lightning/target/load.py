@@ -10,10 +10,13 @@ Three sources, chosen by exactly one field of the spec:
   (:mod:`dflash2_lightning.target.tiny`): what tests and CI use, nothing downloaded.
 
 :func:`load_target` memoises per spec, so the LightningModule and the DataModule share one instance.
+:func:`load_geometry` gives what a module needs to be built (config, tokenizer, the embedding's shape) without
+the weights of a sharded target, which only the processes of a running job can load together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from torch import nn
 
 from dflash2_lightning.target.gguf import convert_gguf, resolve_gguf
 from dflash2_lightning.target.hf_config import check_config_sizes, target_config
+from dflash2_lightning.target.shard import load_sharded_hf
 from dflash2_lightning.target.spec import DTYPES, TargetError, TargetSpec
 from dflash2_lightning.target.target import Target
 from dflash2_lightning.target.tiny import TINY_DEFAULTS, build_tiny
@@ -35,6 +39,26 @@ def load_target(spec: TargetSpec | dict[str, Any]) -> Target:
     key = spec.key()
     if key not in _TARGETS:
         _TARGETS[key] = build_target(spec)
+    return _TARGETS[key]
+
+
+def load_geometry(spec: TargetSpec | dict[str, Any]) -> Target:
+    """The target's geometry: :func:`load_target` for a whole target; for a sharded one (``shard: fsdp``) the
+    model built on the meta device (no weight read, no process group needed) with its real config and tokenizer,
+    memoised. Its config, tokenizer, vocabulary, depth and dtype are the target's; it cannot compute."""
+    spec = spec if isinstance(spec, TargetSpec) else TargetSpec(**spec)
+    if spec.shard == "none":
+        return load_target(spec)
+    key = "geometry " + spec.key()
+    if key not in _TARGETS:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        directory = hf_dir_of(spec)
+        config = target_config(directory)
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=DTYPES[spec.dtype])
+        tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        _TARGETS[key] = Target(hf.eval(), tok, dataclasses.replace(spec, shard="none", cpu_linear="stock"))
     return _TARGETS[key]
 
 
@@ -52,7 +76,7 @@ def build_target(spec: TargetSpec) -> Target:
         hf = hf.to(dtype)
     else:
         directory = hf_dir_of(spec)
-        hf, tok = _load_hf_dir(directory, dtype)
+        hf, tok = _load_hf_dir(directory, dtype, sharded=spec.shard == "fsdp")
     return Target(hf.eval(), tok, spec)
 
 
@@ -69,12 +93,15 @@ def hf_dir_of(spec: TargetSpec) -> Path:
     return convert_gguf(resolve_gguf(spec.gguf or ""), Path(spec.cache_dir) if spec.cache_dir else None)
 
 
-def _load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+def _load_hf_dir(directory: Path, dtype: torch.dtype, sharded: bool) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = target_config(directory)  # a broken config.json is refused before any layer is built
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(directory), config=config, dtype=dtype, local_files_only=True)
+        if sharded:
+            hf = load_sharded_hf(directory, config, dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(directory), config=config, dtype=dtype, local_files_only=True)
     except OSError as error:
         if error.errno is not None:  # the file system's own fault (a permission, a full disk): reported as such
             raise

@@ -7,13 +7,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
 from dflash2_lightning.errors import UserError
 from dflash2_lightning.target.cpu_linear import CPU_LINEAR_CHOICES, CpuLinear
 
+Shard = Literal["none", "fsdp"]
+SHARD_CHOICES: tuple[str, ...] = get_args(Shard)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -42,6 +44,10 @@ class TargetSpec:
             pass, the drafted slots through the head): ``auto`` (timed per shape on this machine),
             ``stock``, ``rows_first`` or ``packed`` (see :mod:`dflash2_lightning.target.cpu_linear`).
             A speed setting: it changes results only by float rounding.
+        shard: how the frozen target is held across the processes of a job: ``none`` (every process loads
+            all of it) or ``fsdp`` (FSDP2 shards of each decoder layer, every process reading only its own
+            from the checkpoint, gathered layer by layer as the forward runs;
+            :mod:`dflash2_lightning.target.shard`). Needs a ``path`` or ``gguf`` target and a process group.
     """
 
     path: str | None = None
@@ -51,6 +57,7 @@ class TargetSpec:
     dtype: str = "float32"
     cache_dir: str | None = None
     cpu_linear: CpuLinear = "auto"
+    shard: Shard = "none"
 
     def __post_init__(self) -> None:
         given = [name for name in ("path", "gguf", "tiny") if getattr(self, name) is not None]
@@ -66,10 +73,18 @@ class TargetSpec:
                 f"TargetSpec.cpu_linear={self.cpu_linear!r} is invalid: must be one of {', '.join(CPU_LINEAR_CHOICES)}"
             )
 
+        if self.shard not in SHARD_CHOICES or (self.shard == "fsdp" and self.tiny is not None):
+            raise TargetError(
+                f"TargetSpec.shard={self.shard!r} is invalid for a {given[0]} target: must be one of "
+                f"{', '.join(SHARD_CHOICES)}, and fsdp needs a path or gguf target (a tiny one is built whole)"
+            )
+
     def key(self) -> str:
         """A canonical string for this spec (the memoisation key of :func:`load_target`, and what run logs
-        record as the target). ``cpu_linear`` appears only when it is not the default ``auto``."""
+        record as the target). ``cpu_linear`` and ``shard`` appear only when they are not their defaults
+        (``auto``, ``none``): keys written before those fields existed stay valid."""
         fields = dataclasses.asdict(self)
-        if fields["cpu_linear"] == "auto":
-            del fields["cpu_linear"]
+        for name, default in (("cpu_linear", "auto"), ("shard", "none")):
+            if fields[name] == default:
+                del fields[name]
         return json.dumps(fields, sort_keys=True, default=str)

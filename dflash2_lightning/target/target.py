@@ -18,6 +18,7 @@ from dflash2_lightning.config import DraftConfig, default_target_layer_ids, rope
 from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.capture import capture_features
 from dflash2_lightning.target.cpu_linear import CpuLinears, declare_rows, install_cpu_linears
+from dflash2_lightning.target.shard import full_tensor, whole_copy
 from dflash2_lightning.target.spec import TargetError, TargetSpec
 
 # Logits elements computed at once by :meth:`Target.greedy_at` (2**26: 128 MiB in bf16, 256 MiB in float32).
@@ -43,6 +44,11 @@ class Target(nn.Module):
     take the few-row kernels of ``spec.cpu_linear`` on a CPU (:attr:`cpu_linears`,
     :mod:`dflash2_lightning.target.cpu_linear`); :meth:`prepare_verification` declares a speculative
     loop's row counts.
+
+    A sharded target (``spec.shard == "fsdp"``, :mod:`dflash2_lightning.target.shard`) is made by every process of
+    the job together: its :meth:`features` are a collective, while :meth:`embed`, :meth:`head` and
+    :meth:`greedy_at` use whole copies of the embedding and head made here, so the draft's calls stay local. Its
+    linears keep the stock kernels (the few-row ones would replace modules the shards belong to).
     """
 
     def __init__(self, hf: nn.Module, tokenizer: Any, spec: TargetSpec | None = None) -> None:
@@ -50,8 +56,17 @@ class Target(nn.Module):
         self.hf = hf
         self.tokenizer = tokenizer
         self.spec = spec
+        self.sharded = spec is not None and spec.shard == "fsdp"
         self.hf.requires_grad_(False)
-        self.cpu_linears: CpuLinears = install_cpu_linears(self.hf, spec.cpu_linear if spec is not None else "auto")
+        if self.sharded:
+            self.cpu_linears: CpuLinears = CpuLinears("stock")
+            # Whole copies, made once by every process together; registered so that .to() moves them.
+            self.whole_embedding: nn.Module | None = whole_copy(self.hf.get_input_embeddings())
+            self.whole_head: nn.Module | None = whole_copy(self.hf.get_output_embeddings())
+            self.fingerprint()  # a collective too (every parameter gathered): now, while every process is here
+        else:
+            self.cpu_linears = install_cpu_linears(self.hf, spec.cpu_linear if spec is not None else "auto")
+            self.whole_embedding = self.whole_head = None
         self.verify_block_sizes: set[int] = set()
         super().train(False)
 
@@ -60,6 +75,14 @@ class Target(nn.Module):
         return super().train(False)
 
     # ------------------------------------------------------------------ geometry
+    def input_embeddings(self) -> nn.Module:
+        """The target's token embedding as the draft calls it: whole on every process, also when sharded."""
+        return self.whole_embedding if self.whole_embedding is not None else self.hf.get_input_embeddings()
+
+    def output_embeddings(self) -> nn.Module:
+        """The target's head as the draft calls it: whole on every process, also when sharded."""
+        return self.whole_head if self.whole_head is not None else self.hf.get_output_embeddings()
+
     @property
     def config(self) -> Any:
         """The HF config of the target."""
@@ -76,7 +99,7 @@ class Target(nn.Module):
     @property
     def vocab_size(self) -> int:
         """Rows of the embedding matrix (may exceed the tokenizer's vocabulary)."""
-        return int(self.hf.get_input_embeddings().weight.shape[0])
+        return int(self.input_embeddings().weight.shape[0])
 
     @property
     def context_length(self) -> int | None:
@@ -93,11 +116,11 @@ class Target(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.hf.get_input_embeddings().weight.dtype
+        return self.input_embeddings().weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.hf.get_input_embeddings().weight.device
+        return self.input_embeddings().weight.device
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -130,12 +153,12 @@ class Target(nn.Module):
     # ------------------------------------------------------------------ compute
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's frozen token embedding: ``[B,S] -> [B,S,H]``."""
-        return self.hf.get_input_embeddings()(ids)
+        return self.input_embeddings()(ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's frozen ``lm_head``: ``[..., H] -> [..., V]`` (no final norm: the draft has its own)."""
         # contiguous: a sliced view (e.g. a block's mask slots) sends the matmul down a slow batched path on CPU.
-        return self.hf.get_output_embeddings()(hidden.contiguous())
+        return self.output_embeddings()(hidden.contiguous())
 
     def prepare_verification(self, block_size: int) -> None:
         """Get the linears ready for a speculative loop with blocks of ``block_size`` tokens: every layer may
@@ -184,7 +207,7 @@ class Target(nn.Module):
     def greedy_from_hidden(self) -> bool:
         """Whether :meth:`greedy_at` gives the argmax of this target's logits: its head is a plain linear on
         the last hidden state (no soft-capping or scaling of the logits in the model's forward)."""
-        head = self.hf.get_output_embeddings()
+        head = self.output_embeddings()
         return isinstance(head, nn.Linear) and not any(getattr(self.config, k, None) for k in _LOGIT_TRANSFORMS)
 
     @torch.no_grad()
@@ -223,7 +246,7 @@ class Target(nn.Module):
         are never formed; each row's logits, and so its argmax (first maximum, like
         ``logits.max(-1).indices``), are the full head's. Only for a target with :attr:`greedy_from_hidden`.
         """
-        head = self.hf.get_output_embeddings()
+        head = self.output_embeddings()
         b, s, h = last_hidden.shape
         flat = last_hidden.reshape(b * s, h)
         greedy = torch.full((b * s,), -1, dtype=torch.long, device=last_hidden.device)
@@ -268,7 +291,8 @@ class Target(nn.Module):
 
         Cheap (no full byte hash) yet it changes when any tensor is retrained or replaced; recorded in
         offline feature-cache manifests and in training checkpoints. Computed once per target (its weights
-        are frozen).
+        are frozen); a sharded target's is computed at load, every parameter gathered whole, and equals the
+        unsharded target's.
         """
         cached = self.__dict__.get("_fingerprint")
         if cached is None:
@@ -276,9 +300,10 @@ class Target(nn.Module):
             self.__dict__["_fingerprint"] = cached
         return cached
 
-    def describe(self) -> dict[str, Any]:
-        """What a checkpoint records of the target it was trained against: the spec, geometry, fingerprint."""
-        return {
+    def describe(self, fingerprint: bool = True) -> dict[str, Any]:
+        """What a checkpoint records of the target it was trained against: the spec, geometry, fingerprint
+        (left out with ``fingerprint=False``: for a target whose weights are not loaded, only its geometry)."""
+        record = {
             "spec": json.loads(self.spec.key()) if self.spec is not None else None,
             "geometry": {
                 "hidden_size": self.hidden_size,
@@ -286,8 +311,10 @@ class Target(nn.Module):
                 "vocab_size": self.vocab_size,
                 "context_length": self.context_length,
             },
-            "fingerprint": self.fingerprint(),
         }
+        if fingerprint:
+            record["fingerprint"] = self.fingerprint()
+        return record
 
     def _compute_fingerprint(self) -> str:
         # Where the config was loaded from and the library version do not change the model; nor do the
@@ -296,11 +323,12 @@ class Target(nn.Module):
         cfg = {
             k: v
             for k, v in self.config.to_dict().items()
-            if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")
+            if not k.startswith("_")
+            and k not in ("transformers_version", "architectures", "dtype", "torch_dtype", "distributed_config")
         }
         h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
         for name, p in self.hf.state_dict().items():
-            flat = p.detach().reshape(-1)
+            flat = full_tensor(p.detach()).reshape(-1)
             h.update(f"{name}{tuple(p.shape)}{p.dtype}{flat.double().sum().item():.10e}".encode())
             h.update(flat[:64].float().cpu().numpy().tobytes())
         h.update(tokenizer_fingerprint(self.tokenizer).encode())

@@ -371,7 +371,7 @@ class DFlash2CLI(LightningCLI):
         resume = resolve_ckpt_path(ckpt_path, checkpoint_dirs(self.trainer))  # `best`, a missing file: refused
         if resume is not None:  # cheap (memory-mapped): the checkpoint must be of this target and draft
             check_resume(
-                peek_checkpoint(resume), self.model.target.describe(), self.model.draft_config.to_hf_dict(), resume
+                peek_checkpoint(resume), self.model.target_record(), self.model.draft_config.to_hf_dict(), resume
             )
         if self.trainer.is_global_zero:  # one fit at a time in a run directory (a killed one holds nothing)
             self._run_lock = RunLock(run_directory(self.trainer))

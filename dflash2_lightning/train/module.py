@@ -48,7 +48,7 @@ from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.data.prompts import record_prompts
 from dflash2_lightning.errors import ConfigError, UserError
 from dflash2_lightning.model import DraftModel
-from dflash2_lightning.target.load import load_target
+from dflash2_lightning.target.load import load_geometry, load_target
 from dflash2_lightning.target.spec import TargetSpec
 from dflash2_lightning.target.target import Target
 from dflash2_lightning.train.due_validation import DUE_KEY, run_due_validation, validation_due
@@ -135,14 +135,16 @@ class DFlash2Module(pl.LightningModule):
         # each group checked its own ranges when it was made (options.py)
 
         overrides = {k: v for k, v in dataclasses.asdict(draft).items() if v is not None}
+        # The geometry only: a sharded target's weights are loaded by the job's processes together, later.
+        geometry = load_geometry(self.target_spec)
         with draft_settings_named(draft):
-            self.draft_config: DraftConfig = self.target.draft_config(**overrides)
-        self.target.check_layer_ids(self.draft_config.target_layer_ids or [])
+            self.draft_config: DraftConfig = geometry.draft_config(**overrides)
+        geometry.check_layer_ids(self.draft_config.target_layer_ids or [])
         # The end-of-fit acceptance record's prompts must fit the target's context: refused now, not after the
         # training (without a chat template no record can be made: the export warns then, as it always did).
-        if export.acceptance_prompts > 0 and getattr(self.target.tokenizer, "chat_template", None):
+        if export.acceptance_prompts > 0 and getattr(geometry.tokenizer, "chat_template", None):
             record_prompts(
-                self.target, None, export.acceptance_prompts, export.acceptance_tokens, budget=ACCEPTANCE_TOKENS_OPTION
+                geometry, None, export.acceptance_prompts, export.acceptance_tokens, budget=ACCEPTANCE_TOKENS_OPTION
             )
         # The checkpoint's hparams hold plain values (a checkpoint loads without this package's classes): the
         # target as a dict and the *resolved* feature layers.
@@ -164,6 +166,14 @@ class DFlash2Module(pl.LightningModule):
         self.draft = DraftModel(self.draft_config)
         # Each parameter's dimensions before any wrapping (FSDP flattens them): what the weight-decay rule reads.
         self._param_dims = {name: p.dim() for name, p in self.draft.named_parameters()}
+        if self.target_spec.shard != "none" and (
+            experimental.init_from_target or experimental.selector_init == "target_embedding"
+        ):
+            raise ConfigError(
+                "experimental.init_from_target and selector_init='target_embedding' read the target's weights, "
+                "which a sharded target (target.shard='fsdp') has only once the job runs: not supported yet; "
+                "leave them off or use target.shard='none'"
+            )
         if experimental.init_from_target:  # a resumed run then loads its own weights over these
             from dflash2_lightning.train.warm_start import init_from_target as warm_start
 
@@ -218,6 +228,14 @@ class DFlash2Module(pl.LightningModule):
             object.__setattr__(self, "_target", tgt)  # plain attribute, not a registered child
         return tgt
 
+    def target_record(self) -> dict[str, Any]:
+        """The target as the checks before a fit's launch see it (:meth:`Target.describe`): a sharded target's
+        weights load only in the running job, so before it only its geometry is compared; the fingerprint is
+        checked again in :meth:`on_load_checkpoint`, on every rank."""
+        if self.target_spec.shard == "none":
+            return self.target.describe()
+        return load_geometry(self.target_spec).describe(fingerprint=False)
+
     def __getstate__(self) -> dict[str, Any]:
         # Spawned DDP workers rebuild the target from its spec instead of pickling it.
         state = dict(super().__getstate__())
@@ -226,8 +244,11 @@ class DFlash2Module(pl.LightningModule):
         return state
 
     def _target_ready(self, whole: bool) -> Target:
-        """The target on this module's device: all of it (online) or just its embedding and head (offline)."""
+        """The target on this module's device: all of it (online) or just its embedding and head (offline). A
+        sharded target was loaded on the process's device (transformers binds each process to its local one)."""
         tgt = self.target
+        if tgt.sharded:
+            return tgt
         device = self.device
         parts = [tgt.hf] if whole else [tgt.hf.get_input_embeddings(), tgt.hf.get_output_embeddings()]
         for part in parts:
@@ -249,7 +270,7 @@ class DFlash2Module(pl.LightningModule):
             if not torch.is_autocast_enabled(device):
                 return tgt.head(hidden.to(tgt.dtype))
             weight = self._autocast_head_weight(tgt, torch.get_autocast_dtype(device))
-            bias = tgt.hf.get_output_embeddings().bias
+            bias = tgt.output_embeddings().bias
             bias = None if bias is None else bias.to(weight.dtype)
             return F.linear(hidden.contiguous().to(weight.dtype), weight, bias)
 
@@ -261,7 +282,7 @@ class DFlash2Module(pl.LightningModule):
         What autocast would compute (it caches casts only of weights that require grad, so it re-casts the
         frozen 49152 x 576 head at every forward: ~6% of a CPU step); re-cast when the weight moves or changes.
         """
-        weight = tgt.hf.get_output_embeddings().weight
+        weight = tgt.output_embeddings().weight
         if weight.dtype == dtype:
             return weight
         key = (weight.data_ptr(), weight.device, weight._version, dtype)

@@ -11,7 +11,9 @@ block rows, ``C = B*S`` context rows; ``s`` bytes of a parameter, ``a`` of the c
     draft weights, gradients      P*s each (divided across devices under FSDP; DDP adds a gradient bucket copy
                                   unless gradient_as_bucket_view)
     AdamW m, v                    2*P*s (the fp32 master weights are the weights: mixed precision keeps them)
-    frozen target                 online: all its weights in its dtype; offline: its embedding and head only
+    frozen target                 online: all its weights in its dtype; offline: its embedding and head only;
+                                  target.shard fsdp: 1/devices of its weights, whole copies of its embedding and
+                                  head, and its largest decoder layer twice (the running one and the next, gathered)
     target forward (online)       the feature layers (captured by hooks), a layer's input, output and MLP, the
                                   final hidden state, the logits when they are read (kd), under no_grad, before
                                   the draft's step
@@ -47,6 +49,7 @@ import torch
 
 from dflash2_lightning.config import DraftConfig, rope_theta_of
 from dflash2_lightning.errors import ConfigError, format_bytes
+from dflash2_lightning.target.capture import decoder_and_layers
 from dflash2_lightning.target.experts import RoutedExperts, routed_experts
 from dflash2_lightning.target.spec import DTYPES, TargetSpec
 from dflash2_lightning.train.objective import LOGITS_CHUNK_ELEMENTS
@@ -216,6 +219,8 @@ class TargetSize:
     vocab_size: int
     dtype_bytes: int
     experts: RoutedExperts | None = None  # a mixture-of-experts target's routed experts (None: dense)
+    largest_layer: int = 0  # parameters of its largest decoder layer (all experts of a MoE layer)
+    shard: str = "none"  # TargetSpec.shard: "fsdp" divides its weights over the job's devices
 
     @property
     def active_parameters(self) -> int:
@@ -249,6 +254,8 @@ def target_size(spec: TargetSpec) -> TargetSize:
         vocab_size=int(embed.shape[0]),
         dtype_bytes=DTYPES[spec.dtype].itemsize,
         experts=routed_experts(model, config),
+        largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in decoder_and_layers(model)[1]),
+        shard=spec.shard,
     )
 
 
@@ -639,7 +646,9 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
             )
         )
     tgt, t = run.target, run.target.dtype_bytes
-    if run.mode == "online":
+    if tgt.shard == "fsdp":
+        items += sharded_target_items(tgt, run.world_size)
+    elif run.mode == "online":
         items.append(Item("frozen target", tgt.parameters * t, f"{tgt.describe_parameters()} x {t} B, every device"))
     else:
         resident = tgt.embedding + tgt.head
@@ -715,9 +724,32 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
     return plan
 
 
+def sharded_target_items(tgt: TargetSize, world: int) -> list[Item]:
+    """A target sharded over the job's ``world`` devices (``target.shard: fsdp``): each holds its share of every
+    weight, whole copies of the embedding and head (the draft calls them on its own), and while the target runs
+    the decoder layer being computed and the next one gathered whole."""
+    t = tgt.dtype_bytes
+    return [
+        Item(
+            "frozen target, sharded",
+            -(-tgt.parameters // world) * t,
+            f"{tgt.describe_parameters()} x {t} B / {world} devices (target.shard fsdp)",
+        ),
+        Item("target embedding + head, whole", (tgt.embedding + tgt.head) * t, "copies the draft calls"),
+        Item("target layers gathered", 2 * tgt.largest_layer * t, "the running decoder layer and the next, whole"),
+    ]
+
+
 def advice(plan: Plan, run: RunSetup, anchors: int) -> list[str]:
     """What to change when the plan does not fit."""
     out = []
+    if plan.memory_fits is False and run.target.shard == "none" and run.world_size > 1:
+        sharded = sum(item.bytes for item in sharded_target_items(run.target, run.world_size))
+        whole = run.target.parameters * run.target.dtype_bytes
+        out.append(
+            f"shard the frozen target over the {run.world_size} devices: --model.init_args.target.shard fsdp "
+            f"({sharded / 1e9:.1f} GB a device for it instead of {whole / 1e9:.1f} GB)"
+        )
     if plan.memory_fits is False:
         if anchors > 32:
             out.append(

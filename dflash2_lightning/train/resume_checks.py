@@ -76,7 +76,8 @@ def check_resume(
 ) -> None:
     """Refuse a checkpoint trained against another target, or holding a draft of another geometry.
 
-    ``target_record``: this run's :meth:`Target.describe`; ``draft_config``: this run's ``DraftConfig.to_hf_dict()``.
+    ``target_record``: this run's :meth:`Target.describe` (without a fingerprint, only the geometry is compared);
+    ``draft_config``: this run's ``DraftConfig.to_hf_dict()``.
     Raises :class:`CheckpointError` naming both sides and what to do.
     """
     name = f"checkpoint {where}" if where is not None else "the checkpoint"
@@ -86,9 +87,8 @@ def check_resume(
     )
     recorded = checkpoint.get(TARGET_KEY)
     if isinstance(recorded, dict):
-        if recorded.get("geometry") != target_record.get("geometry") or recorded.get(
-            "fingerprint"
-        ) != target_record.get("fingerprint"):
+        other_weights = "fingerprint" in target_record and recorded.get("fingerprint") != target_record["fingerprint"]
+        if recorded.get("geometry") != target_record.get("geometry") or other_weights:
             raise CheckpointError(
                 f"{name} was trained against another target: it recorded {_target_words(recorded)}, "
                 f"this run's target is {_target_words(target_record)}; {start_new}"

@@ -41,9 +41,9 @@ def write_data(directory: Path) -> str:
     return str(path)
 
 
-def data_module(data: str, cache: Path) -> DraftDataModule:
+def data_module(data: str, cache: Path, target: TargetSpec | None = None) -> DraftDataModule:
     return DraftDataModule(
-        TargetSpec(tiny={}),
+        target or TargetSpec(tiny={}),
         train_files=[data],
         seq_len=64,
         block_size=8,
@@ -76,7 +76,9 @@ class CountingFeatures:
             Target.features = features  # a spawned worker: nothing to restore
 
 
-def worker(rank: int, port: int, data: str, cache: str, out: str, fail_rank: int | None) -> None:
+def worker(
+    rank: int, port: int, data: str, cache: str, out: str, fail_rank: int | None, target: TargetSpec | None
+) -> None:
     """One rank of a 2-process gloo job: build the cache through the hooks; write what happened to ``out``."""
     import torch.distributed as dist
 
@@ -87,7 +89,7 @@ def worker(rank: int, port: int, data: str, cache: str, out: str, fail_rank: int
     )
     result: dict[str, Any] = {"rank": rank}
     try:
-        dm = data_module(data, Path(cache))
+        dm = data_module(data, Path(cache), target)
         dm.prepare_data()  # under DDP: builds nothing (Lightning runs it on one rank while the others wait)
         assert counter.calls == 0, "prepare_data computed features under torch.distributed"
         dm.setup("fit")
@@ -105,14 +107,18 @@ def worker(rank: int, port: int, data: str, cache: str, out: str, fail_rank: int
     dist.destroy_process_group()
 
 
-def run_two_ranks(tmp_path: Path, data: str, cache: Path, fail_rank: int | None = None) -> list[dict[str, Any]]:
+def run_two_ranks(
+    tmp_path: Path, data: str, cache: Path, fail_rank: int | None = None, target: TargetSpec | None = None
+) -> list[dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "outcome"
     out.mkdir(exist_ok=True)
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, port, data, str(cache), str(out), fail_rank)) for r in range(2)]
+    procs = [
+        ctx.Process(target=worker, args=(r, port, data, str(cache), str(out), fail_rank, target)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -126,11 +132,11 @@ def run_two_ranks(tmp_path: Path, data: str, cache: Path, fail_rank: int | None 
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def one_process_build(data: str, cache: Path) -> DraftDataModule:
+def one_process_build(data: str, cache: Path, target: TargetSpec | None = None) -> DraftDataModule:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        dm = data_module(data, cache)
+        dm = data_module(data, cache, target)
         dm.prepare_data()
         dm.setup("fit")
     finally:

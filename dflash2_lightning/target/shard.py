@@ -1,0 +1,100 @@
+"""The frozen target sharded across the processes of a job: ``TargetSpec.shard = "fsdp"``.
+
+Every decoder layer is one FSDP2 unit (``fully_shard``, resharded after its forward): each process holds a
+``1 / world`` slice of every layer's parameters and gathers one layer at a time as the forward runs, so a target
+larger than one device fits across the job. Each process still computes the features of its own batch; every
+target forward is therefore a collective, which all processes must run together.
+
+Loading goes through transformers' distributed loading (``from_pretrained(distributed_config=...)``): the model is
+built on the meta device, sharded, and each process reads only its slices from the safetensors files, with every
+family's checkpoint conversion (per-expert tensors stacked into the fused experts of mixture-of-experts layers,
+renamed modules) done by transformers. The final norm and the head are their own units resharded after use (not
+transformers' default pair kept whole after the forward), where the installed transformers lets a plan say so.
+
+The draft calls the target's embedding and head directly, at times no other process does: those calls must not be
+collectives. :func:`whole_copy` makes a plain, unsharded copy of such a module once, at load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash2_lightning.target.spec import TargetError
+
+# Module names of the final norm and the head in transformers' decoder-only families (Llama, Qwen, Mistral and
+# their mixture-of-experts variants): each its own unit, resharded after use.
+_ENDS_PLAN = {"model.norm": "free_full_weight", "lm_head": "free_full_weight"}
+
+
+def shard_world() -> int:
+    """The number of processes the target is sharded over: the default process group's size. A
+    :class:`TargetError` when there is none (a sharded target is loaded by every process of a job)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise TargetError(
+            "TargetSpec.shard='fsdp' needs the processes of a distributed job (no process group here): "
+            "launch with several devices or processes (torchrun, Lightning's devices/num_nodes), or use shard: none"
+        )
+    return dist.get_world_size()
+
+
+def load_sharded_hf(directory: Path, config: Any, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of ``directory``, each decoder layer sharded over the job's processes (FSDP2), each process
+    reading only its own slices; frozen. A collective: every process of the job calls it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    world = shard_world()
+    fields = {f.name for f in dataclasses.fields(DistributedConfig)}
+    if "fsdp_plan" in fields:
+        distributed = DistributedConfig(fsdp_size=world, fsdp_plan=dict(_ENDS_PLAN))
+    else:  # older transformers (5.17) take no plan: their default one keeps the norm and head whole after use
+        distributed = DistributedConfig(fsdp_size=world)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(directory), config=config, dtype=dtype, local_files_only=True, distributed_config=distributed
+    )
+    return hf.requires_grad_(False)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a parameter or buffer: a sharded one (a DTensor) gathered from every process (a
+    collective), any other as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def whole_copy(module: nn.Module) -> nn.Module:
+    """A plain frozen ``nn.Embedding`` or ``nn.Linear`` holding the whole weights of the (sharded) ``module`` of
+    that kind. A collective. A :class:`TargetError` for another kind (an embedding that scales its output, a
+    quantised head): their computation is more than the weights."""
+    with torch.no_grad():
+        kind = _unsharded_class(module)
+        if kind is nn.Embedding:
+            assert isinstance(module, nn.Embedding)
+            weight = full_tensor(module.weight).detach().clone()
+            return nn.Embedding.from_pretrained(weight, freeze=True, padding_idx=module.padding_idx)
+        if kind is nn.Linear:
+            assert isinstance(module, nn.Linear)
+            copy = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+            copy.weight = nn.Parameter(full_tensor(module.weight).detach().clone(), requires_grad=False)
+            if module.bias is not None:
+                copy.bias = nn.Parameter(full_tensor(module.bias).detach().clone(), requires_grad=False)
+            return copy
+    raise TargetError(
+        f"TargetSpec.shard='fsdp' cannot take this target: its {type(module).__name__} is not a plain embedding or "
+        "linear head, which the draft calls whole; use shard: none"
+    )
+
+
+def _unsharded_class(module: nn.Module) -> type:
+    """The module's own class: ``fully_shard`` swaps a module's class for a subclass of ``(FSDPModule, cls)``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    kind = type(module)
+    return kind.__bases__[1] if isinstance(module, FSDPModule) else kind

@@ -1,0 +1,97 @@
+"""An online fit with the target sharded (``target.shard: fsdp``) under 2-process DDP (gloo, CPU) takes the same
+steps as the same fit with the target whole: every rank's loss at every step equal.
+
+The draft is data-parallel (DDP) in both; only the target differs (whole on each process, or each decoder layer
+an FSDP2 unit over the two), so the losses must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hf_families import save_tiny_hf
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from dflash2_lightning.data.datamodule import DraftDataModule
+from dflash2_lightning.errors import ConfigError
+from dflash2_lightning.export.callback import ExportOnFitEnd
+from dflash2_lightning.target.spec import TargetSpec
+from dflash2_lightning.train.module import DFlash2Module
+
+STEPS = 3
+DRAFT = {"block_size": 4, "num_hidden_layers": 1, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 64}
+
+
+class LossFile(Callback):
+    """Each rank's training loss at every step, written to ``directory/{tag}.rank{r}.json`` (spawned processes)."""
+
+    def __init__(self, directory: Path, tag: str) -> None:
+        self.directory, self.tag, self.losses = directory, tag, []
+
+    def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: Trainer, module: Any) -> None:
+        path = self.directory / f"{self.tag}.rank{trainer.global_rank}.json"
+        path.write_text(json.dumps({"losses": self.losses, "sharded": module.target.sharded}))
+
+
+def fit(spec: TargetSpec, root: Path, tag: str) -> None:
+    """Rank-0's export at the end asks for an acceptance record only when sharded: skipped there with a warning
+    (the record's target forwards on rank 0 alone would wait for rank 1 forever)."""
+    seed_everything(0)
+    export = {"acceptance_prompts": 2 if spec.shard == "fsdp" else 0, "dir": str(root / f"{tag}-hf")}
+    module = DFlash2Module(target=spec, draft=DRAFT, objective={"num_anchors": 6}, export=export)
+    data = DraftDataModule(
+        target=spec,
+        max_samples=24,
+        val_fraction=0.0,
+        seq_len=32,
+        block_size=4,
+        batch_size=2,
+        target_layer_ids=module.draft_config.target_layer_ids,
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=STEPS,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        default_root_dir=str(root),
+        callbacks=[LossFile(root, tag), ExportOnFitEnd()],
+    )
+    trainer.fit(module, datamodule=data)
+
+
+@pytest.mark.slow
+def test_a_sharded_target_fits_like_a_whole_one(tmp_path: Path) -> None:
+    directory = str(save_tiny_hf("llama", tmp_path / "llama", seed=2))
+    fit(TargetSpec(path=directory), tmp_path, "whole")
+    fit(TargetSpec(path=directory, shard="fsdp"), tmp_path, "sharded")
+    for rank in range(2):
+        whole = json.loads((tmp_path / f"whole.rank{rank}.json").read_text())
+        sharded = json.loads((tmp_path / f"sharded.rank{rank}.json").read_text())
+        assert not whole["sharded"] and sharded["sharded"]
+        assert len(whole["losses"]) == STEPS
+        assert sharded["losses"] == whole["losses"], rank
+    assert (
+        json.loads((tmp_path / "whole.rank0.json").read_text())["losses"]
+        != json.loads((tmp_path / "whole.rank1.json").read_text())["losses"]
+    )  # each rank its own batches
+    assert (tmp_path / "sharded-hf" / "config.json").is_file()  # the end-of-fit export, on rank 0
+    assert not (tmp_path / "sharded-hf" / "acceptance.json").exists()
+
+
+def test_weight_reading_options_are_refused_with_a_sharded_target(tmp_path: Path) -> None:
+    directory = str(save_tiny_hf("llama", tmp_path / "llama"))
+    with pytest.raises(ConfigError, match=r"not supported yet"):
+        DFlash2Module(target=TargetSpec(path=directory, shard="fsdp"), experimental={"init_from_target": True})

@@ -18,8 +18,8 @@ Not a test: a full run takes an hour or more on 2 cores.
 
 The rows in ``bench_recipe.json`` ran on the 1x recipe shipped before the 3x-text one (greedy responses only,
 540 steps, float32 features, data labels, float32 regeneration). To reproduce one with today's quickstart,
-add ``--sampled 0 --regen-dtype float32 --max-steps 540 --set model.init_args.objective.labels=data --set
-data.init_args.feature_autocast=none`` to its command. The 3x-text rows are in ``recipe_budget.json``.
+add ``--sampled 0 --regen-dtype float32 --max-steps 540 --model.init_args.objective.labels=data
+--data.init_args.feature_autocast=none`` to its command. The 3x-text rows are in ``recipe_budget.json``.
 """
 
 from __future__ import annotations
@@ -44,12 +44,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "bench_recipe.json"
 PREVIOUS = [
     "--max-steps",
     "360",
-    "--set",
-    "trainer.precision=32",
-    "--set",
-    "model.init_args.draft.sliding_window=null",
-    "--set",
-    "model.init_args.optimizer.lr=3.0e-3",
+    "--trainer.precision=32",
+    "--model.init_args.draft.sliding_window=null",
+    "--model.init_args.optimizer.lr=3.0e-3",
     "--eval-prompts",
     "8",
     "--eval-temperature",
@@ -59,109 +56,101 @@ BUDGET_EVAL = ["--eval-prompts", "32", "--eval-max-new-tokens", "96", "--eval-te
 VARIANTS: dict[str, tuple[list[str], str]] = {
     "shipped": (["--eval-temperature", "0"], "configs/quickstart.yaml as shipped"),
     "shipped_insert_last": (
-        ["--set", "model.init_args.objective.gold_outside_topk=insert_last", "--eval-temperature", "0"],
+        ["--model.init_args.objective.gold_outside_topk=insert_last", "--eval-temperature", "0"],
         "the shipped recipe with ModelOpt's insert_last selector loss (shipped until the selector_drop row)",
     ),
     "shipped_dflash": (
-        ["--set", "model.init_args.draft.projector_type=dflash", "--eval-temperature", "0"],
+        ["--model.init_args.draft.projector_type=dflash", "--eval-temperature", "0"],
         "the DFlash baseline (no conv, no selector) with the shipped recipe",
     ),
-    "lr3e-3": (["--set", "model.init_args.optimizer.lr=3.0e-3"], "learning rate 3e-3 instead of 1e-3"),
+    "lr3e-3": (["--model.init_args.optimizer.lr=3.0e-3"], "learning rate 3e-3 instead of 1e-3"),
     "lr3e-3_dflash": (
-        ["--set", "model.init_args.draft.projector_type=dflash", "--set", "model.init_args.optimizer.lr=3.0e-3"],
+        ["--model.init_args.draft.projector_type=dflash", "--model.init_args.optimizer.lr=3.0e-3"],
         "the DFlash baseline at learning rate 3e-3",
     ),
     "previous": (PREVIOUS, "the previous quickstart recipe (full attention, lr 3e-3, 360 fp32 steps) on the same data"),
     "previous_norm": (
-        PREVIOUS + ["--set", "model.init_args.experimental.normalize_features=true"],
+        PREVIOUS + ["--model.init_args.experimental.normalize_features=true"],
         "previous recipe + fc trained on unit-RMS features (scale folded into fc at export)",
     ),
     "previous_swa16": (
-        PREVIOUS + ["--set", "model.init_args.draft.sliding_window=16"],
+        PREVIOUS + ["--model.init_args.draft.sliding_window=16"],
         "previous recipe + 16-position context window",
     ),
     "previous_init29": (
         PREVIOUS
         + [
-            "--set",
-            "model.init_args.experimental.init_from_target=true",
-            "--set",
-            "model.init_args.draft.target_layer_ids=[28]",
-            "--set",
-            "model.init_args.optimizer.lr=1.0e-3",
+            "--model.init_args.experimental.init_from_target=true",
+            "--model.init_args.draft.target_layer_ids=[28]",
+            "--model.init_args.optimizer.lr=1.0e-3",
         ],
         "previous recipe + draft layer starting as target layer 29 (features of layer 28), lr 1e-3",
     ),
     "selector_drop": (
-        ["--set", "model.init_args.objective.gold_outside_topk=drop", *BUDGET_EVAL],
+        ["--model.init_args.objective.gold_outside_topk=drop", *BUDGET_EVAL],
         "selector loss only where the target's token is in the top-k (no inserted gold)",
     ),
     "selector_lr0.25": (
-        ["--set", "model.init_args.experimental.selector_lr_scale=0.25", *BUDGET_EVAL],
+        ["--model.init_args.experimental.selector_lr_scale=0.25", *BUDGET_EVAL],
         "the selector's codebooks and projection at 0.25 x the learning rate",
     ),
     "selector_top16": (
-        ["--set", "model.init_args.draft.selector_top_k=16", *BUDGET_EVAL],
+        ["--model.init_args.draft.selector_top_k=16", *BUDGET_EVAL],
         "16 selector candidates per position instead of 8 (the trainer's default)",
     ),
     "kd32": (
-        ["--set", "model.init_args.objective.token_loss=kd", "--set", "data.init_args.teacher_top_k=32", *BUDGET_EVAL],
+        ["--model.init_args.objective.token_loss=kd", "--data.init_args.teacher_top_k=32", *BUDGET_EVAL],
         "soft distillation from the target's cached top-32 logits",
     ),
     "kd32_dflash": (
         [
-            "--set",
-            "model.init_args.objective.token_loss=kd",
-            "--set",
-            "data.init_args.teacher_top_k=32",
-            "--set",
-            "model.init_args.draft.projector_type=dflash",
+            "--model.init_args.objective.token_loss=kd",
+            "--data.init_args.teacher_top_k=32",
+            "--model.init_args.draft.projector_type=dflash",
             *BUDGET_EVAL,
         ],
         "the DFlash baseline with soft distillation from the cached top-32 logits",
     ),
     "selector_embed": (
-        ["--set", "model.init_args.experimental.selector_init=target_embedding", *BUDGET_EVAL],
+        ["--model.init_args.experimental.selector_init=target_embedding", *BUDGET_EVAL],
         "selector codebooks start at the target embedding's top-32 principal coordinates",
     ),
     "conv_k4": (
-        ["--set", "model.init_args.draft.conv_kernel_size=4", *BUDGET_EVAL],
+        ["--model.init_args.draft.conv_kernel_size=4", *BUDGET_EVAL],
         "block convolution with 4 taps (the whole 4-token block) instead of 2",
     ),
     "weight_decay0.1": (
-        ["--set", "model.init_args.optimizer.weight_decay=0.1", *BUDGET_EVAL],
+        ["--model.init_args.optimizer.weight_decay=0.1", *BUDGET_EVAL],
         "AdamW weight decay 0.1 instead of 0 (norms and conv base kernels excepted)",
     ),
     "selector_lr3": (
-        ["--set", "model.init_args.experimental.selector_lr_scale=3.0", *BUDGET_EVAL],
+        ["--model.init_args.experimental.selector_lr_scale=3.0", *BUDGET_EVAL],
         "the selector's codebooks and projection at 3 x the learning rate",
     ),
     "selector_alpha3": (
-        ["--set", "model.init_args.objective.selector_loss_alpha=3.0", *BUDGET_EVAL],
+        ["--model.init_args.objective.selector_loss_alpha=3.0", *BUDGET_EVAL],
         "selector loss weight 3 instead of 1 (it reaches the backbone through unary and hidden)",
     ),
     "selector_rank128": (
-        ["--set", "model.init_args.draft.selector_rank=128", *BUDGET_EVAL],
+        ["--model.init_args.draft.selector_rank=128", *BUDGET_EVAL],
         "selector rank 128 instead of 32",
     ),
     "decay_gamma1": (
-        ["--set", "model.init_args.objective.decay_gamma=1.0", *BUDGET_EVAL],
+        ["--model.init_args.objective.decay_gamma=1.0", *BUDGET_EVAL],
         "position decay gamma 1 instead of 2 (offset weights 1 / 0.37 / 0.14: offset 1 first)",
     ),
     "anchors32_270": (
-        ["--set", "model.init_args.objective.num_anchors=32", "--max-steps", "270", *BUDGET_EVAL],
+        ["--model.init_args.objective.num_anchors=32", "--max-steps", "270", *BUDGET_EVAL],
         "32 blocks per sequence per step and half the steps (the same draft positions in all)",
     ),
     "dpace": (
-        ["--set", "model.init_args.objective.position_weighting=dpace", *BUDGET_EVAL],
+        ["--model.init_args.objective.position_weighting=dpace", *BUDGET_EVAL],
         "D-PACE position weights (alpha 0.5)",
     ),
     "two_layers": (
         [
-            "--set",
-            "model.init_args.draft.num_hidden_layers=2",
-            "--set",
-            "model.init_args.draft.target_layer_ids=[15]",
+            "--model.init_args.draft.num_hidden_layers=2",
+            "--model.init_args.draft.target_layer_ids=[15]",
             *BUDGET_EVAL,
         ],
         "two draft layers (same feature layer)",
@@ -177,8 +166,7 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                 str(n - 1),
                 "--max-steps",
                 str(540 * n),
-                "--set",
-                "model.init_args.objective.labels=target",
+                "--model.init_args.objective.labels=target",
             ],
             f"{n}x the data ({n - 1} sampled responses per prompt beside the greedy one) and {n}x the steps",
         )
@@ -193,10 +181,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                 str(n - 1),
                 "--max-steps",
                 str(540 * n),
-                "--set",
-                "model.init_args.objective.labels=target",
-                "--set",
-                "model.init_args.objective.gold_outside_topk=insert_last",
+                "--model.init_args.objective.labels=target",
+                "--model.init_args.objective.gold_outside_topk=insert_last",
             ],
             f"{n}x the data and steps with the insert_last selector loss",
         )
@@ -212,10 +198,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                 str(n - 1),
                 "--max-steps",
                 str(540 * n),
-                "--set",
-                "model.init_args.objective.labels=target",
-                "--set",
-                "model.init_args.draft.projector_type=dflash",
+                "--model.init_args.objective.labels=target",
+                "--model.init_args.draft.projector_type=dflash",
             ],
             f"the DFlash baseline at {n}x the data and steps",
         )

@@ -31,6 +31,9 @@ class Action:
 
     entry: str  # "package.module:function", called with the remaining arguments; returns the exit status
     summary: str
+    #: "package.module:Class": the dataclass its options come from (:mod:`dflash2_lightning.action_options`);
+    #: None for ``plan``, which reads a fit config with LightningCLI's own parser.
+    options: str | None
 
 
 #: Lightning's own subcommands (LightningCLI), then every other action in pipeline order.
@@ -42,53 +45,67 @@ ACTIONS: dict[str, Action] = {
     "plan": Action(
         "dflash2_lightning.train.plan_command:plan_main",
         "what a fit needs per device and on disk, from the config alone, and whether it fits",
+        None,
     ),
     "quickstart": Action(
         "dflash2_lightning.quickstart.run:quickstart_main",
         "the whole job on SmolLM2-135M: regenerate, cache features, train, measure tau",
+        "dflash2_lightning.quickstart.options:QuickstartOptions",
     ),
     "regen": Action(
         "dflash2_lightning.data.regen:regen_main",
         "the target's own responses to a prompts file (training data), in-process or via a server",
+        None,
     ),
     "eval": Action(
         "dflash2_lightning.evaluate.command:eval_main",
         "measure tau with real speculative decoding (eval.json, acceptance.png)",
+        None,
     ),
     "acceptance-record": Action(
         "dflash2_lightning.evaluate.record:record_main",
         "write DRAFT/acceptance.json: the tau a draft earns at T=0 on held-out prompts",
+        None,
     ),
     "check": Action(
         "dflash2_lightning.export.serving:check_main",
         "check a draft checkpoint against what vLLM, SGLang and llama.cpp expect",
+        None,
     ),
     "serve-help": Action(
         "dflash2_lightning.export.serving:serve_help_main",
         "print the engines' exact commands to serve a draft checkpoint",
+        None,
     ),
     "check-serving": Action(
         "dflash2_lightning.engines.check_serving:check_serving_main",
         "check a running engine's outputs and tau against the draft's acceptance record",
+        None,
     ),
     "draft-vocab": Action(
-        "dflash2_lightning.decode.draft_vocab:main", "write draft_vocab.json: the tokens the draft step's head covers"
+        "dflash2_lightning.decode.draft_vocab:main",
+        "write draft_vocab.json: the tokens the draft step's head covers",
+        "dflash2_lightning.decode.draft_vocab:DraftVocabOptions",
     ),
     "export-gguf": Action(
         "dflash2_lightning.engines.draft_gguf:export_gguf_main",
         "write the draft as a GGUF for llama.cpp's DFlash2 runtime",
+        None,
     ),
     "export-onnx": Action(
         "dflash2_lightning.export.onnx.command:main",
         "write the drafting graphs as ONNX with the dflash custom ops, verified",
+        None,
     ),
     "export-trt": Action(
         "dflash2_lightning.export.tensorrt.command:main",
         "build TensorRT engines with the dflash plugins from an ONNX export",
+        None,
     ),
     "build-llama-cpp": Action(
         "dflash2_lightning.engines.llama_cpp:main",
         "build llama-server from the pinned llama.cpp source (for eval and regen)",
+        None,
     ),
 }
 

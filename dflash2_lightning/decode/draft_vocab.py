@@ -21,17 +21,21 @@ the quickstart's evaluation draft with it when it is there. Write one for any ru
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import operator
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from dflash2_lightning.action_options import REQUIRED, option, parse_options
+from dflash2_lightning.errors import bounded
+from dflash2_lightning.target.arguments import TargetOptions
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 DEFAULT_SIZE = 8192  # covers every distinct token of the quickstart's responses (8,036)
@@ -184,26 +188,28 @@ def make_draft_vocab(
     )
 
 
+@dataclass(kw_only=True)
+class DraftVocabOptions(TargetOptions):
+    """``dflash2 draft-vocab``'s options."""
+
+    draft: str = option(REQUIRED, "the draft checkpoint directory (the file is written there)")
+    responses: str = option(REQUIRED, "chat jsonl of the target's responses (the training data)")
+    size: int = option(DEFAULT_SIZE, "most frequent tokens kept (default {default})", parse=bounded(int, 1))
+
+
+DESCRIPTION = (
+    "Write DRAFT/draft_vocab.json: the tokens the draft step's head covers (the most frequent tokens of the "
+    "target's responses, and its stop tokens). `dflash2 eval` drafts through those rows of the target head when "
+    "the file is there; lossless (the target verifies with its full head), serving engines ignore the file."
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 draft-vocab``: write a draft checkpoint's drafting vocabulary."""
-    from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
     from dflash2_lightning.target.load import load_target
 
-    p = argparse.ArgumentParser(
-        prog="dflash2 draft-vocab",
-        description="Write DRAFT/draft_vocab.json: the tokens the draft step's head covers (the most frequent "
-        "tokens of the target's responses, and its stop tokens). `dflash2 eval` drafts through those "
-        "rows of the target head when the file is there; lossless (the target verifies with its full "
-        "head), serving engines ignore the file.",
-    )
-    p.add_argument("--draft", required=True, help="the draft checkpoint directory (the file is written there)")
-    p.add_argument("--responses", required=True, help="chat jsonl of the target's responses (the training data)")
-    add_target_arguments(p)
-    p.add_argument("--size", type=int, default=DEFAULT_SIZE, help="most frequent tokens kept (default %(default)s)")
-    args = p.parse_args(argv)
-    if args.size < 1:
-        p.error(f"--size {args.size} is invalid: must be >= 1")
-    path = make_draft_vocab(args.draft, args.responses, load_target(target_spec_from_args(args)), args.size)
+    opts = parse_options(DraftVocabOptions, argv, prog="dflash2 draft-vocab", description=DESCRIPTION)
+    path = make_draft_vocab(opts.draft, opts.responses, load_target(opts.target_spec()), opts.size)
     print(f"wrote {path}: {json.loads(path.read_text())['source']}")
     return 0
 

@@ -2,14 +2,14 @@
 
 :func:`fit_config` takes the shipped config (a plain LightningCLI file), points its data, loggers and
 (optionally) target at ``OUT``, caps the validation and checkpoint intervals to ``--max-steps`` and
-applies ``--set KEY=VALUE`` overrides last; :func:`write_yaml` writes the result to ``OUT/fit.yaml``,
+applies the command line's config entries (``--trainer.max_steps 200``) last; :func:`write_yaml` writes the result to ``OUT/fit.yaml``,
 which ``dflash2 fit --config`` then runs.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ def find_config(path: str | None) -> Path:
         if candidate.is_file():
             return candidate
     raise QuickstartError(
-        f"config not found: tried {', '.join(str(c) for c in candidates)}; pass --config path/to/quickstart.yaml"
+        f"config not found: tried {', '.join(str(c) for c in candidates)}; pass --fit-config path/to/quickstart.yaml"
     )
 
 
@@ -50,21 +50,11 @@ def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
             node[part] = {}
         node = node[part]
         if not isinstance(node, (dict, list)):
-            raise QuickstartError(f"--set {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            raise QuickstartError(f"--{key}: {'.'.join(parts[: i + 1])} is a value, not a section")
     if isinstance(node, list):
         node[int(parts[-1])] = value
     else:
         node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"trainer.max_steps=200"`` -> ``("trainer.max_steps", 200)`` (the value is parsed as YAML)."""
-    import yaml
-
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise QuickstartError(f"--set {text!r} is invalid: must be KEY=VALUE, e.g. trainer.max_steps=200")
-    return key.strip(), yaml.safe_load(value)
 
 
 # ----------------------------------------------------------------------------- the fit config
@@ -73,7 +63,7 @@ def fit_config(
     out: Path,
     target: dict[str, Any] | None,
     max_steps: int | None,
-    overrides: Sequence[str],
+    overrides: Mapping[str, Any],
     bf16_hardware: bool = True,
 ) -> dict[str, Any]:
     """The LightningCLI config the quickstart trains with: ``base`` pointed at ``out``.
@@ -84,7 +74,7 @@ def fit_config(
     ``name = out.name``, ``version = train``); ``max_steps`` also caps the validation interval so the
     run validates (and plots) at least once. Without ``bf16_hardware`` (a CPU that emulates bfloat16
     matmuls, see :func:`~dflash2_lightning.threads.fast_bf16_matmuls`) the config's bf16 training precision
-    and bf16 feature pass become float32 (:func:`float32_on_this_cpu`). ``overrides`` come last and win.
+    and bf16 feature pass become float32 (:func:`float32_on_this_cpu`). ``overrides`` (dotted keys) come last and win.
     """
     cfg = copy.deepcopy(base)
     model_args = cfg.setdefault("model", {}).setdefault("init_args", {})
@@ -111,8 +101,8 @@ def fit_config(
                 args["every_n_train_steps"] = max_steps
     if not bf16_hardware:
         float32_on_this_cpu(cfg)
-    for text in overrides:
-        set_dotted(cfg, *parse_override(text))
+    for key, value in overrides.items():
+        set_dotted(cfg, key, value)
     return cfg
 
 

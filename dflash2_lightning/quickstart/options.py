@@ -1,31 +1,22 @@
 """``dflash2 quickstart``'s options, declared once: the dataclass is the API, its fields make the command line.
 
-Each field carries its help text (and, where the command line spells it otherwise, its flag) in the field's
-metadata; :func:`build_parser` builds the ``argparse`` parser from the fields, and :func:`options_from_args`
-turns the parsed namespace back into :class:`QuickstartOptions`, whose ``__post_init__`` validates every value
-before any work. A new option is one field.
+Each field carries its help text (and, where the command line spells it otherwise, its flag);
+:mod:`dflash2_lightning.action_options` makes the parser, the ``--config`` file and ``--print-config`` from the
+fields, and :class:`QuickstartOptions`'s ``__post_init__`` validates every value before any work. A new option is
+one field.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import typing
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from dflash2_lightning.action_options import config_entries, option, parse_options
 from dflash2_lightning.quickstart.config import QuickstartError
 
 DEFAULT_OUT = "runs/quickstart"
-
-
-def option(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
-    """A field of :class:`QuickstartOptions` with its command-line help (``{default}`` is filled in), an optional
-    flag other than ``--field-name`` and extra ``argparse`` settings (``choices``, ``metavar``, ...)."""
-    metadata = {"help": help, "flag": flag, "argparse": argparse_kwargs}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 def _threads(text: str) -> int | None:
@@ -37,7 +28,7 @@ def _threads(text: str) -> int | None:
     raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be 'auto' or an integer >= 1")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QuickstartOptions:
     """What the quickstart runs; the defaults are sized for a 2-core CPU (see configs/quickstart.yaml).
 
@@ -52,7 +43,9 @@ class QuickstartOptions:
         "random test target), a .gguf file, a local HF model directory, or a JSON TargetSpec",
     )
     out: str = option(DEFAULT_OUT, "output directory: data, training run, eval report, summary (default {default})")
-    config: str | None = option(None, "LightningCLI config (default configs/quickstart.yaml)")
+    fit_config: str | None = option(
+        None, "the LightningCLI config it trains with (default configs/quickstart.yaml; --config is this command's own)"
+    )
     num_prompts: int = option(338, "seed prompts to generate training responses for (default {default})")
     max_new_tokens: int = option(160, "response budget of the regeneration (default {default})")
     # Greedy + 2 sampled answers per prompt: 3x the text (~124k tokens); with 3x the steps tau 1.49 vs 1.39.
@@ -98,19 +91,18 @@ class QuickstartOptions:
         4, "acceptance-record prompts sent to llama-server by the serving check (default {default})"
     )
     max_steps: int | None = option(None, "optimizer steps (default: the config's; validation moves inside them)")
-    overrides: list[str] = option(
-        [],
-        "override a config entry, e.g. --set data.init_args.batch_size=4 (value parsed as YAML; repeatable)",
-        flag="--set",
-        metavar="KEY=VALUE",
+    overrides: dict[str, Any] = config_entries(
+        "an entry of the fit config (configs/quickstart.yaml), as `dflash2 fit` takes it: "
+        "--data.init_args.batch_size 4, --trainer.max_steps=200 (value read as YAML; repeatable)"
     )
     overwrite: bool = option(False, "redo every step instead of reusing finished ones")
-    progress: bool = option(True, "progress bars", flag="--no-progress")
+    progress: bool = option(True, "no progress bars (a log line per step instead)", flag="--no-progress")
     threads: int | None = option(
         None,
         "torch CPU threads: a number, or 'auto' (default: chosen before each step, the cores that other processes "
         "leave free by the 1-minute load average, at least 1; torch threads sharing cores with busy processes run "
         "several times slower than fewer threads)",
+        parse=_threads,
     )
 
     def __post_init__(self) -> None:
@@ -165,49 +157,6 @@ DESCRIPTION = (
 )
 
 
-def _value_type(annotation: Any) -> type:
-    """``int`` for ``int`` and ``int | None``; the element type for ``list[float]``."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[0] if args else annotation
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``dflash2 quickstart`` argument parser, one argument per field of :class:`QuickstartOptions`.
-
-    Every argument's parsed default is ``None`` ("not given"): the dataclass keeps the one default."""
-    parser = argparse.ArgumentParser(prog="dflash2 quickstart", description=DESCRIPTION)
-    hints = typing.get_type_hints(QuickstartOptions)
-    for f in dataclasses.fields(QuickstartOptions):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        shown = " ".join(f"{v:g}" for v in default) if isinstance(default, list) else default
-        kwargs: dict[str, Any] = {
-            "dest": f.name,
-            "default": None,
-            "help": f.metadata["help"].format(default=shown),
-            **f.metadata["argparse"],
-        }
-        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        if hint is bool:
-            kwargs["action"] = "store_false" if default else "store_true"
-            kwargs["default"] = default
-        elif f.name == "threads":
-            kwargs["type"] = _threads
-        elif typing.get_origin(hint) is list:
-            kwargs.update(type=_value_type(hint), action="extend" if flag != "--set" else "append")
-            if flag != "--set":
-                kwargs["nargs"] = "+"
-        else:
-            kwargs["type"] = _value_type(hint)
-        parser.add_argument(flag, **kwargs)
-    return parser
-
-
-def options_from_args(args: argparse.Namespace) -> QuickstartOptions:
-    """The options the command line gave, the dataclass's defaults for the rest (validated by the dataclass)."""
-    given: dict[str, Any] = {}
-    for f in dataclasses.fields(QuickstartOptions):
-        value = getattr(args, f.name)
-        if value is not None:
-            given[f.name] = value
-    return QuickstartOptions(**given)
+def parse_quickstart_options(argv: Sequence[str] | None = None) -> QuickstartOptions:
+    """``dflash2 quickstart``'s command line (or ``--config`` file) as :class:`QuickstartOptions`, validated."""
+    return parse_options(QuickstartOptions, argv, prog="dflash2 quickstart", description=DESCRIPTION)

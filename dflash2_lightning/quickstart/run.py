@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_lightning.quickstart.config import QuickstartError, find_config, fit_config, uses_bf16, write_yaml
-from dflash2_lightning.quickstart.options import QuickstartOptions, build_parser, options_from_args
+from dflash2_lightning.quickstart.options import QuickstartOptions, parse_quickstart_options
 from dflash2_lightning.quickstart.report import Reporter, last_validation, serving_check_line, summary_text
 from dflash2_lightning.threads import fast_bf16_matmuls, load_average
 
@@ -489,7 +489,7 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
     started = time.perf_counter()
     load_before = load_average()
     out = Path(opts.out)
-    config_path = find_config(opts.config)
+    config_path = find_config(opts.fit_config)
     base = yaml.safe_load(config_path.read_text())
     if not isinstance(base, dict) or "model" not in base:
         raise QuickstartError(f"{config_path} is not a dflash2 fit config (no 'model' section)")
@@ -589,6 +589,6 @@ def run_quickstart(opts: QuickstartOptions, stream: Any = None) -> dict[str, Any
 # ----------------------------------------------------------------------------- command line
 def quickstart_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 quickstart``: exit status 0, or 1 if a speculative output differed from the target's."""
-    opts = options_from_args(build_parser().parse_args(list(argv) if argv is not None else None))
+    opts = parse_quickstart_options(argv)
     summary = run_quickstart(opts)
     return 0 if all(p["lossless"] is not False for p in summary["eval"]["paths"].values()) else 1

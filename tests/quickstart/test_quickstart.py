@@ -21,7 +21,7 @@ import yaml
 from dflash2_lightning import threads
 from dflash2_lightning.data import regen as regen_module
 from dflash2_lightning.model.checkpoint import load_draft
-from dflash2_lightning.quickstart.config import QuickstartError, find_config, fit_config, parse_override, uses_bf16
+from dflash2_lightning.quickstart.config import QuickstartError, find_config, fit_config, uses_bf16
 from dflash2_lightning.quickstart.run import quickstart_main
 from dflash2_lightning.train import lightning_cli
 
@@ -60,12 +60,10 @@ def _tiny_argv(out: Path) -> list[str]:
         "--eval-replay-max-new-tokens",
         "10",
         "--no-progress",
-        "--set",
-        "data.init_args.seq_len=64",
-        "--set",
-        "data.init_args.batch_size=4",
-        "--set",
-        "trainer.enable_progress_bar=false",
+        "--data.init_args.seq_len=64",
+        "--data.init_args.batch_size",
+        "4",
+        "--trainer.enable_progress_bar=false",
     ]
 
 
@@ -179,11 +177,11 @@ def test_fit_config_points_the_run_at_out(tmp_path):
         out,
         {"tiny": {}},
         max_steps=7,
-        overrides=["model.init_args.optimizer.lr=0.01", "trainer.logger.0.init_args.flush_logs_every_n_steps=5"],
+        overrides={"model.init_args.optimizer.lr": 0.01, "trainer.logger.0.init_args.flush_logs_every_n_steps": 5},
     )
     assert cfg["model"]["init_args"]["target"] == {"tiny": {}}
     assert "target_layer_ids" not in cfg["model"]["init_args"]["draft"]  # they numbered the config's own target
-    same = fit_config(base, out, {"gguf": "smollm2"}, max_steps=None, overrides=[])
+    same = fit_config(base, out, {"gguf": "smollm2"}, max_steps=None, overrides={})
     assert same["model"]["init_args"]["draft"]["target_layer_ids"] == [1, 27]
     assert cfg["model"]["init_args"]["optimizer"]["lr"] == 0.01
     assert cfg["data"]["init_args"]["train_files"] == [str(out / "data" / "responses.jsonl")]
@@ -206,22 +204,16 @@ def test_fit_config_trains_in_float32_where_the_cpu_emulates_bf16(tmp_path):
         "model": {"init_args": {}},
         "data": {"init_args": {"feature_autocast": "bf16"}},
     }
-    amx = fit_config(base, tmp_path, None, max_steps=None, overrides=[], bf16_hardware=True)
+    amx = fit_config(base, tmp_path, None, max_steps=None, overrides={}, bf16_hardware=True)
     assert amx["trainer"]["precision"] == "bf16-mixed" and amx["data"]["init_args"]["feature_autocast"] == "bf16"
-    plain = fit_config(base, tmp_path, None, max_steps=None, overrides=[], bf16_hardware=False)
+    plain = fit_config(base, tmp_path, None, max_steps=None, overrides={}, bf16_hardware=False)
     assert plain["trainer"]["precision"] == "32-true" and plain["data"]["init_args"]["feature_autocast"] == "none"
     forced = fit_config(
-        base, tmp_path, None, max_steps=None, overrides=["trainer.precision=bf16-mixed"], bf16_hardware=False
+        base, tmp_path, None, max_steps=None, overrides={"trainer.precision": "bf16-mixed"}, bf16_hardware=False
     )
     assert forced["trainer"]["precision"] == "bf16-mixed"
     assert base["trainer"]["precision"] == "bf16-mixed"  # the base config is not modified
     assert uses_bf16(base) and not uses_bf16(plain)  # the quickstart says it switched only when it did
-
-
-def test_bad_override_names_the_expected_form():
-    with pytest.raises(QuickstartError, match="KEY=VALUE"):
-        parse_override("trainer.max_steps")
-    assert parse_override("data.init_args.mode=online") == ("data.init_args.mode", "online")
 
 
 def test_shipped_quickstart_config_is_a_valid_fit_config(capsys, monkeypatch):
@@ -284,13 +276,12 @@ def test_own_load_follows_the_kernels_one_minute_average():
 
 
 def test_eval_sampling_options_are_checked_before_any_work():
-    from dflash2_lightning.quickstart.options import QuickstartOptions, build_parser
+    from dflash2_lightning.quickstart.options import QuickstartOptions, parse_quickstart_options
 
-    args = build_parser().parse_args(
+    opts = parse_quickstart_options(
         ["--eval-temperature", "0", "0.7", "--eval-temperature", "1.2", "--eval-samples", "3", "--eval-top-p", "0.9"]
     )
-    assert args.eval_temperatures == [0.0, 0.7, 1.2] and args.eval_samples == 3 and args.eval_top_p == 0.9
-    assert build_parser().parse_args([]).eval_temperatures is None  # the options' default (T=0 and T=1) applies
+    assert opts.eval_temperatures == [0.0, 0.7, 1.2] and opts.eval_samples == 3 and opts.eval_top_p == 0.9
     assert QuickstartOptions().eval_temperatures == [0.0, 1.0]
     for kwargs, field in [
         ({"eval_temperatures": [1.0, 1.0]}, "eval_temperatures"),
@@ -326,51 +317,56 @@ def test_the_serving_check_line_puts_the_served_tau_beside_the_expected():
     assert serving_check_line({"error": "nothing answers"}) == "check-serving could not run: nothing answers"
 
 
-def test_quickstart_options_exist_once_the_command_line_is_made_from_them():
-    """Every field of QuickstartOptions is a flag with its help, and the command line's defaults are the fields'."""
+def test_quickstart_options_exist_once_the_command_line_is_made_from_them(tmp_path, capsys):
+    """Every field of QuickstartOptions is a flag with its help, the command line's defaults are the fields', fit
+    config entries are spelled as `dflash2 fit` spells them, and --print-config round-trips through --config."""
     import dataclasses
 
-    from dflash2_lightning.quickstart.options import QuickstartOptions, build_parser, options_from_args
+    from dflash2_lightning.action_options import build_parser
+    from dflash2_lightning.quickstart.options import DESCRIPTION, QuickstartOptions, parse_quickstart_options
 
-    parser = build_parser()
-    assert options_from_args(parser.parse_args([])) == QuickstartOptions()
-    text = " ".join(parser.format_help().split())  # unwrapped
-    flags = {
-        f.name: f.metadata["flag"] or "--" + f.name.replace("_", "-") for f in dataclasses.fields(QuickstartOptions)
-    }
-    assert all(flag in text for flag in flags.values()), [f for f in flags.values() if f not in text]
-    assert "(default 338)" in text and "(default 0 1; 0 = greedy" in text
-    given = options_from_args(
-        parser.parse_args(
-            [
-                "--threads",
-                "1",
-                "--no-progress",
-                "--no-check-serving",
-                "--set",
-                "a.b=1",
-                "--set",
-                "c=2",
-                "--max-steps",
-                "7",
-                "--regen-dtype",
-                "float32",
-                "--target",
-                "tiny",
-                "--overwrite",
-            ]
-        )
-    )
+    assert parse_quickstart_options([]) == QuickstartOptions()
+    text = " ".join(build_parser(QuickstartOptions, "dflash2 quickstart", DESCRIPTION).format_help().split())
+    flags = [
+        f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        for f in dataclasses.fields(QuickstartOptions)
+        if not f.metadata.get("entries")
+    ]
+    assert all(flag in text for flag in flags), [f for f in flags if f not in text]
+    assert "(default 338)" in text and "(default 0 1; 0 = greedy" in text and "--trainer.max_steps=200" in text
+    argv = [
+        "--threads",
+        "1",
+        "--no-progress",
+        "--no-check-serving",
+        "--a.b=1",
+        "--c.d",
+        "[2, 3]",
+        "--max_steps",  # LightningCLI's spelling of --max-steps
+        "7",
+        "--regen-dtype",
+        "float32",
+        "--target",
+        "tiny",
+        "--overwrite",
+    ]
+    given = parse_quickstart_options(argv)
     assert given == QuickstartOptions(
         threads=1,
         progress=False,
         check_serving=False,
-        overrides=["a.b=1", "c=2"],
+        overrides={"a.b": 1, "c.d": [2, 3]},
         max_steps=7,
         regen_dtype="float32",
         target="tiny",
         overwrite=True,
     )
+    with pytest.raises(SystemExit) as exit_:
+        parse_quickstart_options([*argv, "--print-config"])
+    assert exit_.value.code == 0
+    (tmp_path / "qs.yaml").write_text(capsys.readouterr().out)
+    assert parse_quickstart_options(["--config", str(tmp_path / "qs.yaml")]) == given
+    assert parse_quickstart_options(["--config", str(tmp_path / "qs.yaml"), "--max-steps", "9"]).max_steps == 9
     with pytest.raises(SystemExit):
-        parser.parse_args(["--threads", "0"])
-    assert options_from_args(parser.parse_args(["--threads", "auto"])).threads is None
+        parse_quickstart_options(["--threads", "0"])
+    assert parse_quickstart_options(["--threads", "auto"]).threads is None

@@ -19,7 +19,7 @@ Not a test: a full run takes an hour or more on 2 cores.
 The rows in ``bench_recipe.json`` ran on the 1x recipe shipped before the 3x-text one (greedy responses only,
 540 steps, float32 features, data labels, float32 regeneration). To reproduce one with today's quickstart,
 add ``--sampled 0 --regen-dtype float32 --max-steps 540 --model.init_args.objective.labels=data
---data.init_args.feature_autocast=none`` to its command. The 3x-text rows are in ``recipe_budget.json``.
+--data.init_args.offline.feature_autocast=none`` to its command. The 3x-text rows are in ``recipe_budget.json``.
 """
 
 from __future__ import annotations
@@ -99,13 +99,13 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         "16 selector candidates per position instead of 8 (the trainer's default)",
     ),
     "kd32": (
-        ["--model.init_args.objective.token_loss=kd", "--data.init_args.teacher_top_k=32", *BUDGET_EVAL],
+        ["--model.init_args.objective.token_loss=kd", "--data.init_args.offline.teacher_top_k=32", *BUDGET_EVAL],
         "soft distillation from the target's cached top-32 logits",
     ),
     "kd32_dflash": (
         [
             "--model.init_args.objective.token_loss=kd",
-            "--data.init_args.teacher_top_k=32",
+            "--data.init_args.offline.teacher_top_k=32",
             "--model.init_args.draft.projector_type=dflash",
             *BUDGET_EVAL,
         ],

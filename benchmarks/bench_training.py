@@ -73,6 +73,7 @@ def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str, prec
     from lightning.pytorch import Callback, Trainer
 
     from dflash2_lightning.data.datamodule import DraftDataModule
+    from dflash2_lightning.data.options import OfflineOptions
     from dflash2_lightning.target.spec import TargetSpec
     from dflash2_lightning.train.module import DFlash2Module
 
@@ -105,8 +106,9 @@ def run_one(name: str, mode: str, steps: int, warmup: int, cache_root: str, prec
         target_layer_ids=cfg.target_layer_ids,
         max_samples=(warmup + steps) * DATA[name]["batch_size"] + 8,
         val_fraction=0.0,
-        cache_dir=os.path.join(cache_root, f"{name}-{mode}") if mode == "offline" else None,
-        feature_device="cpu",
+        offline=OfflineOptions(
+            cache_dir=os.path.join(cache_root, f"{name}-{mode}") if mode == "offline" else None, feature_device="cpu"
+        ),
         **DATA[name],
     )
     start = time.perf_counter()

@@ -346,3 +346,27 @@ def parse_options(
         sys.stdout.write(as_yaml(options))
         raise SystemExit(0)
     return options
+
+
+def as_options(value: Any, cls: type) -> Any:
+    """``value`` as an instance of the option group ``cls`` (a Lightning component's settings group, such as the
+    module's ``draft`` or the data's ``offline``): an instance, a mapping of its fields, or None (the defaults).
+    jsonargparse hands over instances; Python callers may pass dicts."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if hasattr(value, "as_dict"):  # a jsonargparse Namespace
+        value = value.as_dict()
+    if isinstance(value, dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            from dflash2_lightning.errors import ConfigError
+
+            raise ConfigError(
+                f"{unknown} {'is' if len(unknown) == 1 else 'are'} not a setting of {cls.__name__} "
+                f"(its settings: {', '.join(sorted(known))})"
+            )
+        return cls(**value)
+    raise TypeError(f"expected {cls.__name__} or a mapping of its fields, got {type(value).__name__}")

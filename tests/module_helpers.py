@@ -1,6 +1,7 @@
 """Build a :class:`DFlash2Module` from flat settings in tests: ``grouped(lr=1e-2, block_size=4)`` ->
-``{"optimizer": {"lr": 0.01}, "draft": {"block_size": 4}}``, the module's option groups; and the small draft,
-random batches and the quiet trainer the module's tests fit with."""
+``{"optimizer": {"lr": 0.01}, "draft": {"block_size": 4}}``, the module's option groups (``data_args`` does the
+same for the data module's offline group); and the small draft, random batches and the quiet trainer the module's
+tests fit with."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 
+from dflash2_lightning.data.options import OfflineOptions
 from dflash2_lightning.export.callback import ExportOnFitEnd
 from dflash2_lightning.train.options import (
     DraftOptions,
@@ -45,6 +47,16 @@ def grouped(**flat: Any) -> dict[str, dict[str, Any]]:
         group, _, field = FLAT_NAMES[key].partition(".")
         groups.setdefault(group, {})[field] = value
     return groups
+
+
+#: the data module's offline settings, one group (``data.init_args.offline``)
+OFFLINE_NAMES = {f.name for f in dataclasses.fields(OfflineOptions)}
+
+
+def data_args(**flat: Any) -> dict[str, Any]:
+    """The data module's arguments from flat names: the offline settings (``cache_dir=...``) go into their group."""
+    offline = {k: flat.pop(k) for k in list(flat) if k in OFFLINE_NAMES}
+    return {**flat, **({"offline": offline} if offline else {})}
 
 
 def random_batch(seq: int = 16, batch: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:

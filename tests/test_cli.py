@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from module_helpers import data_args
 
 from dflash2_lightning import cli
 from dflash2_lightning.data.records import DataError
@@ -21,7 +22,7 @@ TINY = REPO / "configs" / "tiny.yaml"
 SCRIPTS = Path(sys.executable).parent
 
 
-def small_config(tmp_path: Path, name: str = "tiny.yaml", **data_args) -> Path:
+def small_config(tmp_path: Path, name: str = "tiny.yaml", **data) -> Path:
     """configs/tiny.yaml shortened for tests: 4 steps, validation and a checkpoint every 2, under tmp_path."""
     config = yaml.safe_load(TINY.read_text())
     trainer = config["trainer"]
@@ -31,7 +32,7 @@ def small_config(tmp_path: Path, name: str = "tiny.yaml", **data_args) -> Path:
     for logger in trainer["logger"]:
         logger["init_args"]["save_dir"] = str(tmp_path / "runs")
     trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
-    config["data"]["init_args"].update({"max_samples": 64, **data_args})
+    config["data"]["init_args"].update(data_args(max_samples=64, **data))
     path = tmp_path / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -173,7 +174,7 @@ def _hello(args: list[str]) -> int:
 
 
 def test_actions_are_routed_before_lightning(monkeypatch):
-    monkeypatch.setitem(cli.ACTIONS, "hello", cli.Action(f"{__name__}:_hello", "says hello"))
+    monkeypatch.setitem(cli.ACTIONS, "hello", cli.Action(f"{__name__}:_hello", "says hello", None))
     assert cli.main(["hello", "a", "b"]) == 2
     for name, action in cli.ACTIONS.items():  # every registered action resolves to a function
         assert callable(cli._entry(action.entry)), name

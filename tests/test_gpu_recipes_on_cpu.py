@@ -111,7 +111,7 @@ def rehearsal_config(recipe: Path, directory: Path) -> tuple[Path, dict[str, Any
     if fork_deadlock_risk() is not None:
         data["num_workers"] = 0
     if data["mode"] == "offline":
-        data["cache_dir"] = str(directory / "features")
+        data["offline"]["cache_dir"] = str(directory / "features")
     path = directory / recipe.name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path, config

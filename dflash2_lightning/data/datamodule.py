@@ -30,9 +30,11 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
+from dflash2_lightning.action_options import as_options
 from dflash2_lightning.data.cache_build import FeatureSpec, build_feature_cache
 from dflash2_lightning.data.encode import encode_split
 from dflash2_lightning.data.feature_cache import CACHE_FORMAT, cache_bytes, read_manifest, verify_cache
+from dflash2_lightning.data.options import OfflineOptions
 from dflash2_lightning.data.order import ResumableLoader, ResumableOrder
 from dflash2_lightning.data.records import SPLIT_RULE, DataError, read_jsonl, validation_split
 from dflash2_lightning.data.workers import fork_deadlock_risk
@@ -99,27 +101,12 @@ class DraftDataModule(pl.LightningDataModule):
         block_size: the draft's block size (linked from the model by the trainer).
         batch_size: samples per training and validation batch.
         mode: ``online`` (the LightningModule runs the target) or ``offline`` (features from the cache).
-        cache_dir: the offline feature cache directory, on a file system every rank sees, with room for the
-            cache (refused up front otherwise; a real target's cache is terabytes). ``None``: a directory named by a
-            hash of the manifest under ``$DFLASH2_CACHE`` or ``~/.cache/dflash2-lightning/features``. A killed
-            build resumes from ``.<name>.build`` beside it.
         target_layer_ids: target layers whose outputs are the draft's features; ``None``: the DFlash
             rule for ``num_draft_layers``.
         num_draft_layers: draft depth, used only to default ``target_layer_ids``.
-        teacher_top_k: offline: store the target's top-k logits per position for distillation (0: don't).
         num_workers: DataLoader worker processes.
         max_samples: read at most this many records from the training files (and from ``val_files``).
-        feature_dtype: on-disk dtype of offline features, ``float16`` (default) or ``float32``.
-        feature_device: device that computes offline features (default: ``cuda`` when available, else ``cpu``).
-        feature_autocast: ``"bf16"`` computes offline features and target logits under bfloat16 autocast
-            (faster on a CPU with AMX, the target's matmuls rounded to bf16 as ``bf16-mixed``
-            training rounds the draft's); ``"none"`` (default) in the target's own dtype.
-        cache_batch_size: offline: samples per target forward while the feature cache is built, on each rank
-            (every rank computes its share of the batches; the target's logits for a batch take
-            ``cache_batch_size * seq_len * vocab`` elements). A build on any number of ranks writes the same bytes as
-            a one-process build with the same ``cache_batch_size``.
-        cache_verify: how an offline cache is checked when opened: ``"auto"``, ``"full"`` or ``"sampled"``
-            (see the module docstring: every byte up to 4 GiB, sampled blocks above).
+        offline: the feature cache's settings (``mode: offline``): :class:`~dflash2_lightning.data.options.OfflineOptions`.
     """
 
     def __init__(
@@ -132,18 +119,12 @@ class DraftDataModule(pl.LightningDataModule):
         block_size: int = 16,
         batch_size: int = 8,
         mode: Literal["online", "offline"] = "online",
-        cache_dir: str | None = None,
         target_layer_ids: list[int] | None = None,
         num_draft_layers: int = 1,
-        teacher_top_k: int = 0,
         num_workers: int = 0,
         max_samples: int | None = None,
-        feature_dtype: Literal["float16", "float32"] = "float16",
-        feature_device: str | None = None,
-        feature_autocast: Literal["none", "bf16"] = "none",
         shuffle_seed: int = 0,
-        cache_verify: Literal["auto", "full", "sampled"] = "auto",
-        cache_batch_size: int = 8,
+        offline: OfflineOptions = OfflineOptions(),
     ) -> None:
         super().__init__()
         if hasattr(target, "as_dict"):  # a jsonargparse Namespace, e.g. through a linked argument
@@ -166,12 +147,10 @@ class DraftDataModule(pl.LightningDataModule):
         check(batch_size >= 1, "batch_size", batch_size, ">= 1")
         check(mode in ("online", "offline"), "mode", mode, "'online' or 'offline'")
         check(num_draft_layers >= 1, "num_draft_layers", num_draft_layers, ">= 1")
-        check(teacher_top_k >= 0, "teacher_top_k", teacher_top_k, ">= 0")
         check(num_workers >= 0, "num_workers", num_workers, ">= 0")
         check(max_samples is None or max_samples >= 1, "max_samples", max_samples, "None or >= 1")
-        check(feature_dtype in ("float16", "float32"), "feature_dtype", feature_dtype, "'float16' or 'float32'")
-        check(feature_autocast in ("none", "bf16"), "feature_autocast", feature_autocast, "'none' or 'bf16'")
-        self.feature_autocast = feature_autocast
+        offline = as_options(offline, OfflineOptions)  # the group checked its own ranges when it was made
+        self.offline = offline
         for name, paths in (("train_files", train_files), ("val_files", val_files)):
             check(
                 paths is None or (isinstance(paths, list) and len(paths) > 0),
@@ -186,17 +165,25 @@ class DraftDataModule(pl.LightningDataModule):
             block_size,
             batch_size,
         )
-        self.mode, self.cache_dir, self.target_layer_ids = mode, cache_dir, target_layer_ids
-        self.num_draft_layers, self.teacher_top_k, self.num_workers = num_draft_layers, teacher_top_k, num_workers
-        self.max_samples, self.feature_dtype, self.feature_device = max_samples, feature_dtype, feature_device
-        self.shuffle_seed = shuffle_seed
-        check(cache_verify in ("auto", "full", "sampled"), "cache_verify", cache_verify, "'auto', 'full' or 'sampled'")
-        self.cache_verify = cache_verify
-        check(isinstance(cache_batch_size, int) and cache_batch_size >= 1, "cache_batch_size", cache_batch_size, ">= 1")
-        self.cache_batch_size = cache_batch_size
+        self.mode, self.target_layer_ids = mode, target_layer_ids
+        self.num_draft_layers, self.num_workers = num_draft_layers, num_workers
+        self.max_samples, self.shuffle_seed = max_samples, shuffle_seed
+        # the group's settings, read where the cache is built and opened
+        self.cache_dir, self.cache_batch_size, self.cache_verify = (
+            offline.cache_dir,
+            offline.cache_batch_size,
+            offline.cache_verify,
+        )
+        self.feature_dtype, self.feature_device, self.feature_autocast = (
+            offline.feature_dtype,
+            offline.feature_device,
+            offline.feature_autocast,
+        )
+        self.teacher_top_k = offline.teacher_top_k
         self._resume_position: tuple[int, int] | None = None  # (epoch, batches) from a checkpoint
         self.save_hyperparameters(ignore=["target"])
         self.hparams["target"] = dataclasses.asdict(self.target)  # a plain dict keeps hparams.yaml readable
+        self.hparams["offline"] = dataclasses.asdict(offline)
         self.skipped_samples = 0
         self.cut_samples = 0
         self.total_records = 0

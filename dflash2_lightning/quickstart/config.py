@@ -109,8 +109,8 @@ def fit_config(
 def uses_bf16(cfg: dict[str, Any]) -> bool:
     """Whether the config trains in bf16 (``bf16*`` precision) or computes features under bf16 autocast."""
     trainer = cfg.get("trainer") or {}
-    data_args = (cfg.get("data") or {}).get("init_args") or {}
-    return str(trainer.get("precision", "")).startswith("bf16") or data_args.get("feature_autocast") == "bf16"
+    offline = ((cfg.get("data") or {}).get("init_args") or {}).get("offline") or {}
+    return str(trainer.get("precision", "")).startswith("bf16") or offline.get("feature_autocast") == "bf16"
 
 
 def float32_on_this_cpu(cfg: dict[str, Any]) -> None:
@@ -124,9 +124,9 @@ def float32_on_this_cpu(cfg: dict[str, Any]) -> None:
     trainer = cfg.get("trainer") or {}
     if str(trainer.get("precision", "")).startswith("bf16"):
         trainer["precision"] = "32-true"
-    data_args = (cfg.get("data") or {}).get("init_args") or {}
-    if data_args.get("feature_autocast") == "bf16":
-        data_args["feature_autocast"] = "none"
+    offline = ((cfg.get("data") or {}).get("init_args") or {}).get("offline") or {}
+    if offline.get("feature_autocast") == "bf16":
+        offline["feature_autocast"] = "none"
 
 
 def write_yaml(path: Path, config: dict[str, Any], header: str) -> None:

@@ -245,11 +245,11 @@ def precheck(config: Any, data_files: bool = True) -> None:
                 raise DataError(f"data.init_args.{key}: {path} is not readable (permission denied)")
     token_loss = _config_value(config, "model.init_args.objective.token_loss")
     mode = _config_value(config, "data.init_args.mode")
-    top_k = _config_value(config, "data.init_args.teacher_top_k") or 0
+    top_k = _config_value(config, "data.init_args.offline.teacher_top_k") or 0
     if token_loss == "kd" and mode == "offline" and not top_k:
         raise ConfigError(
             "model.init_args.objective.token_loss='kd' with data.init_args.mode='offline' needs the target's "
-            "logits in the feature cache: set data.init_args.teacher_top_k > 0 (e.g. 32), or use "
+            "logits in the feature cache: set data.init_args.offline.teacher_top_k > 0 (e.g. 32), or use "
             "token_loss='ce' (checked before the cache is built)"
         )
 

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from dflash2_lightning.action_options import as_options
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.data.prompts import record_prompts
 from dflash2_lightning.errors import ConfigError, UserError
@@ -62,7 +63,6 @@ from dflash2_lightning.train.options import (
     ObjectiveOptions,
     OptimizerOptions,
     ValidationOptions,
-    as_options,
     draft_settings_named,
 )
 from dflash2_lightning.train.resume_checks import TARGET_KEY, check_resume
@@ -300,7 +300,7 @@ class DFlash2Module(pl.LightningModule):
         if offline and self.objective.token_loss == "kd" and not getattr(data, "teacher_top_k", 1):
             raise ConfigError(
                 "token_loss='kd' with offline data needs the target's logits in the cache: set "
-                "data teacher_top_k > 0 (e.g. 32), or use token_loss='ce'"
+                "data.init_args.offline.teacher_top_k > 0 (e.g. 32), or use token_loss='ce'"
             )
         self.target.fingerprint()  # where it was loaded (the CPU), before it moves: checkpoints record it
         self._target_ready(whole=not offline)

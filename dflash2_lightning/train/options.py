@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from dflash2_lightning.errors import ConfigError, check
 from dflash2_lightning.model.sampling import Sampling
@@ -225,26 +225,3 @@ def draft_settings_named(options: DraftOptions) -> Iterator[None]:
             raise
         hint = _MASK_HINT if key == "mask_token_id" else f"change --{DRAFT_SETTING}{key}"
         raise ConfigError(f"--{DRAFT_SETTING}{text}; {hint}") from None
-
-
-def as_options(value: Any, cls: type) -> Any:
-    """``value`` as an instance of the option group ``cls``: an instance, a mapping of its fields, or None
-    (the defaults). jsonargparse hands over instances; Python callers may pass dicts."""
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if hasattr(value, "as_dict"):  # a jsonargparse Namespace
-        value = value.as_dict()
-    if isinstance(value, dict):
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            from dflash2_lightning.errors import ConfigError
-
-            raise ConfigError(
-                f"{unknown} {'is' if len(unknown) == 1 else 'are'} not a setting of {cls.__name__} "
-                f"(its settings: {', '.join(sorted(known))})"
-            )
-        return cls(**value)
-    raise TypeError(f"expected {cls.__name__} or a mapping of its fields, got {type(value).__name__}")

@@ -47,13 +47,14 @@ from typing import Any
 
 import torch
 
+from dflash2_lightning.action_options import as_options
 from dflash2_lightning.config import DraftConfig, rope_theta_of
 from dflash2_lightning.errors import ConfigError, format_bytes
 from dflash2_lightning.target.capture import decoder_and_layers
 from dflash2_lightning.target.experts import RoutedExperts, routed_experts
 from dflash2_lightning.target.spec import DTYPES, TargetSpec
 from dflash2_lightning.train.objective import LOGITS_CHUNK_ELEMENTS
-from dflash2_lightning.train.options import DraftOptions, ObjectiveOptions, as_options, draft_settings_named
+from dflash2_lightning.train.options import DraftOptions, ObjectiveOptions, draft_settings_named
 
 #: A run "clearly" does not fit when its estimate exceeds the device by this factor (fit refuses it): above the
 #: estimate's error measured on CPU fits (tests/train/test_plan.py).
@@ -411,7 +412,8 @@ def setup_from_config(config: Any) -> RunSetup:
     mode = str(_get(data, "mode", "online"))
     seq_len = int(_get(data, "seq_len", 256))
     draft.check_sequence_length(seq_len, "data.init_args.seq_len")
-    cache_dir = _get(data, "cache_dir")
+    offline = _get(data, "offline") or {}
+    cache_dir = _get(offline, "cache_dir")
     return RunSetup(
         draft=draft,
         objective=objective,
@@ -428,8 +430,8 @@ def setup_from_config(config: Any) -> RunSetup:
         device_index=local_device_index(_get(trainer, "devices")),
         param_bytes=param_bytes,
         compute_bytes=compute_bytes,
-        feature_dtype=str(_get(data, "feature_dtype", "float16")),
-        teacher_top_k=int(_get(data, "teacher_top_k", 0)),
+        feature_dtype=str(_get(offline, "feature_dtype", "float16")),
+        teacher_top_k=int(_get(offline, "teacher_top_k", 0)),
         cache_dir=Path(str(cache_dir)).expanduser() if cache_dir else None,
         samples=count_samples(data) if mode == "offline" else None,
     )
@@ -775,10 +777,10 @@ def advice(plan: Plan, run: RunSetup, anchors: int) -> list[str]:
             out.append("mixed precision: --trainer.precision bf16-mixed")
     if plan.disk_fits is False:
         out.append(
-            "another disk for the cache: --data.init_args.cache_dir /a/larger/disk/features, or fewer "
+            "another disk for the cache: --data.init_args.offline.cache_dir /a/larger/disk/features, or fewer "
             "samples (--data.init_args.max_samples)"
             + (
-                ", or float16 features (--data.init_args.feature_dtype float16)"
+                ", or float16 features (--data.init_args.offline.feature_dtype float16)"
                 if run.feature_dtype == "float32"
                 else ""
             )

@@ -20,6 +20,7 @@ import torch
 from dflash2_lightning.data.cache_build import DONE, build_dir_of
 from dflash2_lightning.data.datamodule import DraftDataModule
 from dflash2_lightning.data.feature_cache import MANIFEST
+from dflash2_lightning.data.options import OfflineOptions
 from dflash2_lightning.data.ranks import PeerFailedError
 from dflash2_lightning.data.records import DataError
 from dflash2_lightning.errors import ReportedByAnotherRank
@@ -49,11 +50,9 @@ def data_module(data: str, cache: Path, target: TargetSpec | None = None) -> Dra
         block_size=8,
         batch_size=4,
         mode="offline",
-        cache_dir=str(cache),
         target_layer_ids=[1, 3],
-        teacher_top_k=3,
         val_fraction=0.2,
-        cache_batch_size=BATCH,
+        offline=OfflineOptions(cache_dir=str(cache), teacher_top_k=3, cache_batch_size=BATCH),
     )
 
 

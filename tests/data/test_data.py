@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from module_helpers import data_args
 
 from dflash2_lightning.data.datamodule import DraftDataModule
 from dflash2_lightning.data.encode import encode_chat, encode_records
@@ -57,7 +58,7 @@ def module(tmp_path: Path, records: list | None = None, **kw) -> DraftDataModule
     kw.setdefault("seq_len", 64)
     kw.setdefault("block_size", 8)
     kw.setdefault("batch_size", 4)
-    return DraftDataModule(TINY, train_files=files, **kw)
+    return DraftDataModule(TINY, train_files=files, **data_args(**kw))
 
 
 # ---------------------------------------------------------------------- arguments

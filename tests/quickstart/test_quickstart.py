@@ -202,12 +202,18 @@ def test_fit_config_trains_in_float32_where_the_cpu_emulates_bf16(tmp_path):
     base = {
         "trainer": {"precision": "bf16-mixed"},
         "model": {"init_args": {}},
-        "data": {"init_args": {"feature_autocast": "bf16"}},
+        "data": {"init_args": {"offline": {"feature_autocast": "bf16"}}},
     }
     amx = fit_config(base, tmp_path, None, max_steps=None, overrides={}, bf16_hardware=True)
-    assert amx["trainer"]["precision"] == "bf16-mixed" and amx["data"]["init_args"]["feature_autocast"] == "bf16"
+    assert (
+        amx["trainer"]["precision"] == "bf16-mixed"
+        and amx["data"]["init_args"]["offline"]["feature_autocast"] == "bf16"
+    )
     plain = fit_config(base, tmp_path, None, max_steps=None, overrides={}, bf16_hardware=False)
-    assert plain["trainer"]["precision"] == "32-true" and plain["data"]["init_args"]["feature_autocast"] == "none"
+    assert (
+        plain["trainer"]["precision"] == "32-true"
+        and plain["data"]["init_args"]["offline"]["feature_autocast"] == "none"
+    )
     forced = fit_config(
         base, tmp_path, None, max_steps=None, overrides={"trainer.precision": "bf16-mixed"}, bf16_hardware=False
     )

@@ -157,7 +157,7 @@ def test_qwen3_8b_offline_cache_per_sample(qwen3_8b, tmp_path):
         str(qwen3_8b),
         "--plan.device_memory",
         "80GB",
-        "--data.init_args.cache_dir",
+        "--data.init_args.offline.cache_dir",
         str(tmp_path / "cache"),
     )
     assert code == 0, out + err
@@ -218,7 +218,7 @@ def small_config(
                 "val_fraction": 0.0,
                 "mode": mode,
                 "max_samples": 64,
-                "cache_dir": str(tmp_path / "cache"),
+                "offline": {"cache_dir": str(tmp_path / "cache")},
             },
         },
     }

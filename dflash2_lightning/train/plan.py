@@ -110,11 +110,18 @@ class Plan:
     advice: list[str] = field(default_factory=list)
     target_flops: float = 0.0  # the target forward's FLOPs (online: per step; offline: per sample, once)
     target_flops_note: str = ""
+    build_memory: list[Item] = field(default_factory=list)  # offline: the cache build, a phase before the fit
+    build_peak: int = 0
+
+    @property
+    def device_peak(self) -> int:
+        """The larger of the fit's peak and the offline cache build's (each device runs both, one after the other)."""
+        return max(self.peak, self.build_peak)
 
     @property
     def memory_fits(self) -> bool | None:
         """Whether the peak fits the device (None: the device's memory is not known here)."""
-        return None if self.capacity is None else self.peak <= USABLE_SHARE * self.capacity
+        return None if self.capacity is None else self.device_peak <= USABLE_SHARE * self.capacity
 
     @property
     def disk_fits(self) -> bool | None:
@@ -130,8 +137,12 @@ class Plan:
     @property
     def clearly_too_big(self) -> str | None:
         """Why the run cannot fit whatever the estimate's error (fit's refusal), or None."""
-        if self.capacity is not None and self.peak > CLEAR_MARGIN * self.capacity:
-            return f"needs ~{format_bytes(self.peak)} per device, {self.device} has {format_bytes(self.capacity)}"
+        if self.capacity is not None and self.device_peak > CLEAR_MARGIN * self.capacity:
+            phase = " (building the offline cache)" if self.build_peak > self.peak else ""
+            return (
+                f"needs ~{format_bytes(self.device_peak)} per device{phase}, {self.device} has "
+                f"{format_bytes(self.capacity)}"
+            )
         if self.disk_fits is False:
             return (
                 f"the offline cache needs {format_bytes(self.cache_bytes)}, {self.cache_dir} has "
@@ -141,21 +152,30 @@ class Plan:
 
     def render(self) -> str:
         """The plan as ``dflash2 plan`` prints it."""
-        width = max(len(i.name) for i in self.memory)
-        lines = [self.heading, "", f"memory per device ({self.device}):"]
-        for item in self.memory:
-            note = f"  {item.note}" if item.note else ""
-            lines.append(f"  {item.name:<{width}}  {format_bytes(item.bytes):>9}{note}")
-        lines.append(f"  {'peak (estimate)':<{width}}  {format_bytes(self.peak):>9}")
-        if self.capacity is None:
-            lines.append("  device memory: unknown here (no such device visible): pass --plan.device_memory, e.g. 80GB")
-        else:
-            verdict = "fits" if self.memory_fits else "DOES NOT FIT"
-            lines.append(
-                f"  device memory {format_bytes(self.capacity)}: {verdict} "
-                f"({self.peak / self.capacity:.0%} of it; up to {USABLE_SHARE:.0%} counts as fitting)"
+        width = max(len(i.name) for i in [*self.memory, *self.build_memory])
+        lines = [self.heading, ""]
+        phases = [(f"memory per device ({self.device}):", self.memory, self.peak)]
+        if self.build_memory:
+            phases.append(
+                ("building the offline cache, per device (once, before the fit):", self.build_memory, self.build_peak)
             )
-        lines.append("")
+        for title, items, peak in phases:
+            lines.append(title)
+            for item in items:
+                note = f"  {item.note}" if item.note else ""
+                lines.append(f"  {item.name:<{width}}  {format_bytes(item.bytes):>9}{note}")
+            lines.append(f"  {'peak (estimate)':<{width}}  {format_bytes(peak):>9}")
+            if self.capacity is None:
+                lines.append(
+                    "  device memory: unknown here (no such device visible): pass --plan.device_memory, e.g. 80GB"
+                )
+            else:
+                verdict = "fits" if peak <= USABLE_SHARE * self.capacity else "DOES NOT FIT"
+                lines.append(
+                    f"  device memory {format_bytes(self.capacity)}: {verdict} "
+                    f"({peak / self.capacity:.0%} of it; up to {USABLE_SHARE:.0%} counts as fitting)"
+                )
+            lines.append("")
         if self.target_flops:
             lines.append(f"compute: target forward {self.target_flops / 1e12:.2f} TFLOP {self.target_flops_note}")
             lines.append("")
@@ -309,6 +329,7 @@ class RunSetup:
     teacher_top_k: int
     cache_dir: Path | None
     samples: int | None  # samples the offline cache will hold (None: not known from the config)
+    cache_batch_size: int = 8  # samples per target forward while the offline cache is built
 
 
 def _get(node: Any, dotted: str, default: Any = None) -> Any:
@@ -432,6 +453,7 @@ def setup_from_config(config: Any) -> RunSetup:
         compute_bytes=compute_bytes,
         feature_dtype=str(_get(offline, "feature_dtype", "float16")),
         teacher_top_k=int(_get(offline, "teacher_top_k", 0)),
+        cache_batch_size=int(_get(offline, "cache_batch_size", 8)),
         cache_dir=Path(str(cache_dir)).expanduser() if cache_dir else None,
         samples=count_samples(data) if mode == "offline" else None,
     )
@@ -503,11 +525,12 @@ def logits_peak(run: RunSetup, anchors: int) -> tuple[int, str]:
     return rows * d.vocab_size * max(forward, backward), note
 
 
-def target_forward(run: RunSetup) -> tuple[int, int]:
-    """``(peak of the online target's forward, what it leaves for the step: features, logits)`` in bytes."""
+def target_forward(run: RunSetup, samples: int | None = None, keep_logits: bool | None = None) -> tuple[int, int]:
+    """``(peak of the target's forward over samples x seq_len tokens, what it leaves: features, logits)`` in bytes;
+    by default the online step's (the batch; the logits kept for ``token_loss: kd``)."""
     cfg, t, d = run.target.config, run.target.dtype_bytes, run.draft
-    c, h, v = run.batch_size * run.seq_len, int(cfg.hidden_size), run.target.vocab_size
-    keep_logits = run.objective.token_loss == "kd"
+    c, h, v = (samples or run.batch_size) * run.seq_len, int(cfg.hidden_size), run.target.vocab_size
+    keep_logits = run.objective.token_loss == "kd" if keep_logits is None else keep_logits
     # Hooks capture the feature layers (target/capture.py): beside the features, a layer's input and output and
     # the final hidden state are alive, not every layer's.
     states = 3 * c * h * t
@@ -712,6 +735,9 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
         f"({run.param_bytes} B weights, {run.compute_bytes} B compute)"
     )
     plan = Plan(heading=heading, memory=items, peak=peak, device=device, capacity=capacity)
+    if run.mode == "offline":
+        plan.build_memory = cache_build_items(run)
+        plan.build_peak = sum(item.bytes for item in plan.build_memory)
     plan.target_flops, plan.target_flops_note = target_flops(run, anchors)
     if run.mode == "offline":
         from dflash2_lightning import files
@@ -724,6 +750,29 @@ def make_plan(config: Any, options: PlanOptions | None = None) -> Plan:
         plan.free_disk = files.free_bytes(plan.cache_dir)
     plan.advice = advice(plan, run, anchors)
     return plan
+
+
+def cache_build_items(run: RunSetup) -> list[Item]:
+    """Memory per device while the offline cache is built (data/cache_build.py): the whole target (or its shard),
+    and its forward over ``cache_batch_size`` samples with the full logits (greedy next tokens; with
+    ``teacher_top_k`` a float32 copy for the top-k)."""
+    tgt, t = run.target, run.target.dtype_bytes
+    if tgt.shard == "fsdp":
+        items = sharded_target_items(tgt, run.world_size)
+    else:
+        items = [Item("frozen target", tgt.parameters * t, f"{tgt.describe_parameters()} x {t} B, every device")]
+    forward, _ = target_forward(run, samples=run.cache_batch_size, keep_logits=True)
+    items.append(
+        Item(
+            "target forward (no_grad)",
+            forward,
+            f"{run.cache_batch_size} samples (offline.cache_batch_size) x seq {run.seq_len}, with the logits",
+        )
+    )
+    if run.teacher_top_k:
+        rows = run.cache_batch_size * run.seq_len
+        items.append(Item("logits in float32 for top-k", rows * tgt.vocab_size * 4, "offline.teacher_top_k > 0"))
+    return items
 
 
 def sharded_target_items(tgt: TargetSize, world: int) -> list[Item]:
@@ -752,7 +801,13 @@ def advice(plan: Plan, run: RunSetup, anchors: int) -> list[str]:
             f"shard the frozen target over the {run.world_size} devices: --model.init_args.target.shard fsdp "
             f"({sharded / 1e9:.1f} GB a device for it instead of {whole / 1e9:.1f} GB)"
         )
-    if plan.memory_fits is False:
+    build_too_big = plan.capacity is not None and plan.build_peak > USABLE_SHARE * plan.capacity
+    if build_too_big and run.cache_batch_size > 1:
+        out.append(
+            "fewer samples per target forward while the cache is built: --data.init_args.offline.cache_batch_size "
+            f"{max(1, run.cache_batch_size // 2)} (the same cache, written in smaller batches)"
+        )
+    if plan.memory_fits is False and plan.peak > USABLE_SHARE * (plan.capacity or 0):
         if anchors > 32:
             out.append(
                 f"fewer anchors: --model.init_args.objective.num_anchors {anchors // 2} (activations and "

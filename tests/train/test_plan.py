@@ -165,8 +165,35 @@ def test_qwen3_8b_offline_cache_per_sample(qwen3_8b, tmp_path):
     per_sample = 3072 * (5 * 4096 * 2 + 4 + 4 + 2)
     assert f"({per_sample / 1e6:.1f} MB a sample" in out
     assert "per 1000 samples" in out and "not checked" in out  # data/train.jsonl is not here: size unknown
-    assert "target embedding + head" in out and "frozen target" not in out
-    assert figure(out, "target embedding + head") == pytest.approx(2 * 151936 * 4096 * 2, rel=0.01)
+    fit, build = out.split("building the offline cache, per device")
+    assert "target embedding + head" in fit and "frozen target" not in fit
+    assert figure(fit, "target embedding + head") == pytest.approx(2 * 151936 * 4096 * 2, rel=0.01)
+    # The cache build, a phase of its own: the whole target on every device and its forward over
+    # cache_batch_size (4) samples with the logits (4 x 3072 x 151936 bf16 values)
+    assert figure(build, "frozen target") == pytest.approx(8.19e9 * 2, rel=0.01)
+    assert figure(build, "target forward (no_grad)") > 4 * 3072 * 151936 * 2
+    assert "fits" in build.splitlines()[4] and "verdict: fits" in out
+
+
+def test_the_plan_names_the_cache_build_when_it_alone_does_not_fit(qwen3_8b, tmp_path):
+    """On a 40 GB device the offline fit (32.9 GB) fits but the cache build, 16 samples a forward, does not."""
+    code, out, err = run_plan(
+        "--config",
+        str(REPO / "configs" / "qwen3_8b_offline.yaml"),
+        "--model.init_args.target.path",
+        str(qwen3_8b),
+        "--plan.device_memory",
+        "40GB",
+        "--data.init_args.offline.cache_batch_size",
+        "16",
+        "--data.init_args.offline.cache_dir",
+        str(tmp_path / "cache"),
+    )
+    fit, build = out.split("building the offline cache, per device")
+    assert "device memory 40.0 GB: fits" in fit and "device memory 40.0 GB: DOES NOT FIT" in build
+    assert "verdict: does not fit" in out
+    assert "--data.init_args.offline.cache_batch_size 8" in out
+    assert "--data.init_args.batch_size" not in out  # the fit's own batch is not what needs changing
 
 
 def test_plan_refuses_bad_input_in_one_line(qwen3_8b):

@@ -95,7 +95,7 @@ ACTIONS: dict[str, Action] = {
     "export-onnx": Action(
         "dflash2_lightning.export.onnx.command:main",
         "write the drafting graphs as ONNX with the dflash custom ops, verified",
-        None,
+        "dflash2_lightning.export.onnx.command:ExportOnnxOptions",
     ),
     "export-trt": Action(
         "dflash2_lightning.export.tensorrt.command:main",

@@ -100,7 +100,7 @@ ACTIONS: dict[str, Action] = {
     "export-trt": Action(
         "dflash2_lightning.export.tensorrt.command:main",
         "build TensorRT engines with the dflash plugins from an ONNX export",
-        None,
+        "dflash2_lightning.export.tensorrt.command:ExportTrtOptions",
     ),
     "build-llama-cpp": Action(
         "dflash2_lightning.engines.llama_cpp:main",

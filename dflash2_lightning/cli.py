@@ -70,7 +70,7 @@ ACTIONS: dict[str, Action] = {
     "check": Action(
         "dflash2_lightning.export.serving:check_main",
         "check a draft checkpoint against what vLLM, SGLang and llama.cpp expect",
-        None,
+        "dflash2_lightning.export.serving:CheckOptions",
     ),
     "serve-help": Action(
         "dflash2_lightning.export.serving:serve_help_main",

@@ -75,7 +75,7 @@ ACTIONS: dict[str, Action] = {
     "serve-help": Action(
         "dflash2_lightning.export.serving:serve_help_main",
         "print the engines' exact commands to serve a draft checkpoint",
-        None,
+        "dflash2_lightning.export.serving:ServeHelpOptions",
     ),
     "check-serving": Action(
         "dflash2_lightning.engines.check_serving:check_serving_main",

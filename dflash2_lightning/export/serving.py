@@ -15,7 +15,6 @@ Exit status of both commands: 0 fine, 1 the checkpoint has an error an engine wo
 
 from __future__ import annotations
 
-import argparse
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -203,16 +202,11 @@ class CheckOptions:
     )
 
 
-def _parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--draft", required=True, help="checkpoint directory (config.json + model.safetensors)")
-    parser.add_argument(
-        "--target",
-        default=None,
-        help="the target's local HF model directory (only config.json and tokenizer.json are "
-        "read): checks the draft fits it and fills its path into the commands",
-    )
-    return parser
+@dataclass(kw_only=True)
+class ServeHelpOptions(CheckOptions):
+    """The options of ``dflash2 serve-help``: :class:`CheckOptions` and where to write ``SERVING.md``."""
+
+    out: str | None = option(None, "where to write it (default: DRAFT/SERVING.md)")
 
 
 def _load(draft_dir: str, target_dir: str | None) -> tuple[DraftConfig, TargetInfo | None]:
@@ -256,18 +250,18 @@ def check_main(argv: Sequence[str]) -> int:
 
 def serve_help_main(argv: Sequence[str]) -> int:
     """``dflash2 serve-help --draft DIR [--target DIR] [--out FILE]``: write SERVING.md and say where."""
-    parser = _parser(
-        "dflash2 serve-help",
-        "Write SERVING.md with the exact vLLM, SGLang and llama.cpp command "
+    opts = parse_options(
+        ServeHelpOptions,
+        list(argv),
+        prog="dflash2 serve-help",
+        description="Write SERVING.md with the exact vLLM, SGLang and llama.cpp command "
         "lines for a checkpoint (checked first, as dflash2 check does).",
     )
-    parser.add_argument("--out", default=None, help="where to write it (default: DRAFT/SERVING.md)")
-    args = parser.parse_args(list(argv))
     from dflash2_lightning.files import check_writable
 
-    check_writable(args.out if args.out is not None else Path(args.draft) / SERVING_NAME)
-    cfg, target = _load(args.draft, args.target)  # a user error is one line from the command's handler
-    path, findings = write_serving(args.draft, cfg, target, out=args.out)
+    check_writable(opts.out if opts.out is not None else Path(opts.draft) / SERVING_NAME)
+    cfg, target = _load(opts.draft, opts.target)  # a user error is one line from the command's handler
+    path, findings = write_serving(opts.draft, cfg, target, out=opts.out)
     for finding in findings:
         if finding.level != "note":
             print(finding)

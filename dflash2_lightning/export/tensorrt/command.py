@@ -31,7 +31,6 @@ from pathlib import Path
 
 from dflash2_lightning.action_options import REQUIRED, option, parse_options
 from dflash2_lightning.errors import bounded
-
 from dflash2_lightning.export.tensorrt.build import (
     EXIT_BUILD,
     EXIT_MISMATCH,
@@ -71,9 +70,7 @@ class ExportTrtOptions:
     )
     tf32: bool = option(False, "allow TF32 in float32 layers (faster, looser comparison)")
     compare: bool = option(True, "skip the onnxruntime comparison", flag="--no-compare")
-    int_high: int = option(
-        2, "integer inputs are drawn from [0, int-high) (default {default})", parse=bounded(int, 1)
-    )
+    int_high: int = option(2, "integer inputs are drawn from [0, int-high) (default {default})", parse=bounded(int, 1))
     seed: int = option(0, "seed of the comparison's random inputs (default {default})")
 
 

@@ -70,12 +70,12 @@ ACTIONS: dict[str, Action] = {
     "check": Action(
         "dflash2_lightning.export.serving:check_main",
         "check a draft checkpoint against what vLLM, SGLang and llama.cpp expect",
-        None,
+        "dflash2_lightning.export.serving:CheckOptions",
     ),
     "serve-help": Action(
         "dflash2_lightning.export.serving:serve_help_main",
         "print the engines' exact commands to serve a draft checkpoint",
-        None,
+        "dflash2_lightning.export.serving:ServeHelpOptions",
     ),
     "check-serving": Action(
         "dflash2_lightning.engines.check_serving:check_serving_main",
@@ -95,12 +95,12 @@ ACTIONS: dict[str, Action] = {
     "export-onnx": Action(
         "dflash2_lightning.export.onnx.command:main",
         "write the drafting graphs as ONNX with the dflash custom ops, verified",
-        None,
+        "dflash2_lightning.export.onnx.command:ExportOnnxOptions",
     ),
     "export-trt": Action(
         "dflash2_lightning.export.tensorrt.command:main",
         "build TensorRT engines with the dflash plugins from an ONNX export",
-        None,
+        "dflash2_lightning.export.tensorrt.command:ExportTrtOptions",
     ),
     "build-llama-cpp": Action(
         "dflash2_lightning.engines.llama_cpp:main",

@@ -15,11 +15,12 @@ Exit status of both commands: 0 fine, 1 the checkpoint has an error an engine wo
 
 from __future__ import annotations
 
-import argparse
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from dflash2_lightning.action_options import REQUIRED, option, parse_options
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.engines.rules import (
     LLAMA_CPP,
@@ -188,21 +189,29 @@ def write_serving(
 
 
 # ---------------------------------------------------------------------- commands
-def _parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--draft", required=True, help="checkpoint directory (config.json + model.safetensors)")
-    parser.add_argument(
-        "--target",
-        default=None,
-        help="the target's local HF model directory (only config.json and tokenizer.json are "
-        "read): checks the draft fits it and fills its path into the commands",
+@dataclass(kw_only=True)
+class CheckOptions:
+    """The options of ``dflash2 check``: the checkpoint and, optionally, the target it is checked against (the
+    group ``serve-help`` shares)."""
+
+    draft: str = option(REQUIRED, "checkpoint directory (config.json + model.safetensors)")
+    target: str | None = option(
+        None,
+        "the target's local HF model directory (only config.json and tokenizer.json are read): checks the draft "
+        "fits it and fills its path into the commands",
     )
-    return parser
 
 
-def _load(args: argparse.Namespace) -> tuple[DraftConfig, TargetInfo | None]:
+@dataclass(kw_only=True)
+class ServeHelpOptions(CheckOptions):
+    """The options of ``dflash2 serve-help``: :class:`CheckOptions` and where to write ``SERVING.md``."""
+
+    out: str | None = option(None, "where to write it (default: DRAFT/SERVING.md)")
+
+
+def _load(draft_dir: str, target_dir: str | None) -> tuple[DraftConfig, TargetInfo | None]:
     """The verified config and the target info, or a user error (raised as ConfigError / CheckpointError)."""
-    draft = Path(args.draft).expanduser()
+    draft = Path(draft_dir).expanduser()
     if not (draft / CONFIG_NAME).is_file():
         raise CheckpointError(
             f"--draft {draft}: no {CONFIG_NAME} there (a draft checkpoint directory holds "
@@ -210,9 +219,9 @@ def _load(args: argparse.Namespace) -> tuple[DraftConfig, TargetInfo | None]:
         )
     cfg = verify_checkpoint(draft)
     target = None
-    if args.target is not None:
+    if target_dir is not None:
         try:
-            target = TargetInfo.from_dir(args.target)
+            target = TargetInfo.from_dir(target_dir)
         except FileNotFoundError as error:
             raise CheckpointError(str(error)) from None
     return cfg, target
@@ -220,17 +229,18 @@ def _load(args: argparse.Namespace) -> tuple[DraftConfig, TargetInfo | None]:
 
 def check_main(argv: Sequence[str]) -> int:
     """``dflash2 check --draft DIR [--target DIR]``: the loader's checks plus every engine check."""
-    parser = _parser(
-        "dflash2 check",
-        "Check a DFlash / DFlash2 checkpoint the way the project's loader does "
+    opts = parse_options(
+        CheckOptions,
+        list(argv),
+        prog="dflash2 check",
+        description="Check a DFlash / DFlash2 checkpoint the way the project's loader does "
         "(config, truncation, tensor names and shapes, finite weights) and against what vLLM, "
         "SGLang and llama.cpp need. Writes nothing. Exit 0: fine, 1: an engine error, 2: refused.",
     )
-    args = parser.parse_args(list(argv))
-    cfg, target = _load(args)  # a user error is one line from the command's handler (dflash2_lightning.errors)
-    findings = engine_findings(cfg, target, read_config_json(args.draft))
+    cfg, target = _load(opts.draft, opts.target)  # a user error is one line from the command's handler
+    findings = engine_findings(cfg, target, read_config_json(opts.draft))
     print(
-        f"{args.draft}: {cfg.architecture}, block_size {cfg.block_size}, dtype {cfg.torch_dtype}, "
+        f"{opts.draft}: {cfg.architecture}, block_size {cfg.block_size}, dtype {cfg.torch_dtype}, "
         f"target_layer_ids {cfg.target_layer_ids}: loads (config, tensors, values checked)"
     )
     for finding in findings:
@@ -240,18 +250,18 @@ def check_main(argv: Sequence[str]) -> int:
 
 def serve_help_main(argv: Sequence[str]) -> int:
     """``dflash2 serve-help --draft DIR [--target DIR] [--out FILE]``: write SERVING.md and say where."""
-    parser = _parser(
-        "dflash2 serve-help",
-        "Write SERVING.md with the exact vLLM, SGLang and llama.cpp command "
+    opts = parse_options(
+        ServeHelpOptions,
+        list(argv),
+        prog="dflash2 serve-help",
+        description="Write SERVING.md with the exact vLLM, SGLang and llama.cpp command "
         "lines for a checkpoint (checked first, as dflash2 check does).",
     )
-    parser.add_argument("--out", default=None, help="where to write it (default: DRAFT/SERVING.md)")
-    args = parser.parse_args(list(argv))
     from dflash2_lightning.files import check_writable
 
-    check_writable(args.out if args.out is not None else Path(args.draft) / SERVING_NAME)
-    cfg, target = _load(args)  # a user error is one line from the command's handler (dflash2_lightning.errors)
-    path, findings = write_serving(args.draft, cfg, target, out=args.out)
+    check_writable(opts.out if opts.out is not None else Path(opts.draft) / SERVING_NAME)
+    cfg, target = _load(opts.draft, opts.target)  # a user error is one line from the command's handler
+    path, findings = write_serving(opts.draft, cfg, target, out=opts.out)
     for finding in findings:
         if finding.level != "note":
             print(finding)

@@ -336,8 +336,9 @@ def test_bad_arguments_name_the_field(tmp_path):
         export_drafter(draft, embed, head, tmp_path, opset=17)
     with pytest.raises(ValueError, match="graphs="):
         export_drafter(draft, embed, head, tmp_path, graphs=("head",))
-    with pytest.raises(SystemExit):
-        cli.parser().parse_args(["--draft", "d", "--target", "tiny", "--out", "o", "--verify-cases", "2x"])
+    with pytest.raises(SystemExit):  # refused when parsed, before the draft is loaded
+        cli.main(["--draft", "d", "--target", "tiny", "--out", str(tmp_path / "o"), "--verify-cases", "2x"])
+    assert not (tmp_path / "o").exists()
     from dflash2_lightning.target.spec import TargetError
 
     with pytest.raises(TargetError, match="path='nowhere' is not a Hugging Face model directory"):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors.torch import load_file, save_file
 
 from dflash2_lightning import cli
@@ -267,6 +268,23 @@ def test_serve_help_writes_commands_with_this_checkpoints_numbers(tiny_draft_con
         assert flag(argv, "--spec-type") == "draft-dflash" and flag(argv, "--spec-draft-n-max") == "7"
     assert "no engine problem found" in text
     assert ("walks the candidate selector" in text) == (projector == "dflash2")
+
+
+def test_serve_help_takes_its_options_from_a_config_file(good, tmp_path, capsys):
+    """check and serve-help share one options group; --print-config writes what --config reads back."""
+    out = tmp_path / "from-config.md"
+    argv = ["serve-help", "--draft", str(good), "--out", str(out)]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--print-config"])
+    assert exit_.value.code == 0
+    config = tmp_path / "serve-help.yaml"
+    config.write_text(capsys.readouterr().out)
+    assert yaml.safe_load(config.read_text()) == {"out": str(out), "draft": str(good), "target": None}
+    assert cli.main(["serve-help", "--config", str(config)]) == 0
+    assert out.is_file() and f"written to {out}" in capsys.readouterr().out
+    config.write_text(f"draft: {good}\n")
+    assert cli.main(["check", "--config", str(config)]) == 0
+    assert "loads (config, tensors, values checked)" in capsys.readouterr().out
 
 
 def test_serve_help_out_and_unknown_target(good, tmp_path, capsys):

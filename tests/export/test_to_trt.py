@@ -119,3 +119,40 @@ def test_compare_outputs():
     lines = to_trt.compare_outputs(bad, ref, reduced_precision=False)
     assert [line.split()[0] for line in lines] == ["MISMATCH", "MISMATCH"]
     assert "75.0% of 4 values equal" in lines[1]
+
+
+def test_repeatable_options_collect_every_value(tmp_path):
+    """--graph and --dim are repeatable (and take several values at once); --config gives them as lists."""
+    from dflash2_lightning.action_options import parse_options
+    from dflash2_lightning.export.tensorrt.command import ExportTrtOptions
+
+    def parse(*argv: str) -> ExportTrtOptions:
+        return parse_options(ExportTrtOptions, ["--onnx", "o", "--out", "e", *argv], "dflash2 export-trt", "")
+
+    opts = parse("--graph", "context", "--graph", "draft_step", "--dim", "capacity=1,8,64", "--dim", "w:1=3,3,3")
+    assert opts.graph == ["context", "draft_step"] and opts.dim == ["capacity=1,8,64", "w:1=3,3,3"]
+    assert parse("--graph", "context", "draft_step").graph == ["context", "draft_step"]
+    defaults = parse()
+    assert (defaults.graph, defaults.dim, defaults.compare, defaults.onnx) == (None, [], True, Path("o"))
+    config = tmp_path / "trt.yaml"
+    config.write_text("graph: [draft_step]\ndim: ['capacity=1,8,64']\ncompare: false\n")
+    from_file = parse("--config", str(config))
+    assert (from_file.graph, from_file.dim, from_file.compare) == (["draft_step"], ["capacity=1,8,64"], False)
+
+
+def test_bad_ranges_are_one_error_line_once_the_requirements_are_met(tmp_path, monkeypatch, capsys):
+    """The ranges are read after the TensorRT/GPU check (exit 2, one line), before any graph is parsed."""
+    from dflash2_lightning.export.tensorrt import command
+
+    monkeypatch.setattr(command, "missing_requirements", list)
+    _touch(tmp_path / "context.onnx")
+    for argv, message in [
+        (["--batch", "4,1,2"], "--batch='4,1,2' is invalid"),
+        (["--dim", "capacity=1,2"], "--dim capacity='1,2' is invalid"),
+        (["--graph", "nope"], "no .onnx graphs named ['nope']"),
+    ]:
+        code = command.main(["--onnx", str(tmp_path), "--out", str(tmp_path / "e"), *argv])
+        err = capsys.readouterr().err
+        assert code == to_trt.EXIT_MISSING and err.startswith("dflash2: error: ") and err.count("\n") == 1, err
+        assert message in err
+    assert not (tmp_path / "e").exists()

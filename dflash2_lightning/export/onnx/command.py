@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
+from dflash2_lightning.action_options import REQUIRED, option, parse_options
 from dflash2_lightning.errors import bounded
 from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES
 from dflash2_lightning.export.onnx.export import (
@@ -55,6 +58,7 @@ def resolve_target(target: str, draft: DraftModel, seed: int = 0) -> tuple[nn.Mo
 
 
 def _cases(text: str) -> tuple[tuple[int, int], ...]:
+    """``"1x5,3x19"`` -> ``((1, 5), (3, 19))``: batch x context cases, both >= 1."""
     try:
         cases = tuple(tuple(int(v) for v in item.split("x")) for item in text.split(","))
     except ValueError:
@@ -66,40 +70,52 @@ def _cases(text: str) -> tuple[tuple[int, int], ...]:
     return cases  # type: ignore[return-value]
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dflash2 export-onnx",
-        description="Export a draft as the ONNX drafting "
-        "graphs (context, draft_step) with the dflash custom ops, and check them with "
-        "onnxruntime against torch. Writes OUT/context.onnx, OUT/draft_step.onnx (and their "
-        ".trt.onnx copies for TensorRT) and OUT/drafter.json.",
-    )
-    p.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
-    p.add_argument(
-        "--target",
-        required=True,
-        help="HF directory, .gguf file, 'smollm2', a JSON TargetSpec (as `dflash2 eval --target`), or "
+def _cases_text(text: str) -> str:
+    """``--verify-cases``: the text, once :func:`_cases` reads it (kept as text, so --print-config writes what
+    --config reads)."""
+    _cases(text)
+    return text
+
+
+@dataclass(kw_only=True)
+class ExportOnnxOptions:
+    """The options of ``dflash2 export-onnx`` (``python export/to_onnx.py``).
+
+    ``--target`` is the action's own, not :class:`~dflash2_lightning.target.arguments.TargetOptions`: only the
+    target's embedding and head are read, and ``tiny`` means a random embedding and head of the draft's geometry.
+    """
+
+    draft: str = option(REQUIRED, "draft checkpoint directory (config.json + model.safetensors)")
+    target: str = option(
+        REQUIRED,
+        "HF directory, .gguf file, 'smollm2', a JSON TargetSpec (as `dflash2 eval --target`), or "
         "'tiny' (a random embedding and head of the draft's geometry)",
     )
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--dtype", default="fp32", choices=sorted(TORCH_DTYPES), help="graph precision (default fp32)")
-    p.add_argument(
-        "--opset",
-        type=bounded(int, MIN_OPSET, max_opset()),
-        default=DEFAULT_OPSET,
-        help=f"default-domain opset, {MIN_OPSET} to {max_opset()} (the installed onnx's newest; default "
-        f"{DEFAULT_OPSET})",
+    out: str = option(REQUIRED, "output directory")
+    dtype: str = option("fp32", "graph precision (default {default})", choices=sorted(TORCH_DTYPES))
+    opset: int = option(
+        DEFAULT_OPSET,
+        f"default-domain opset, {MIN_OPSET} to {max_opset()} (the installed onnx's newest; default {{default}})",
+        parse=bounded(int, MIN_OPSET, max_opset()),
     )
-    p.add_argument("--no-hidden", action="store_true", help="draft_step outputs tokens only")
-    p.add_argument(
-        "--verify-cases",
-        type=_cases,
-        default=((1, 5), (3, 19)),
-        help="batch x context cases for the onnxruntime check (default 1x5,3x19)",
+    hidden: bool = option(True, "draft_step outputs tokens only", flag="--no-hidden")
+    verify_cases: str = option(
+        "1x5,3x19", "batch x context cases for the onnxruntime check (default {default})", parse=_cases_text
     )
-    p.add_argument("--no-verify", action="store_true", help="skip the onnxruntime check (not recommended)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the 'tiny' target and the check's inputs")
-    return p
+    verify: bool = option(True, "skip the onnxruntime check (not recommended)", flag="--no-verify")
+    seed: int = option(0, "seed of the 'tiny' target and the check's inputs (default {default})")
+
+    @property
+    def cases(self) -> tuple[tuple[int, int], ...]:
+        """``verify_cases`` as (batch, context) pairs."""
+        return _cases(self.verify_cases)
+
+
+DESCRIPTION = (
+    "Export a draft as the ONNX drafting graphs (context, draft_step) with the dflash custom ops, and check them "
+    "with onnxruntime against torch. Writes OUT/context.onnx, OUT/draft_step.onnx (and their .trt.onnx copies for "
+    "TensorRT) and OUT/drafter.json."
+)
 
 
 def quiet_export_warnings() -> None:
@@ -116,25 +132,23 @@ def quiet_export_warnings() -> None:
         logger.addFilter(_NoTorchvision())
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 export-onnx`` / ``python export/to_onnx.py``: 0 when onnxruntime agrees with torch, 1 when not."""
     quiet_export_warnings()
-    args = parser().parse_args(argv)
+    opts = parse_options(ExportOnnxOptions, argv, prog="dflash2 export-onnx", description=DESCRIPTION)
     from dflash2_lightning.files import check_writable
 
-    check_writable(args.out, directory=True)  # before the draft and the target are loaded
-    draft = load_draft(args.draft, device="cpu").eval()
-    embed, head = resolve_target(args.target, draft, args.seed)
+    check_writable(opts.out, directory=True)  # before the draft and the target are loaded
+    draft = load_draft(opts.draft, device="cpu").eval()
+    embed, head = resolve_target(opts.target, draft, opts.seed)
     t0 = time.perf_counter()
-    result = export_drafter(
-        draft, embed, head, args.out, dtype=args.dtype, opset=args.opset, with_hidden=not args.no_hidden
-    )
+    result = export_drafter(draft, embed, head, opts.out, dtype=opts.dtype, opset=opts.opset, with_hidden=opts.hidden)
     print(result.describe())
     print(f"exported in {time.perf_counter() - t0:.1f} s; checker (full_check) and strict shape inference passed")
-    if args.no_verify:
+    if not opts.verify:
         print("onnxruntime check skipped (--no-verify)")
         return 0
-    report = verify_export(args.out, draft, embed, head, cases=args.verify_cases, seed=args.seed)
+    report = verify_export(opts.out, draft, embed, head, cases=opts.cases, seed=opts.seed)
     print(report.describe())
     if not report.ok:
         print("FAILED: onnxruntime disagrees with torch", file=sys.stderr)

@@ -25,10 +25,12 @@ and onnxruntime disagree.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from dflash2_lightning.action_options import REQUIRED, option, parse_options
+from dflash2_lightning.errors import bounded
 from dflash2_lightning.export.tensorrt.build import (
     EXIT_BUILD,
     EXIT_MISMATCH,
@@ -49,36 +51,35 @@ from dflash2_lightning.export.tensorrt.build import (
 from dflash2_lightning.reporting import print_error
 
 
-def parser() -> argparse.ArgumentParser:
-    """The options of ``dflash2 export-trt``."""
-    p = argparse.ArgumentParser(
-        prog="dflash2 export-trt",
-        description="Build TensorRT engines with the dflash plugins from an ONNX export (dflash2 export-onnx) and "
-        "check them against onnxruntime on the same random inputs. Writes OUT (one engine) or "
-        "OUT/<graph>.engine per graph, and a timing cache beside them. Needs TensorRT (whose "
-        "libraries come from NVIDIA's package index) and an NVIDIA GPU; exit 2 says which is missing.",
+@dataclass(kw_only=True)
+class ExportTrtOptions:
+    """The options of ``dflash2 export-trt`` (``python export/to_trt.py``). The ranges (``--batch``,
+    ``--context``, ``--dim``) are read once TensorRT and a GPU are known to be there (see :func:`main`)."""
+
+    onnx: Path = option(REQUIRED, "export directory (from dflash2 export-onnx) or one .onnx")
+    out: Path = option(REQUIRED, "engine file (one graph) or directory (one <graph>.engine per graph)")
+    graph: list[str] | None = option(None, "build only this graph (repeatable), e.g. draft_step")
+    batch: str = option("1,1,16", "batch min,opt,max (default {default})")
+    context: str = option("1,256,4096", "context length min,opt,max (default {default})")
+    dim: list[str] = option(
+        [], "range of another dynamic dimension (dim_param name or input:axis)", metavar="NAME=min,opt,max"
     )
-    p.add_argument("--onnx", required=True, type=Path, help="export directory (from dflash2 export-onnx) or one .onnx")
-    p.add_argument(
-        "--out", required=True, type=Path, help="engine file (one graph) or directory (one <graph>.engine per graph)"
+    timing_cache: Path | None = option(None, "timing cache file (default: timing.cache beside the engine)")
+    workspace_gib: float = option(
+        0.0, "builder workspace limit in GiB (default: 0, TensorRT's)", parse=bounded(float, 0.0)
     )
-    p.add_argument("--graph", action="append", help="build only this graph (repeatable), e.g. draft_step")
-    p.add_argument("--batch", default="1,1,16", help="batch min,opt,max (default 1,1,16)")
-    p.add_argument("--context", default="1,256,4096", help="context length min,opt,max (default 1,256,4096)")
-    p.add_argument(
-        "--dim",
-        action="append",
-        default=[],
-        metavar="NAME=min,opt,max",
-        help="range of another dynamic dimension (dim_param name or input:axis)",
-    )
-    p.add_argument("--timing-cache", type=Path, help="timing cache file (default: timing.cache beside the engine)")
-    p.add_argument("--workspace-gib", type=float, default=0.0, help="builder workspace limit (default: TensorRT's)")
-    p.add_argument("--tf32", action="store_true", help="allow TF32 in float32 layers (faster, looser comparison)")
-    p.add_argument("--no-compare", action="store_true", help="skip the onnxruntime comparison")
-    p.add_argument("--int-high", type=int, default=2, help="integer inputs are drawn from [0, int-high) (default 2)")
-    p.add_argument("--seed", type=int, default=0)
-    return p
+    tf32: bool = option(False, "allow TF32 in float32 layers (faster, looser comparison)")
+    compare: bool = option(True, "skip the onnxruntime comparison", flag="--no-compare")
+    int_high: int = option(2, "integer inputs are drawn from [0, int-high) (default {default})", parse=bounded(int, 1))
+    seed: int = option(0, "seed of the comparison's random inputs (default {default})")
+
+
+DESCRIPTION = (
+    "Build TensorRT engines with the dflash plugins from an ONNX export (dflash2 export-onnx) and check them against "
+    "onnxruntime on the same random inputs. Writes OUT (one engine) or OUT/<graph>.engine per graph, and a timing "
+    "cache beside them. Needs TensorRT (whose libraries come from NVIDIA's package index) and an NVIDIA GPU; exit 2 "
+    "says which is missing."
+)
 
 
 def _engine_path(out: Path, graph: GraphFiles, many: bool) -> Path:
@@ -89,7 +90,7 @@ def _engine_path(out: Path, graph: GraphFiles, many: bool) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 export-trt`` / ``python export/to_trt.py``; the exit status (see the module docstring)."""
-    args = parser().parse_args(argv)
+    opts = parse_options(ExportTrtOptions, argv, prog="dflash2 export-trt", description=DESCRIPTION)
     missing = missing_requirements()
     if missing:
         print_error(
@@ -98,12 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_MISSING
     try:
-        batch, context = parse_range(args.batch, "--batch"), parse_range(args.context, "--context")
+        batch, context = parse_range(opts.batch, "--batch"), parse_range(opts.context, "--context")
         extra = {}
-        for item in args.dim:
+        for item in opts.dim:
             name, _, text = item.partition("=")
             extra[name] = parse_range(text, f"--dim {name}")
-        graphs = find_graphs(args.onnx, args.graph)
+        graphs = find_graphs(opts.onnx, opts.graph)
     except (ValueError, FileNotFoundError) as err:
         print_error(str(err))
         return EXIT_MISSING
@@ -120,13 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:
             print_error(f"{graph.name}: {err}")
             return EXIT_MISSING
-        engine_path = _engine_path(args.out, graph, len(graphs) > 1)
-        cache = args.timing_cache or engine_path.parent / "timing.cache"
+        engine_path = _engine_path(opts.out, graph, len(graphs) > 1)
+        cache = opts.timing_cache or engine_path.parent / "timing.cache"
         print(f"[{graph.name}] parsing {graph.trt_path}")
         for name, (lo, opt, hi) in shapes.items():
             print(f"  profile {name}: min {lo} opt {opt} max {hi}")
         try:
-            plan, summary = build_engine(graph, shapes, cache, args.tf32, args.workspace_gib)
+            plan, summary = build_engine(graph, shapes, cache, opts.tf32, opts.workspace_gib)
         except RuntimeError as err:
             print_error(f"{graph.name}: {err}")
             return EXIT_BUILD
@@ -138,14 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{custom_nodes} dflash node(s); "
             f"wrote {engine_path} ({len(plan) / 2**20:.1f} MiB), timing cache {cache}"
         )
-        if args.no_compare:
+        if not opts.compare:
             continue
         if graph.ort_path is None:
             print(f"  comparison skipped: no {graph.name}.onnx with op bodies beside the TensorRT copy")
             continue
         reduced = any(t in (10, 16) for _, t in inputs.values())
         for which, label in ((0, "min"), (1, "opt")):
-            feed = random_inputs(inputs, shapes, which, args.int_high, args.seed + which)
+            feed = random_inputs(inputs, shapes, which, opts.int_high, opts.seed + which)
             try:
                 reference = run_onnxruntime(graph.ort_path, feed)
             except Exception as err:  # e.g. bfloat16 kernels missing on onnxruntime's CPU provider

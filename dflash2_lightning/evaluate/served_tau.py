@@ -101,7 +101,7 @@ class ServedTau(pl.Callback):
             ">= 2 (one token drafted per verify step)",
         )
         check(threads >= 1, f"{_OPTION}.threads", threads, ">= 1")
-        check(port is None or 1 <= port <= 65535, f"{_OPTION}.port", port, "a TCP port, 1..65535", verb="be")
+        check(port is None or 1 <= port <= 65535, f"{_OPTION}.port", port, "a TCP port, 1..65535")
         check(startup_timeout > 0, f"{_OPTION}.startup_timeout", startup_timeout, "> 0 seconds")
         check(request_timeout > 0, f"{_OPTION}.request_timeout", request_timeout, "> 0 seconds")
         self.every_n_validations = every_n_validations
@@ -128,6 +128,8 @@ class ServedTau(pl.Callback):
         from dflash2_lightning.engines.llama_cpp import LlamaCppError, require_llama_cpp
         from dflash2_lightning.target.load import load_geometry
 
+        if stage not in ("fit", "validate"):  # the only stages that validate
+            return
         module: DFlash2Module = pl_module  # type: ignore[assignment]
         try:
             self._llama = require_llama_cpp(self.llama_cpp_cache, ("llama-server",))
@@ -185,7 +187,12 @@ class ServedTau(pl.Callback):
                 raise ConfigError(
                     f"{_OPTION}.target_gguf={self.target_gguf!r} is not a file: give a GGUF of the target"
                 )
-        tokens = next((len(v) for k, v, _, _ in vocab_fields(path) if k == "tokenizer.ggml.tokens"), None)
+        try:
+            tokens = next((len(v) for k, v, _, _ in vocab_fields(path) if k == "tokenizer.ggml.tokens"), None)
+        except (ValueError, OSError) as error:  # gguf's reader on a file that is not one
+            raise ConfigError(
+                f"{_OPTION}.target_gguf {path} is not a GGUF llama.cpp reads ({error}): give a GGUF of the target"
+            ) from None
         if tokens is not None and tokens != module.draft_config.vocab_size:
             raise ConfigError(
                 f"{_OPTION}.target_gguf {path} holds {tokens} tokens and the draft's vocabulary "
@@ -233,6 +240,8 @@ class ServedTau(pl.Callback):
 
         assert self._gguf is not None, "setup() did not run"
         step_dir.mkdir(parents=True, exist_ok=True)
+        for stale in step_dir.glob("llama-server-*.log"):  # a resumed run's earlier try at this step: other weights
+            stale.unlink()
         block = module.draft_config.block_size
         served_block = self.served_block_size or block
         with tempfile.TemporaryDirectory(prefix="dflash2-served-tau-") as tmp:

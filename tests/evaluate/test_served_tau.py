@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from llamacpp_helpers import llama_cpp_or_skip
+from llamacpp_helpers import llama_cpp_or_skip, vocab_gguf
 from test_bad_input import assert_user_error
 from test_bad_input import small_config as tiny_config
 
@@ -120,6 +120,19 @@ def test_a_target_that_is_not_a_gguf_is_refused_before_the_fit_trains(tmp_path):
     assert_user_error(done, "served tau", "is not a GGUF", "target_gguf")
     run = tmp_path / "runs" / "tiny" / "default"
     assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()
+
+
+@pytest.mark.parametrize("kind", ["garbage", "another-vocabulary"])
+def test_a_target_gguf_path_that_is_not_the_targets_is_refused_before_the_fit_trains(tmp_path, kind):
+    llama_cpp_or_skip()
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "garbage":
+        path.write_bytes(b"not a gguf file at all")
+    else:
+        vocab_gguf(path, 100)  # the tiny target's vocabulary is larger
+    done = fit(with_served_tau(tiny_config(tmp_path), target_gguf=str(path)), tmp_path)
+    assert_user_error(done, "target_gguf", str(path), "is not a GGUF" if kind == "garbage" else "another target")
+    assert not (tmp_path / "runs" / "tiny" / "default" / "metrics.csv").exists()
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.spec import TargetError
 
 # Module names of the final norm and the head in transformers' decoder-only families (Llama, Qwen, Mistral and
@@ -41,6 +42,33 @@ def shard_world() -> int:
             "launch with several devices or processes (torchrun, Lightning's devices/num_nodes), or use shard: none"
         )
     return dist.get_world_size()
+
+
+def check_shard_devices(devices: Any) -> None:
+    """Refuse ``trainer.devices`` naming GPUs other than ``0 .. n-1`` for a sharded target (a :class:`ConfigError`).
+
+    transformers' distributed loading binds each process to the device of its local rank (process ``i`` of a node
+    to GPU ``i``) and loads its shards there, whatever devices Lightning gives the draft: with ``devices: [2, 3]``
+    the target would sit on GPUs 0 and 1 beside the draft on 2 and 3. A count (``8``, ``-1``, ``auto``) is fine;
+    ``CUDA_VISIBLE_DEVICES`` picks the GPUs instead."""
+    if isinstance(devices, str) and "," in devices:  # Lightning's "2,3" form
+        listed: list[Any] = [d.strip() for d in devices.split(",") if d.strip()]
+    elif isinstance(devices, (list, tuple)):
+        listed = list(devices)
+    else:
+        return
+    try:
+        ids = [int(d) for d in listed]
+    except (TypeError, ValueError):
+        return  # not GPU ids: Lightning's own check reports it
+    if ids != list(range(len(ids))):
+        visible = ",".join(str(i) for i in ids)
+        raise ConfigError(
+            f"trainer.devices={devices!r} with model.init_args.target.shard='fsdp': a sharded target is loaded on "
+            f"the GPU of each process's local rank (0 .. {len(ids) - 1}), not on the GPUs listed, so the target and "
+            f"the draft would sit on different GPUs; give a count and pick the GPUs with the environment: "
+            f"CUDA_VISIBLE_DEVICES={visible} dflash2 fit ... --trainer.devices {len(ids)}"
+        )
 
 
 def load_sharded_hf(directory: Path, config: Any, dtype: torch.dtype) -> nn.Module:

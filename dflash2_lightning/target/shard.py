@@ -97,10 +97,11 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def whole_copy(module: nn.Module) -> nn.Module:
+def whole_copy(module: nn.Module, tied_to: torch.Tensor | None = None) -> nn.Module:
     """A plain frozen ``nn.Embedding`` or ``nn.Linear`` holding the whole weights of the (sharded) ``module`` of
     that kind. A collective. A :class:`TargetError` for another kind (an embedding that scales its output, a
-    quantised head): their computation is more than the weights."""
+    quantised head): their computation is more than the weights. ``tied_to``: the whole weight a tied head shares
+    (the embedding's), used as the linear's weight instead of a gathered copy (only its bias is gathered)."""
     with torch.no_grad():
         kind = _unsharded_class(module)
         if kind is nn.Embedding:
@@ -110,7 +111,10 @@ def whole_copy(module: nn.Module) -> nn.Module:
         if kind is nn.Linear:
             assert isinstance(module, nn.Linear)
             copy = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-            copy.weight = nn.Parameter(full_tensor(module.weight).detach().clone(), requires_grad=False)
+            if tied_to is not None and tuple(tied_to.shape) == (module.out_features, module.in_features):
+                copy.weight = tied_to if isinstance(tied_to, nn.Parameter) else nn.Parameter(tied_to, False)
+            else:
+                copy.weight = nn.Parameter(full_tensor(module.weight).detach().clone(), requires_grad=False)
             if module.bias is not None:
                 copy.bias = nn.Parameter(full_tensor(module.bias).detach().clone(), requires_grad=False)
             return copy

@@ -115,6 +115,7 @@ def test_print_config_round_trips(tmp_path, argv, capsys):
 
 GPU = REPO / "configs" / "qwen3_8b_online.yaml"
 GPU_OFFLINE = REPO / "configs" / "qwen3_8b_offline.yaml"
+GPU_SHARDED = REPO / "configs" / "qwen3_235b_a22b_online.yaml"
 
 
 @pytest.mark.parametrize(
@@ -123,6 +124,7 @@ GPU_OFFLINE = REPO / "configs" / "qwen3_8b_offline.yaml"
         (TINY, ["--model.init_args.target", "null"], "model.init_args.target is missing"),
         (GPU, [], "model.init_args.target is missing"),  # the GPU recipes leave the target path to the user
         (GPU_OFFLINE, [], "model.init_args.target is missing"),
+        (GPU_SHARDED, [], "model.init_args.target is missing"),  # shard: fsdp in the recipe, the path the user's
         # Checked from the config alone, before the target is loaded: the recipe's data file is not here.
         (
             GPU,
@@ -132,6 +134,16 @@ GPU_OFFLINE = REPO / "configs" / "qwen3_8b_offline.yaml"
         (
             GPU,
             ["--model.init_args.target.path", "/nonexistent/Qwen3-8B", "--data.init_args.train_files", f"[{TINY}]"],
+            "is not a Hugging Face model directory",
+        ),
+        (
+            GPU_SHARDED,
+            [
+                "--model.init_args.target.path",
+                "/nonexistent/Qwen3-235B-A22B",
+                "--data.init_args.train_files",
+                f"[{TINY}]",
+            ],
             "is not a Hugging Face model directory",
         ),
         (

@@ -1,7 +1,8 @@
-"""The GPU recipes (``configs/qwen3_8b_*.yaml``) rehearsed on a CPU.
+"""The GPU recipes (``configs/qwen3_8b_*.yaml`` and ``configs/qwen3_235b_a22b_online.yaml``) rehearsed on a CPU.
 
 Each recipe runs end to end through the installed ``dflash2`` entry point with only what a CPU forces
-overridden: the target (a tiny random Qwen3 instead of Qwen3-8B), the data (small jsonl files), the
+overridden: the target (a tiny random Qwen3 instead of Qwen3-8B; for the 235B recipe, whose target is sharded,
+a tiny Qwen3-MoE model directory, sharded over the 2 processes as the recipe says), the data (small jsonl files), the
 accelerator (``cpu``), the device count (2 processes under Lightning's DDP with the gloo backend), and the
 sample geometry, step counts and intervals scaled down. Everything else is the recipe's own: the
 objective, the optimizer and its schedule, the loggers and checkpoint callbacks, gradient clipping,
@@ -33,12 +34,17 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from hf_families import save_tiny_hf
 
 from dflash2_lightning.data.workers import fork_deadlock_risk
 from dflash2_lightning.model.checkpoint import load_draft
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "configs").glob("qwen3_8b_*.yaml"))
+# The large-target recipe shards its target (target.shard: fsdp): rehearsed as the others, on a tiny Qwen3-MoE
+# saved as a model directory (a sharded target loads from one; a tiny target is built whole).
+SHARDED = REPO / "configs" / "qwen3_235b_a22b_online.yaml"
+REHEARSED = [*RECIPES, SHARDED]
 DFLASH2 = Path(sys.executable).parent / "dflash2"
 
 pytestmark = pytest.mark.slow
@@ -100,7 +106,11 @@ def rehearsal_config(recipe: Path, directory: Path) -> tuple[Path, dict[str, Any
     # Inert unless $DFLASH2_TEST_CRASH_AT is set: how the first run is interrupted (tests/crash_helpers.py).
     trainer["callbacks"].append({"class_path": "crash_helpers.CrashAtStep"})
     model = config["model"]["init_args"]
-    model["target"] = TARGET
+    if model["target"].get("shard", "none") == "none":
+        model["target"] = TARGET
+    else:  # the recipe's own target settings (dtype, shard), a tiny Qwen3-MoE of TARGET's depth as its path
+        moe = save_tiny_hf("qwen3_moe", directory / "target", num_hidden_layers=TARGET["tiny"]["num_hidden_layers"])
+        model["target"] = {**model["target"], "path": str(moe)}
     model["draft"]["mask_token_id"] = MASK_TOKEN_ID
     model["objective"]["num_anchors"] = NUM_ANCHORS
     data = config["data"]["init_args"]
@@ -181,7 +191,7 @@ def assert_ran_under_ddp(done: subprocess.CompletedProcess) -> None:
     assert "All distributed processes registered. Starting with 2 processes" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+@pytest.mark.parametrize("recipe", REHEARSED, ids=[p.stem for p in REHEARSED])
 def test_recipe_runs_under_ddp_on_cpu(recipe: Path, tmp_path: Path) -> None:
     """Fit, checkpoint, resume with ``--ckpt_path last``, export: the recipe's whole life, on 2 CPU processes."""
     config, settings = rehearsal_config(recipe, tmp_path)
@@ -222,6 +232,8 @@ def test_recipe_runs_under_ddp_on_cpu(recipe: Path, tmp_path: Path) -> None:
     assert best and best <= set(range(EVERY, STEPS + 1, EVERY)), best
     trained = [k for k in state["state_dict"] if k.startswith("draft.")]
     assert any(not torch.equal(state["state_dict"][k], weights_before[k]) for k in trained)  # it trained on
+    if recipe == SHARDED:  # the target was sharded: the end-of-fit acceptance record, a target forward on rank 0
+        assert "target.shard='fsdp'" in resumed.stderr, resumed.stderr[-3000:]  # alone, is skipped, saying why
     if offline:  # the resume checked the cache against its manifest and reused it, not rebuilt it
         assert manifest.stat().st_mtime_ns == built
         assert "target features (rank" not in resumed.stderr

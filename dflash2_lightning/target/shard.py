@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.spec import TargetError
 
 # Module names of the final norm and the head in transformers' decoder-only families (Llama, Qwen, Mistral and
@@ -41,6 +42,33 @@ def shard_world() -> int:
             "launch with several devices or processes (torchrun, Lightning's devices/num_nodes), or use shard: none"
         )
     return dist.get_world_size()
+
+
+def check_shard_devices(devices: Any) -> None:
+    """Refuse ``trainer.devices`` naming GPUs other than ``0 .. n-1`` for a sharded target (a :class:`ConfigError`).
+
+    transformers' distributed loading binds each process to the device of its local rank (process ``i`` of a node
+    to GPU ``i``) and loads its shards there, whatever devices Lightning gives the draft: with ``devices: [2, 3]``
+    the target would sit on GPUs 0 and 1 beside the draft on 2 and 3. A count (``8``, ``-1``, ``auto``) is fine;
+    ``CUDA_VISIBLE_DEVICES`` picks the GPUs instead."""
+    if isinstance(devices, str) and "," in devices:  # Lightning's "2,3" form
+        listed: list[Any] = [d.strip() for d in devices.split(",") if d.strip()]
+    elif isinstance(devices, (list, tuple)):
+        listed = list(devices)
+    else:
+        return
+    try:
+        ids = [int(d) for d in listed]
+    except (TypeError, ValueError):
+        return  # not GPU ids: Lightning's own check reports it
+    if ids != list(range(len(ids))):
+        visible = ",".join(str(i) for i in ids)
+        raise ConfigError(
+            f"trainer.devices={devices!r} with model.init_args.target.shard='fsdp': a sharded target is loaded on "
+            f"the GPU of each process's local rank (0 .. {len(ids) - 1}), not on the GPUs listed, so the target and "
+            f"the draft would sit on different GPUs; give a count and pick the GPUs with the environment: "
+            f"CUDA_VISIBLE_DEVICES={visible} dflash2 fit ... --trainer.devices {len(ids)}"
+        )
 
 
 def load_sharded_hf(directory: Path, config: Any, dtype: torch.dtype) -> nn.Module:
@@ -69,10 +97,11 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def whole_copy(module: nn.Module) -> nn.Module:
+def whole_copy(module: nn.Module, tied_to: torch.Tensor | None = None) -> nn.Module:
     """A plain frozen ``nn.Embedding`` or ``nn.Linear`` holding the whole weights of the (sharded) ``module`` of
     that kind. A collective. A :class:`TargetError` for another kind (an embedding that scales its output, a
-    quantised head): their computation is more than the weights."""
+    quantised head): their computation is more than the weights. ``tied_to``: the whole weight a tied head shares
+    (the embedding's), used as the linear's weight instead of a gathered copy (only its bias is gathered)."""
     with torch.no_grad():
         kind = _unsharded_class(module)
         if kind is nn.Embedding:
@@ -82,7 +111,10 @@ def whole_copy(module: nn.Module) -> nn.Module:
         if kind is nn.Linear:
             assert isinstance(module, nn.Linear)
             copy = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-            copy.weight = nn.Parameter(full_tensor(module.weight).detach().clone(), requires_grad=False)
+            if tied_to is not None and tuple(tied_to.shape) == (module.out_features, module.in_features):
+                copy.weight = tied_to if isinstance(tied_to, nn.Parameter) else nn.Parameter(tied_to, False)
+            else:
+                copy.weight = nn.Parameter(full_tensor(module.weight).detach().clone(), requires_grad=False)
             if module.bias is not None:
                 copy.bias = nn.Parameter(full_tensor(module.bias).detach().clone(), requires_grad=False)
             return copy

@@ -62,7 +62,9 @@ class Target(nn.Module):
             self.cpu_linears: CpuLinears = CpuLinears("stock")
             # Whole copies, made once by every process together; registered so that .to() moves them.
             self.whole_embedding: nn.Module | None = whole_copy(self.hf.get_input_embeddings())
-            self.whole_head: nn.Module | None = whole_copy(self.hf.get_output_embeddings())
+            self.whole_head: nn.Module | None = whole_copy(
+                self.hf.get_output_embeddings(), tied_to=self.tied_embedding_weight()
+            )
             self.fingerprint()  # a collective too (every parameter gathered): now, while every process is here
         else:
             self.cpu_linears = install_cpu_linears(self.hf, spec.cpu_linear if spec is not None else "auto")
@@ -75,6 +77,14 @@ class Target(nn.Module):
         return super().train(False)
 
     # ------------------------------------------------------------------ geometry
+    def tied_embedding_weight(self) -> torch.Tensor | None:
+        """The whole embedding's weight when the target's head is its embedding (``tie_word_embeddings``), so the
+        whole head reuses it instead of a second vocabulary x hidden copy; None otherwise. (FSDP2 holds the sharded
+        head and embedding as two parameters with equal values: the tie is one tensor only in the whole model.)"""
+        if self.whole_embedding is None or not getattr(self.config.get_text_config(), "tie_word_embeddings", False):
+            return None
+        return self.whole_embedding.weight
+
     def input_embeddings(self) -> nn.Module:
         """The target's token embedding as the draft calls it: whole on every process, also when sharded."""
         return self.whole_embedding if self.whole_embedding is not None else self.hf.get_input_embeddings()

@@ -166,36 +166,16 @@ class DFlash2Module(pl.LightningModule):
         self.draft = DraftModel(self.draft_config)
         # Each parameter's dimensions before any wrapping (FSDP flattens them): what the weight-decay rule reads.
         self._param_dims = {name: p.dim() for name, p in self.draft.named_parameters()}
-        if self.target_spec.shard != "none" and (
-            experimental.init_from_target or experimental.selector_init == "target_embedding"
-        ):
+        if experimental.selector_init == "target_embedding" and self.draft.candidate_selector is None:
             raise ConfigError(
-                "experimental.init_from_target and selector_init='target_embedding' read the target's weights, "
-                "which a sharded target (target.shard='fsdp') has only once the job runs: not supported yet; "
-                "leave them off or use target.shard='none'"
+                "experimental.selector_init='target_embedding' needs draft.projector_type='dflash2' "
+                "(the DFlash baseline has no candidate selector)"
             )
-        if experimental.init_from_target:  # a resumed run then loads its own weights over these
-            from dflash2_lightning.train.warm_start import init_from_target as warm_start
-
-            layers = warm_start(self.draft, self.target.hf)
-            rank_zero_info(f"draft layers initialised from target layers {layers}")
-        if experimental.selector_init == "target_embedding":  # a resumed run then loads its own weights over these
-            if self.draft.candidate_selector is None:
-                raise ConfigError(
-                    "experimental.selector_init='target_embedding' needs draft.projector_type='dflash2' "
-                    "(the DFlash baseline has no candidate selector)"
-                )
-            from dflash2_lightning.train.warm_start import init_selector_from_embedding
-
-            share = init_selector_from_embedding(
-                self.draft.candidate_selector,
-                self.target.hf.get_input_embeddings().weight,
-                self.draft_config.initializer_range,
-            )
-            rank_zero_info(
-                f"selector codebooks initialised from the target embedding's top "
-                f"{self.draft_config.selector_rank} principal directions ({share:.0%} of its variance)"
-            )
+        # A resumed run then loads its own weights over these. A sharded target's weights exist only once the job's
+        # processes have loaded it together: its warm start runs in setup(), before DDP copies rank 0's draft.
+        self._warm_started = False
+        if self.target_spec.shard == "none":
+            self.warm_start()
         if experimental.normalize_features:  # buffers, so a resumed run keeps the scale it trained with
             width = self.draft_config.num_target_features * self.draft_config.hidden_size
             self.register_buffer("feature_scale", torch.ones(width))
@@ -217,6 +197,40 @@ class DFlash2Module(pl.LightningModule):
             sampling=validation.sampling(),
         )
         self._due_validation: dict[str, int] | None = None  # a resumed checkpoint's validation still to run
+
+    def warm_start(self) -> None:
+        """The draft's warm start from the target's weights, as ``experimental`` asks (init_from_target,
+        selector_init='target_embedding'); once. Deterministic: the same draft whether the target is whole or
+        sharded (a sharded one's weights are gathered whole, and the selector's eigendecomposition runs on the CPU
+        as it does for a target loaded there). With a sharded target, a collective."""
+        if self._warm_started:
+            return
+        self._warm_started = True
+        experimental = self.options.experimental
+        if experimental.init_from_target:
+            from dflash2_lightning.train.warm_start import init_from_target as warm_start
+
+            layers = warm_start(self.draft, self.target.hf)
+            rank_zero_info(f"draft layers initialised from target layers {layers}")
+        if experimental.selector_init == "target_embedding":
+            from dflash2_lightning.train.warm_start import init_selector_from_embedding
+
+            assert self.draft.candidate_selector is not None  # checked when the module was made
+            share = init_selector_from_embedding(
+                self.draft.candidate_selector,
+                self.target.input_embeddings().weight.cpu(),
+                self.draft_config.initializer_range,
+            )
+            rank_zero_info(
+                f"selector codebooks initialised from the target embedding's top "
+                f"{self.draft_config.selector_rank} principal directions ({share:.0%} of its variance)"
+            )
+
+    def setup(self, stage: str) -> None:
+        """A sharded target's warm start (:meth:`warm_start`): Lightning calls this on every process after the
+        DataModule's setup has loaded the target and before the strategy wraps the draft and restores a checkpoint."""
+        if self.target_spec.shard != "none":
+            self.warm_start()
 
     # ------------------------------------------------------------------ the frozen target
     @property

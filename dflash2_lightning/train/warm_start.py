@@ -31,6 +31,7 @@ from torch import nn
 from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.model import DraftModel
 from dflash2_lightning.model.selector import CandidateSelector
+from dflash2_lightning.target.shard import full_tensor
 
 
 def _target_layers(hf: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
@@ -49,7 +50,8 @@ def init_from_target(draft: DraftModel, hf: nn.Module) -> list[int]:
     """Copy the target layers after the draft's last feature layer into ``draft`` (in place).
 
     Returns the target layer indices copied (one per draft layer). Raises :class:`ConfigError`
-    when the target has too few layers after the feature layer, or a layer's shapes differ.
+    when the target has too few layers after the feature layer, or a layer's shapes differ. A sharded target's
+    weights are gathered whole, one at a time (a collective: every process of the job calls it).
     """
     cfg = draft.config
     layers, final_norm = _target_layers(hf)
@@ -70,9 +72,9 @@ def init_from_target(draft: DraftModel, hf: nn.Module) -> list[int]:
                         f"init_from_target: draft {name} has shape {tuple(p.shape)} but target layer "
                         f"{index}'s has {tuple(theirs[name].shape)}: keep the target's geometry"
                     )
-                p.copy_(theirs[name].to(p.dtype))
-    draft.hidden_norm.weight.copy_(layers[first].input_layernorm.weight.to(draft.hidden_norm.weight.dtype))
-    draft.norm.weight.copy_(final_norm.weight.to(draft.norm.weight.dtype))
+                p.copy_(full_tensor(theirs[name]).to(p.dtype))
+    draft.hidden_norm.weight.copy_(full_tensor(layers[first].input_layernorm.weight).to(draft.hidden_norm.weight.dtype))
+    draft.norm.weight.copy_(full_tensor(final_norm.weight).to(draft.norm.weight.dtype))
     h = cfg.hidden_size
     fc = torch.zeros_like(draft.fc.weight)
     fc[:, -h:] = torch.eye(h, dtype=fc.dtype)  # features are concatenated in target_layer_ids order

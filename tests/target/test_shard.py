@@ -1,7 +1,7 @@
 """A sharded target (``TargetSpec.shard = "fsdp"``, dflash2_lightning/target/shard.py) on two CPU processes (gloo).
 
-Each process loads the tiny dense (Llama) and the tiny mixture-of-experts (Qwen3-MoE) target of tests/hf_families.py
-twice, sharded and whole, feeds each its OWN batch (another shape on each rank: the features are a collective, the
+Each process loads the tiny dense (Llama), the tiny mixture-of-experts (Qwen3-MoE) and a tiny dense target with tied
+embeddings (its head is its embedding) of tests/hf_families.py twice, sharded and whole, feeds each its OWN batch (another shape on each rank: the features are a collective, the
 batches are not), and reports; the tests assert on the reports: the sharded features, logits, final hidden state,
 greedy tokens, the draft's embedding and head calls and the fingerprint equal the whole target's, and each process
 holds only its slice of every decoder layer.
@@ -23,10 +23,17 @@ from torch.distributed.tensor import DTensor
 
 from dflash2_lightning.target.capture import decoder_and_layers
 from dflash2_lightning.target.load import build_target
+from dflash2_lightning.target.shard import full_tensor
 from dflash2_lightning.target.spec import TargetError, TargetSpec
 
 WORLD = 2
 FAMILIES = ("llama", "qwen3_moe")
+# The targets, by directory name: each family, and a dense one whose head is its embedding (tie_word_embeddings,
+# as in Qwen3-0.6B to 4B, Llama-3.2-1B/3B, SmolLM2): one parameter in two places, the head's FSDP unit and the root's.
+TARGETS: dict[str, tuple[str, dict[str, Any]]] = {
+    **{family: (family, {}) for family in FAMILIES},
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+}
 LAYER_SETS = ([0, 2], [1, 3])  # 3: the last layer (HF's normed state)
 
 
@@ -67,6 +74,12 @@ def compare(directory: str, rank: int) -> dict[str, Any]:
         for name, p in layers.named_parameters()
     ]
     report["requires_grad"] = any(p.requires_grad for p in sharded.parameters())
+    head, embedding = sharded.hf.get_output_embeddings().weight, sharded.hf.get_input_embeddings().weight
+    report["tied"] = {
+        "whole": whole.hf.get_output_embeddings().weight is whole.hf.get_input_embeddings().weight,
+        "whole copies": sharded.output_embeddings().weight is sharded.input_embeddings().weight,
+        "shard values": head.shape == embedding.shape and torch.equal(full_tensor(head), full_tensor(embedding)),
+    }
     return report
 
 
@@ -85,12 +98,12 @@ def worker(rank: int, init: str, out: str, directories: list[str]) -> None:
 def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's report, per family (two processes, gloo)."""
     directory = tmp_path_factory.mktemp("shard")
-    targets = [str(save_tiny_hf(family, directory / family, seed=4)) for family in FAMILIES]
+    targets = [str(save_tiny_hf(family, directory / name, seed=4, **kw)) for name, (family, kw) in TARGETS.items()]
     mp.spawn(worker, args=(f"file://{directory / 'init'}", str(directory), targets), nprocs=WORLD, join=True)
     return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TARGETS)
 def test_sharded_features_equal_the_whole_targets(reports: list[dict[str, Any]], family: str) -> None:
     """Bit for bit: FSDP only moves the weights, each process computes with the same whole layers."""
     for rank, report in enumerate(reports):
@@ -99,7 +112,7 @@ def test_sharded_features_equal_the_whole_targets(reports: list[dict[str, Any]],
         assert len(report[family]["equal"]) == len(LAYER_SETS) * 3 * 3 + 3
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TARGETS)
 def test_each_process_holds_only_its_slice_of_every_decoder_layer(reports: list[dict[str, Any]], family: str) -> None:
     for report in reports:
         shards = report[family]["layer_shards"]
@@ -110,7 +123,7 @@ def test_each_process_holds_only_its_slice_of_every_decoder_layer(reports: list[
         assert not report[family]["requires_grad"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TARGETS)
 def test_the_fingerprint_is_the_whole_targets(reports: list[dict[str, Any]], family: str) -> None:
     """Checkpoints and caches keep matching across shard: none and shard: fsdp."""
     prints = {report[family]["fingerprints"] for report in reports}
@@ -124,3 +137,13 @@ def test_a_sharded_target_needs_a_process_group(tmp_path: Path) -> None:
     assert not dist.is_initialized()
     with pytest.raises(TargetError, match=r"shard='fsdp' needs the processes of a distributed job"):
         build_target(TargetSpec(path=str(directory), shard="fsdp"))
+
+
+def test_the_tied_target_is_tied_sharded_and_whole(reports: list[dict[str, Any]]) -> None:
+    """What the equalities above hold for: a target whose head is its embedding. Sharded, transformers holds the
+    head's shards apart from the embedding (equal values, never trained); the whole copies the draft calls are one
+    tensor, as in the whole model."""
+    for report in reports:
+        assert report["llama_tied"]["tied"] == dict.fromkeys(("whole", "whole copies", "shard values"), True)
+        untied = report["llama"]["tied"]
+        assert not (untied["whole"] or untied["whole copies"] or untied["shard values"])

@@ -39,3 +39,24 @@ def test_qwen3_235b_a22b_online_on_8_x_141_gb_fits_with_the_target_sharded(tmp_p
     assert abs(figure(sharded, "target embedding + head, whole") - 2 * vocab * h * 2) < 0.05 * GB
     assert abs(figure(sharded, "target layers gathered") - 2 * qwen3_moe_layer(QWEN3_235B_A22B) * 2) < 0.05 * GB
     assert figure(sharded, "peak (estimate)") < 0.92 * 141 * GB < figure(whole, "peak (estimate)")
+
+
+def test_the_shipped_235b_recipe_fits_one_node_of_8_x_141_gb_and_two(tmp_path):
+    """configs/qwen3_235b_a22b_online.yaml as shipped (its target sharded), only the model directory given: fits 8 x
+    141 GB, and over 2 nodes (16 devices) each holds half as much of the target."""
+    directory = tmp_path / "Qwen3-235B-A22B"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(QWEN3_235B_A22B))
+    args = ["--config", "qwen3_235b_a22b_online", "--plan.device_memory", "141GB"]
+    args += ["--model.init_args.target.path", str(directory)]
+
+    code, one_node, err = run_plan(*args)
+    assert code == 0, one_node + err
+    assert "8 x cuda, DDP" in one_node and "verdict: fits" in one_node
+    assert "/ 8 devices (target.shard fsdp)" in one_node and "frozen target " not in one_node
+    code, two_nodes, err = run_plan(*args, "--trainer.num_nodes", "2")
+    assert code == 0, two_nodes + err
+    assert "16 x cuda, DDP" in two_nodes and "/ 16 devices (target.shard fsdp)" in two_nodes
+    name = "frozen target, sharded"
+    assert abs(figure(two_nodes, name) - figure(one_node, name) / 2) < 0.05 * GB
+    assert figure(two_nodes, "peak (estimate)") < figure(one_node, "peak (estimate)") < 0.92 * 141 * GB

@@ -55,7 +55,7 @@ ACTIONS: dict[str, Action] = {
     "regen": Action(
         "dflash2_lightning.data.regen:regen_main",
         "the target's own responses to a prompts file (training data), in-process or via a server",
-        None,
+        "dflash2_lightning.data.regen:RegenOptions",
     ),
     "eval": Action(
         "dflash2_lightning.evaluate.command:eval_main",

@@ -80,7 +80,7 @@ ACTIONS: dict[str, Action] = {
     "check-serving": Action(
         "dflash2_lightning.engines.check_serving:check_serving_main",
         "check a running engine's outputs and tau against the draft's acceptance record",
-        None,
+        "dflash2_lightning.engines.check_serving:CheckServingOptions",
     ),
     "draft-vocab": Action(
         "dflash2_lightning.decode.draft_vocab:main",

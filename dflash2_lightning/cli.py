@@ -90,7 +90,7 @@ ACTIONS: dict[str, Action] = {
     "export-gguf": Action(
         "dflash2_lightning.engines.draft_gguf:export_gguf_main",
         "write the draft as a GGUF for llama.cpp's DFlash2 runtime",
-        None,
+        "dflash2_lightning.engines.draft_gguf:ExportGGUFOptions",
     ),
     "export-onnx": Action(
         "dflash2_lightning.export.onnx.command:main",

@@ -105,7 +105,7 @@ ACTIONS: dict[str, Action] = {
     "build-llama-cpp": Action(
         "dflash2_lightning.engines.llama_cpp:main",
         "build llama-server from the pinned llama.cpp source (for eval and regen)",
-        None,
+        "dflash2_lightning.engines.llama_cpp:BuildLlamaCppOptions",
     ),
 }
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from dflash2_lightning.action_options import REQUIRED, option, parse_options
-from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
+from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_HELP, PromptOverflow
 from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
 from dflash2_lightning.engines.server_options import ServerOptions
 from dflash2_lightning.errors import UsageError, bounded
@@ -232,7 +232,7 @@ class RegenOptions(TargetOptions, ServerOptions):
         parse=bounded(int, 1),
     )
     max_prompts: int | None = option(None, "use only the first N prompts", parse=bounded(int, 1))
-    prompt_overflow: str = option("refuse", PROMPT_OVERFLOW_HELP, choices=PROMPT_OVERFLOW_CHOICES)
+    prompt_overflow: PromptOverflow = option("refuse", PROMPT_OVERFLOW_HELP)
     overwrite: bool = option(False, "start over even if OUT or OUT.partial exists")
     sampled: int = option(
         0, "sampled responses per prompt besides the greedy one (default {default})", parse=bounded(int, 0)

@@ -55,7 +55,7 @@ ACTIONS: dict[str, Action] = {
     "regen": Action(
         "dflash2_lightning.data.regen:regen_main",
         "the target's own responses to a prompts file (training data), in-process or via a server",
-        None,
+        "dflash2_lightning.data.regen:RegenOptions",
     ),
     "eval": Action(
         "dflash2_lightning.evaluate.command:eval_main",
@@ -80,7 +80,7 @@ ACTIONS: dict[str, Action] = {
     "check-serving": Action(
         "dflash2_lightning.engines.check_serving:check_serving_main",
         "check a running engine's outputs and tau against the draft's acceptance record",
-        None,
+        "dflash2_lightning.engines.check_serving:CheckServingOptions",
     ),
     "draft-vocab": Action(
         "dflash2_lightning.decode.draft_vocab:main",
@@ -90,7 +90,7 @@ ACTIONS: dict[str, Action] = {
     "export-gguf": Action(
         "dflash2_lightning.engines.draft_gguf:export_gguf_main",
         "write the draft as a GGUF for llama.cpp's DFlash2 runtime",
-        None,
+        "dflash2_lightning.engines.draft_gguf:ExportGGUFOptions",
     ),
     "export-onnx": Action(
         "dflash2_lightning.export.onnx.command:main",
@@ -105,7 +105,7 @@ ACTIONS: dict[str, Action] = {
     "build-llama-cpp": Action(
         "dflash2_lightning.engines.llama_cpp:main",
         "build llama-server from the pinned llama.cpp source (for eval and regen)",
-        None,
+        "dflash2_lightning.engines.llama_cpp:BuildLlamaCppOptions",
     ),
 }
 

@@ -27,22 +27,24 @@ starts again).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
+from dflash2_lightning.action_options import REQUIRED, option, parse_options
+from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_HELP, PromptOverflow
 from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
-from dflash2_lightning.errors import bounded
-from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
+from dflash2_lightning.engines.server_options import ServerOptions
+from dflash2_lightning.errors import UsageError, bounded
+from dflash2_lightning.target.arguments import TargetOptions
 
 LOG_EVERY = 16  # finished responses per write to the log: a kill loses at most these and those in flight
 
@@ -216,127 +218,103 @@ def regen(
 
 
 # ----------------------------------------------------------------------------- command line
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--server`` and its sampling options (see :mod:`dflash2_lightning.data.regen_server`)."""
-    group = parser.add_argument_group("OpenAI-compatible server (vLLM, SGLang, llama-server)")
-    group.add_argument(
-        "--server",
-        default=None,
-        metavar="URL",
-        help="generate through this server's completions endpoint, e.g. http://127.0.0.1:8080/v1 "
-        "(prompts rendered with the target's chat template here, sent as token ids)",
+@dataclass(kw_only=True)
+class RegenOptions(TargetOptions, ServerOptions):
+    """``dflash2 regen``'s options: in-process generation, or through ``--server`` (the server's own options are
+    ``--concurrency`` and ``--server-temperature``; see :mod:`dflash2_lightning.data.regen_server`)."""
+
+    prompts: str | None = option(None, "prompts, chat jsonl {'messages': [...]} (default: the shipped seed prompts)")
+    out: str = option(REQUIRED, "output chat jsonl (responses appended as assistant turns)")
+    max_new_tokens: int = option(256, "response budget in tokens (default {default})", parse=bounded(int, 1))
+    batch_size: int = option(
+        8,
+        "responses generated together; a finished one makes room for the next prompt (default {default})",
+        parse=bounded(int, 1),
     )
-    group.add_argument("--concurrency", type=bounded(int, 1), default=8, help="requests in flight (default 8)")
-    group.add_argument(
-        "--server-temperature",
-        type=bounded(float, 0.0),
-        default=0.0,
-        help="0 = greedy (default); > 0 samples on the server with --top-p, prompt i with seed + i",
+    max_prompts: int | None = option(None, "use only the first N prompts", parse=bounded(int, 1))
+    prompt_overflow: PromptOverflow = option("refuse", PROMPT_OVERFLOW_HELP)
+    overwrite: bool = option(False, "start over even if OUT or OUT.partial exists")
+    sampled: int = option(
+        0, "sampled responses per prompt besides the greedy one (default {default})", parse=bounded(int, 0)
     )
-    group.add_argument(
-        "--timeout",
-        type=bounded(float, 0.0, low_open=True),
-        default=600.0,
-        help="seconds one request may take before the server counts as stuck (default 600)",
+    temperature: float = option(0.8, "temperature of sampled responses (default {default})", parse=bounded(float, 0.0))
+    top_p: float = option(
+        0.95,
+        "top-p of sampled responses, in (0, 1] (default {default})",
+        parse=bounded(float, 0.0, 1.0, low_open=True),
     )
+    top_k: int = option(0, "top-k of sampled responses (default 0: off)", parse=bounded(int, 0))
+    seed: int = option(0, "seed of the sampled responses (default {default})")
+    threads: int | None = option(None, "torch CPU threads (default: torch's choice)", parse=bounded(int, 1))
+    progress: bool = option(True, "no progress bar", flag="--no-progress")
+    concurrency: int = option(8, "with --server: requests in flight (default {default})", parse=bounded(int, 1))
+    server_temperature: float = option(
+        0.0,
+        "with --server: 0 = greedy (default); > 0 samples on the server with --top-p, prompt i with seed + i",
+        parse=bounded(float, 0.0),
+    )
+
+    def __post_init__(self) -> None:
+        if self.server and self.sampled:
+            raise UsageError(
+                "--sampled is not supported with --server: give --server-temperature for sampled "
+                "responses from the server (with --top-p and --seed)"
+            )
+
+
+DESCRIPTION = (
+    "Generate the target's own responses to a prompts file (chat jsonl): the greedy one and optionally --sampled "
+    "more per prompt, batched with left padding and the chat template. With --server URL they come from that "
+    "OpenAI-compatible server's completions endpoint instead (prompts rendered with the target's chat template "
+    "here, sent as token ids). Resumable: rerun the same command after an interruption and it continues from "
+    "OUT.partial. OUT is written atomically at the end."
+)
 
 
 def regen_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 regen``: generate the target's own responses for a prompts file (resumable)."""
-    parser = argparse.ArgumentParser(
-        prog="dflash2 regen",
-        description="Generate the target's own responses to a prompts file (chat jsonl): the greedy one and "
-        "optionally --sampled more per prompt, batched with left padding and the chat template. Resumable: rerun the same command after an interruption "
-        "and it continues from OUT.partial. OUT is written atomically at the end.",
-    )
-    add_target_arguments(parser)
-    parser.add_argument(
-        "--prompts", default=None, help="prompts, chat jsonl {'messages': [...]} (default: the shipped seed prompts)"
-    )
-    parser.add_argument("--out", required=True, help="output chat jsonl (responses appended as assistant turns)")
-    parser.add_argument(
-        "--max-new-tokens", type=bounded(int, 1), default=256, help="response budget in tokens (default 256)"
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=bounded(int, 1),
-        default=8,
-        help="responses generated together; a finished one makes room for the next prompt (default 8)",
-    )
-    parser.add_argument("--max-prompts", type=bounded(int, 1), default=None, help="use only the first N prompts")
-    parser.add_argument(
-        "--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP
-    )
-    parser.add_argument("--overwrite", action="store_true", help="start over even if OUT or OUT.partial exists")
-    parser.add_argument(
-        "--sampled",
-        type=bounded(int, 0),
-        default=0,
-        help="sampled responses per prompt besides the greedy one (default 0)",
-    )
-    parser.add_argument(
-        "--temperature", type=bounded(float, 0.0), default=0.8, help="temperature of sampled responses (default 0.8)"
-    )
-    parser.add_argument(
-        "--top-p",
-        type=bounded(float, 0.0, 1.0, low_open=True),
-        default=0.95,
-        help="top-p of sampled responses, in (0, 1] (default 0.95)",
-    )
-    parser.add_argument("--top-k", type=bounded(int, 0), default=0, help="top-k of sampled responses (default 0: off)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled responses (default 0)")
-    parser.add_argument(
-        "--threads", type=bounded(int, 1), default=None, help="torch CPU threads (default: torch's choice)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_server_arguments(parser)
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    opts = parse_options(RegenOptions, argv, prog="dflash2 regen", description=DESCRIPTION)
     from dflash2_lightning.files import check_writable
 
-    check_writable(args.out)  # before the target is loaded: an output that cannot be written fails at once
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_writable(opts.out)  # before the target is loaded: an output that cannot be written fails at once
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     from dflash2_lightning.model.sampling import Sampling
 
-    if args.server:
+    if opts.server:
         from dflash2_lightning.data.regen_server import regen_server
 
-        if args.sampled:
-            parser.error(
-                "--sampled is not supported with --server: give --server-temperature for sampled "
-                "responses from the server (with --top-p and --seed)"
-            )
         path = regen_server(
-            args.server,
-            target_spec_from_args(args),
-            args.prompts,
-            args.out,
-            args.max_new_tokens,
-            args.concurrency,
-            args.server_temperature,
-            args.top_p if args.server_temperature else 1.0,
-            args.seed,
-            args.max_prompts,
-            args.overwrite,
-            not args.no_progress,
-            timeout=args.timeout,
-            prompt_overflow=args.prompt_overflow,
+            opts.server,
+            opts.target_spec(),
+            opts.prompts,
+            opts.out,
+            opts.max_new_tokens,
+            opts.concurrency,
+            opts.server_temperature,
+            opts.top_p if opts.server_temperature else 1.0,
+            opts.seed,
+            opts.max_prompts,
+            opts.overwrite,
+            opts.progress,
+            timeout=opts.timeout,
+            prompt_overflow=opts.prompt_overflow,
         )
     else:
-        sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k)
         path = regen(
-            target_spec_from_args(args),
-            args.prompts,
-            args.out,
-            args.max_new_tokens,
-            args.batch_size,
-            args.max_prompts,
-            args.overwrite,
-            not args.no_progress,
-            sampled=args.sampled,
+            opts.target_spec(),
+            opts.prompts,
+            opts.out,
+            opts.max_new_tokens,
+            opts.batch_size,
+            opts.max_prompts,
+            opts.overwrite,
+            opts.progress,
+            sampled=opts.sampled,
             sampling=sampling,
-            seed=args.seed,
-            prompt_overflow=args.prompt_overflow,
+            seed=opts.seed,
+            prompt_overflow=opts.prompt_overflow,
         )
     with open(path, encoding="utf-8") as f:
         count = sum(1 for line in f if line.strip())

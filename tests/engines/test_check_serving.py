@@ -435,6 +435,27 @@ def test_a_timeout_that_is_no_duration_is_refused_when_parsed(record, tmp_path, 
     one_error_line(err, "argument --timeout", needle)
 
 
+def test_the_record_is_named_by_exactly_one_of_draft_and_record(record, tmp_path, capsys):
+    """--draft and --record both name the acceptance record: neither, or both, is refused before any request,
+    from the command line or a --config file; a --config file gives the options as the command line does."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    write_record(record, draft)
+    both = ["--draft", str(draft), "--record", str(draft / "acceptance.json")]
+    with Served(fake(VLLM, record)) as server:
+        for where in ([], both):
+            assert cli.main(["check-serving", "--server", server.url, *where]) == 2
+            one_error_line(capsys.readouterr().err, "--draft", "--record")
+        config = tmp_path / "check.yaml"
+        config.write_text(f"server: {server.url}\ndraft: {draft}\nrecord: {draft / 'acceptance.json'}\n")
+        assert cli.main(["check-serving", "--config", str(config)]) == 2
+        one_error_line(capsys.readouterr().err, "argument --record: not allowed with argument --draft")
+        assert server.fake.requests == []
+        config.write_text(f"server: {server.url}\ndraft: {draft}\n")
+        assert cli.main(["check-serving", "--config", str(config)]) == 0
+    assert "verdict: AGREE" in capsys.readouterr().out
+
+
 def test_a_slow_server_is_said_to_be_slow_and_detection_honours_the_timeout(record, tmp_path, capsys):
     """A server that answers later than --timeout: 'did not answer within', never 'is the engine running';
     the engine's detection probes wait --timeout too (not a fixed 30 s each)."""

@@ -60,12 +60,12 @@ ACTIONS: dict[str, Action] = {
     "eval": Action(
         "dflash2_lightning.evaluate.command:eval_main",
         "measure tau with real speculative decoding (eval.json, acceptance.png)",
-        None,
+        "dflash2_lightning.evaluate.command:EvalOptions",
     ),
     "acceptance-record": Action(
         "dflash2_lightning.evaluate.record:record_main",
         "write DRAFT/acceptance.json: the tau a draft earns at T=0 on held-out prompts",
-        None,
+        "dflash2_lightning.evaluate.record:RecordOptions",
     ),
     "check": Action(
         "dflash2_lightning.export.serving:check_main",

@@ -8,25 +8,28 @@ replay is also written as the draft's acceptance record (:mod:`dflash2_lightning
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
+from dflash2_lightning.action_options import REQUIRED, option, parse_options
 from dflash2_lightning.data.prompts.standard import PROMPT_SETS
 from dflash2_lightning.decode.drafter import DraftPath
 from dflash2_lightning.errors import bounded
+from dflash2_lightning.evaluate.llama_cpp import EngineOptions
 from dflash2_lightning.evaluate.loop import check_block_sizes, evaluate_block_sizes, evaluate_draft
+from dflash2_lightning.evaluate.options import DraftOptions, MeasureOptions, PromptOptions, SamplingOptions
 from dflash2_lightning.evaluate.replay import replay_block_sizes, replay_report, run_replay
 from dflash2_lightning.evaluate.report import plot_eval, summary_lines
 from dflash2_lightning.evaluate.teacher_forced import ORACLE_TOP_K, PATHS
 from dflash2_lightning.intervals import RESAMPLES
+from dflash2_lightning.target.arguments import TargetOptions
 
 
 def run_eval(
@@ -289,155 +292,79 @@ def _describe(target: Any) -> Any:
     return json.loads(spec.key()) if spec is not None else type(target).__name__
 
 
+@dataclass(kw_only=True)
+class EvalOptions(DraftOptions, TargetOptions, PromptOptions, SamplingOptions, MeasureOptions, EngineOptions):
+    """``dflash2 eval``'s options: the shared measuring groups (:mod:`dflash2_lightning.evaluate.options`), the
+    target, llama.cpp's, and these."""
+
+    out: str = option(REQUIRED, "output directory for eval.json and acceptance.png")
+    estimate: bool = option(
+        True, "skip the trainer's teacher-forced estimate (and the top-k oracle)", flag="--no-estimate"
+    )
+    acceptance_record: bool = option(
+        True,
+        "do not write the replay as the draft's acceptance record (default: with --replay-prompts, "
+        "DRAFT/acceptance.json is written for `dflash2 check-serving`)",
+        flag="--no-acceptance-record",
+    )
+    oracle_top_k: int | None = option(
+        None,
+        "candidates per position of the T=0 top-k oracle (default: the selector's top_k; "
+        f"{ORACLE_TOP_K} for a DFlash draft)",
+        parse=bounded(int, 1),
+    )
+    served_block_sizes: list[int] = option(
+        [],
+        "also measure the draft served at these block sizes, e.g. --served-block-sizes 2 3 4 (each from 2, or the "
+        "convolution's taps, up to the trained block_size; checked before the target is loaded): tau and tokens/s "
+        "per size, path and temperature in the loop, tau per size in the replay, and the fastest size with each "
+        "engine's flag that serves it (default: none; docs/measuring-tau.md)",
+        parse=bounded(int, 2),
+        metavar="B",
+    )
+
+
+EVAL_DESCRIPTION = (
+    "Measure a draft checkpoint with real speculative decoding against its target, greedy and sampled "
+    "(--temperature): acceptance length (tau) per decoding path and temperature with a 95% bootstrap interval over "
+    "prompts, per-position acceptance, histogram of accepted lengths, tokens/s against target-only decoding, and "
+    "the trainer's estimated tau on the same continuations. Writes OUT/eval.json and OUT/acceptance.png; with "
+    "--replay-prompts also the draft's acceptance record DRAFT/acceptance.json (for dflash2 check-serving)."
+)
+
+
 def eval_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 eval``: measure τ with real speculative decoding. Exit status 1 if a greedy path was not lossless."""
-    from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
-
-    parser = argparse.ArgumentParser(
-        prog="dflash2 eval",
-        description="Measure a draft checkpoint with real speculative decoding against its target, greedy and "
-        "sampled (--temperature): acceptance length (tau) per decoding path and temperature with a 95% "
-        "bootstrap interval over prompts, per-position acceptance, histogram of accepted lengths, "
-        "tokens/s against target-only decoding, and the trainer's estimated tau on the same "
-        "continuations. Writes OUT/eval.json and OUT/acceptance.png; with --replay-prompts also the "
-        "draft's acceptance record DRAFT/acceptance.json (for dflash2 check-serving).",
-    )
-    parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
-    add_target_arguments(parser)
-    parser.add_argument(
-        "--prompts",
-        default=None,
-        help="held-out prompts: a chat jsonl file {'messages': [...]}, or a standard set by name, reported per "
-        f"category: {', '.join(PROMPT_SETS)} (an existing file wins over a name; docs/prompt-sets.md) "
-        "(default: the shipped eval prompts)",
-    )
-    parser.add_argument("--out", required=True, help="output directory for eval.json and acceptance.png")
-    parser.add_argument(
-        "--max-new-tokens", type=bounded(int, 1), default=128, help="generation budget per prompt (default 128)"
-    )
-    parser.add_argument("--max-prompts", type=bounded(int, 1), default=None, help="evaluate only the first N prompts")
-    parser.add_argument(
-        "--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP
-    )
-    parser.add_argument(
-        "--paths",
-        nargs="+",
-        choices=PATHS,
-        default=list(PATHS),
-        help="decoding paths to measure (default: selector backbone)",
-    )
-    parser.add_argument(
-        "--temperature",
-        type=bounded(float, 0.0),
-        nargs="+",
-        action="extend",
-        default=None,
-        metavar="T",
-        help="sampling temperatures to measure, e.g. --temperature 0 0.7 1.0 (repeatable; default 0 = greedy)",
-    )
-    parser.add_argument(
-        "--top-p",
-        type=bounded(float, 0.0, 1.0, low_open=True),
-        default=1.0,
-        help="nucleus sampling mass in (0, 1] (default 1)",
-    )
-    parser.add_argument(
-        "--top-k", type=bounded(int, 0), default=0, help="sample among the top k tokens (default 0 = all)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs and the bootstrap (default 0)")
-    parser.add_argument(
-        "--samples",
-        type=bounded(int, 1),
-        default=1,
-        help="generations per prompt at temperature > 0 (default 1; T=0 is deterministic: one)",
-    )
-    parser.add_argument(
-        "--resamples",
-        type=bounded(int, 1),
-        default=RESAMPLES,
-        help=f"bootstrap resamples over prompts for the 95%% intervals (default {RESAMPLES})",
-    )
-    parser.add_argument(
-        "--no-estimate", action="store_true", help="skip the trainer's teacher-forced estimate (and the top-k oracle)"
-    )
-    parser.add_argument(
-        "--replay-prompts",
-        type=bounded(int, 0),
-        default=0,
-        help="also replay the loop at T=0 (teacher-forced along the target's batched greedy "
-        "outputs, equal to the measured tau) on the first N prompts: a narrow tau interval "
-        "at a fraction of the loop's cost (default 0 = off)",
-    )
-    parser.add_argument(
-        "--replay-max-new-tokens",
-        type=bounded(int, 1),
-        default=None,
-        help="tokens per replayed prompt (default: --max-new-tokens)",
-    )
-    parser.add_argument(
-        "--no-acceptance-record",
-        action="store_true",
-        help="do not write the replay as the draft's acceptance record (default: with "
-        "--replay-prompts, DRAFT/acceptance.json is written for `dflash2 check-serving`)",
-    )
-    parser.add_argument(
-        "--oracle-top-k",
-        type=bounded(int, 1),
-        default=None,
-        help="candidates per position of the T=0 top-k oracle (default: the selector's top_k; "
-        f"{ORACLE_TOP_K} for a DFlash draft)",
-    )
-    parser.add_argument(
-        "--threads",
-        default="auto",
-        help="torch CPU threads: a number, or 'auto' (default: the cores other processes leave free "
-        "by the 1-minute load average, as the quickstart chooses; the report records it)",
-    )
-    parser.add_argument(
-        "--draft-vocab",
-        default="auto",
-        metavar="auto|off|FILE",
-        help="draft through the target head's rows of a drafting vocabulary only (lossless: the "
-        "target verifies with its full head): 'auto' (default) uses DRAFT/draft_vocab.json "
-        "when it exists, 'off' never, or a file (written by dflash2 draft-vocab)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from dflash2_lightning.evaluate.llama_cpp import add_engine_arguments, llama_cpp_options
-
-    add_engine_arguments(parser)
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
-        parser.error(f"--threads {args.threads!r} is invalid: must be 'auto' or an integer >= 1")
-    from dflash2_lightning.threads import auto_threads
-
-    torch.set_num_threads(auto_threads(torch.get_num_threads()) if args.threads == "auto" else int(args.threads))
+    opts = parse_options(EvalOptions, argv, prog="dflash2 eval", description=EVAL_DESCRIPTION)
+    opts.set_threads()
     report = run_eval(
-        args.draft,
-        target_spec_from_args(args),
-        args.prompts,
-        args.out,
-        args.max_new_tokens,
-        args.paths,
-        args.max_prompts,
-        not args.no_estimate,
-        not args.no_progress,
-        temperatures=args.temperature or [0.0],
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        samples=args.samples,
-        resamples=args.resamples,
-        llama_cpp=llama_cpp_options(args),
-        oracle_top_k=args.oracle_top_k,
-        replay_prompts=args.replay_prompts,
-        replay_max_new_tokens=args.replay_max_new_tokens,
-        draft_vocab=args.draft_vocab,
-        acceptance_record=not args.no_acceptance_record,
-        prompt_overflow=args.prompt_overflow,
+        opts.draft,
+        opts.target_spec(),
+        opts.prompts,
+        opts.out,
+        opts.max_new_tokens,
+        opts.paths,
+        opts.max_prompts,
+        opts.estimate,
+        opts.progress,
+        temperatures=opts.temperatures,
+        top_p=opts.top_p,
+        top_k=opts.top_k,
+        seed=opts.seed,
+        samples=opts.samples,
+        resamples=opts.resamples,
+        llama_cpp=opts.llama_cpp_options(),
+        oracle_top_k=opts.oracle_top_k,
+        replay_prompts=opts.replay_prompts,
+        replay_max_new_tokens=opts.replay_max_new_tokens,
+        draft_vocab=opts.draft_vocab,
+        acceptance_record=opts.acceptance_record,
+        prompt_overflow=opts.prompt_overflow,
+        served_block_sizes=opts.served_block_sizes or None,
     )
     print("\n".join(summary_lines(report)))
     if report.get("acceptance_record"):
         print(f"acceptance record (for dflash2 check-serving): {report['acceptance_record']}")
-    print(f"report: {Path(args.out) / 'eval.json'}  plot: {Path(args.out) / 'acceptance.png'}")
+    print(f"report: {Path(opts.out) / 'eval.json'}  plot: {Path(opts.out) / 'acceptance.png'}")
     lossy = [r for blk in report["temperatures"].values() for r in blk["paths"].values() if r["lossless"] is False]
     return 1 if lossy else 0

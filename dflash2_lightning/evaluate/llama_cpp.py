@@ -28,10 +28,13 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from dflash2_lightning.action_options import option
 from dflash2_lightning.engines.openai_client import request_json
+from dflash2_lightning.errors import bounded
 
 _PER_POS = re.compile(r'^llamacpp:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}\s+(\S+)$')
 
@@ -288,56 +291,45 @@ def summary_line(section: dict[str, Any]) -> str:
     )
 
 
-def add_engine_arguments(parser: Any) -> None:
-    """``--engine`` and the llama.cpp options of ``dflash2 eval``."""
-    group = parser.add_argument_group("llama.cpp (make llama-cpp)")
-    group.add_argument(
-        "--engine",
-        nargs="+",
+@dataclass(kw_only=True)
+class EngineOptions:
+    """``--engine`` and the llama.cpp options of ``dflash2 eval`` (an options group its dataclass inherits)."""
+
+    engine: list[Literal["torch", "llama.cpp"]] = option(
+        ["torch"],
+        "'llama.cpp' also measures the draft in llama.cpp (llama-server with and without it), reported beside the "
+        "project's own loop (default: torch only)",
         choices=["torch", "llama.cpp"],
-        default=["torch"],
-        help="'llama.cpp' also measures the draft in llama.cpp (llama-server with and without it), "
-        "reported beside the project's own loop (default: torch only)",
     )
-    group.add_argument(
-        "--llama-target",
-        default="f32",
-        help="target GGUF for llama.cpp: 'f32' (the same weights, converted: exactness), 'shipped' "
-        "(the target's own GGUF, e.g. quantised SmolLM2) or a .gguf path (default f32)",
+    llama_target: str = option(
+        "f32",
+        "target GGUF for llama.cpp: 'f32' (the same weights, converted: exactness), 'shipped' (the target's own "
+        "GGUF, e.g. quantised SmolLM2) or a .gguf path (default {default})",
     )
-    from dflash2_lightning.errors import bounded
-
-    group.add_argument("--llama-threads", type=bounded(int, 1), default=2, help="llama.cpp threads (default 2)")
-    group.add_argument(
-        "--llama-draft-type",
-        default="f32",
-        choices=["f32", "f16", "bf16", "q8_0"],
-        help="storage type of the exported draft GGUF (default f32)",
+    llama_threads: int = option(2, "llama.cpp threads (default {default})", parse=bounded(int, 1))
+    llama_draft_type: Literal["f32", "f16", "bf16", "q8_0"] = option(
+        "f32", "storage type of the exported draft GGUF (default {default})"
     )
-    group.add_argument(
-        "--llama-draft-n-max",
-        type=bounded(int, 1),
-        default=None,
+    llama_draft_n_max: int | None = option(
+        None,
+        "tokens llama.cpp drafts per step, 1..block_size-1 (default: the whole block)",
+        parse=bounded(int, 1),
         metavar="N",
-        help="tokens llama.cpp drafts per step, 1..block_size-1 (default: the whole block)",
     )
-    group.add_argument(
-        "--llama-draft-p-min",
-        type=float,
-        default=0.0,
+    llama_draft_p_min: float = option(
+        0.0,
+        "stop a step's drafts at the first below this probability, 0 <= P < 1 (default 0: never)",
         metavar="P",
-        help="stop a step's drafts at the first below this probability, 0 <= P < 1 (default 0: never)",
     )
 
-
-def llama_cpp_options(args: Any) -> dict[str, Any] | None:
-    """The ``llama_cpp`` argument of :func:`~dflash2_lightning.evaluate.command.run_eval` from parsed arguments."""
-    if "llama.cpp" not in args.engine:
-        return None
-    return {
-        "target_gguf": args.llama_target,
-        "threads": args.llama_threads,
-        "draft_outtype": args.llama_draft_type,
-        "draft_n_max": args.llama_draft_n_max,
-        "draft_p_min": args.llama_draft_p_min,
-    }
+    def llama_cpp_options(self) -> dict[str, Any] | None:
+        """The ``llama_cpp`` argument of :func:`~dflash2_lightning.evaluate.command.run_eval` (None: torch only)."""
+        if "llama.cpp" not in self.engine:
+            return None
+        return {
+            "target_gguf": self.llama_target,
+            "threads": self.llama_threads,
+            "draft_outtype": self.llama_draft_type,
+            "draft_n_max": self.llama_draft_n_max,
+            "draft_p_min": self.llama_draft_p_min,
+        }

@@ -10,14 +10,15 @@ and ``dflash2 check-serving`` read it; making one is a measurement, the replay o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash2_lightning.action_options import option, parse_options
 from dflash2_lightning.engines.acceptance_record import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPTS,
@@ -29,6 +30,9 @@ from dflash2_lightning.engines.acceptance_record import (
     weights_digest,
     write_record,
 )
+from dflash2_lightning.errors import bounded
+from dflash2_lightning.evaluate.options import DraftOptions, PromptFitOptions
+from dflash2_lightning.target.arguments import TargetOptions
 
 
 def served_path(is_dflash2: bool) -> str:
@@ -147,53 +151,46 @@ def make_record(
     return record_from_replay(run, draft_dir, target, source, resamples, seed)
 
 
+@dataclass(kw_only=True)
+class RecordOptions(DraftOptions, TargetOptions, PromptFitOptions):
+    """``dflash2 acceptance-record``'s options: the draft, the target and the prompts' fit shared with
+    ``dflash2 eval`` (:mod:`dflash2_lightning.evaluate.options`), and these."""
+
+    # A file only (eval's --prompts also takes a named set, whose later turns need the target's answers).
+    prompts: str | None = option(None, "chat jsonl of held-out prompts (default: the shipped evaluation prompts)")
+    num_prompts: int = option(
+        DEFAULT_PROMPTS, "how many of them, from the first (default {default})", parse=bounded(int, 1)
+    )
+    max_new_tokens: int = option(
+        DEFAULT_MAX_NEW_TOKENS,
+        "greedy continuation length per prompt (default {default}); with the longest prompt it must fit the "
+        "target's context",
+        parse=bounded(int, 1),
+    )
+    out: str | None = option(None, "where to write it (default DRAFT/acceptance.json)")
+    progress: bool = option(False, "show the replay's progress bar")
+
+
+RECORD_DESCRIPTION = (
+    "Write the draft's acceptance record (DRAFT/acceptance.json): held-out prompts as token ids, the target's greedy "
+    "continuation, and the accepted drafted tokens per verify step the draft earns at T=0 (the speculative loop "
+    "replayed along that continuation), with the expected tau and its 95% bootstrap interval over prompts. "
+    "`dflash2 check-serving` compares a running engine with it; `dflash2 export-gguf` copies it beside the GGUF."
+)
+
+
 def record_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 acceptance-record --draft DIR --target T``: write ``DIR/acceptance.json``."""
-    from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_CHOICES, PROMPT_OVERFLOW_HELP
-    from dflash2_lightning.errors import bounded
-    from dflash2_lightning.target.arguments import add_target_arguments, target_spec_from_args
-
-    parser = argparse.ArgumentParser(
-        prog="dflash2 acceptance-record",
-        description="Write the draft's acceptance record (DRAFT/acceptance.json): held-out prompts as token ids, "
-        "the target's greedy continuation, and the accepted drafted tokens per verify step the draft "
-        "earns at T=0 (the speculative loop replayed along that continuation), with the expected tau "
-        "and its 95% bootstrap interval over prompts. `dflash2 check-serving` compares a running engine "
-        "with it; `dflash2 export-gguf` copies it beside the GGUF.",
-    )
-    parser.add_argument("--draft", required=True, help="draft checkpoint directory (config.json + model.safetensors)")
-    add_target_arguments(parser)
-    parser.add_argument(
-        "--prompts", default=None, help="chat jsonl of held-out prompts (default: the shipped evaluation prompts)"
-    )
-    parser.add_argument(
-        "--num-prompts",
-        type=bounded(int, 1),
-        default=DEFAULT_PROMPTS,
-        help=f"how many of them, from the first (default {DEFAULT_PROMPTS})",
-    )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=bounded(int, 1),
-        default=DEFAULT_MAX_NEW_TOKENS,
-        help=f"greedy continuation length per prompt (default {DEFAULT_MAX_NEW_TOKENS}); with the "
-        "longest prompt it must fit the target's context",
-    )
-    parser.add_argument(
-        "--prompt-overflow", choices=PROMPT_OVERFLOW_CHOICES, default="refuse", help=PROMPT_OVERFLOW_HELP
-    )
-    parser.add_argument("--out", default=None, help="where to write it (default DRAFT/acceptance.json)")
-    parser.add_argument("--progress", action="store_true", help="show the replay's progress bar")
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    opts = parse_options(RecordOptions, argv, prog="dflash2 acceptance-record", description=RECORD_DESCRIPTION)
     record = make_record(
-        args.draft,
-        target_spec_from_args(args),
-        args.prompts,
-        args.num_prompts,
-        args.max_new_tokens,
-        progress=args.progress,
-        prompt_overflow=args.prompt_overflow,
+        opts.draft,
+        opts.target_spec(),
+        opts.prompts,
+        opts.num_prompts,
+        opts.max_new_tokens,
+        progress=opts.progress,
+        prompt_overflow=opts.prompt_overflow,
     )
-    path = write_record(record, args.out or Path(args.draft) / RECORD_NAME)
+    path = write_record(record, opts.out or Path(opts.draft) / RECORD_NAME)
     print(summary_line(record, path))
     return 0

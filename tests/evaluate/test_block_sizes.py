@@ -160,3 +160,47 @@ def test_a_wide_convolution_sets_the_smallest_size(tiny_draft_config) -> None:
         check_block_sizes([2, 3], cfg)
     with pytest.raises(ConfigError, match="served_block_sizes"):  # before any decoding
         evaluate_block_sizes(trained_draft("dflash2"), tiny_target(), prompts()[:1], 4, [5], progress=False)
+
+
+def test_eval_cli_reports_every_served_size_and_the_fastest(tmp_path, capsys) -> None:
+    import json
+
+    import torch
+    from speculative_helpers import TARGET_SPEC
+
+    from dflash2_lightning.evaluate.command import eval_main
+    from dflash2_lightning.model.checkpoint import save_draft
+
+    draft_dir = save_draft(trained_draft("dflash2"), tmp_path / "draft", dtype=torch.float64)
+    out = tmp_path / "eval"
+    argv = ["--draft", str(draft_dir), "--target", json.dumps(TARGET_SPEC), "--out", str(out), "--max-new-tokens", "12"]
+    argv += ["--max-prompts", "2", "--replay-prompts", "3", "--no-estimate", "--no-progress", "--threads", "1"]
+    assert eval_main([*argv, "--served-block-sizes", "4", "2"]) == 0
+    printed = capsys.readouterr().out
+    section = json.loads((out / "eval.json").read_text())["served_block_sizes"]
+    assert section["block_sizes"] == [2, 4] and section["prompts"] == 2 and section["replay"]["prompts"] == 3
+    for size in ("2", "4"):
+        assert all(r["lossless"] for r in section["temperatures"]["0"]["sizes"][size]["paths"].values())
+        assert set(section["replay"]["sizes"][size]["paths"]) == {"selector", "backbone"}
+    best = section["fastest"]
+    assert "served block sizes [2, 4] (trained 4), 2 prompts:" in printed
+    assert printed.count("    block  2: ") == 2 and printed.count("    block  4: ") == 2  # the loop's and the replay's
+    assert f"  fastest: block {best['block_size']} ({best['path']}, T=0" in printed
+
+
+def test_eval_cli_refuses_a_size_beyond_the_trained_block_before_the_target(tmp_path, capsys) -> None:
+    import torch
+
+    from dflash2_lightning import cli
+    from dflash2_lightning.model.checkpoint import save_draft
+
+    draft_dir = save_draft(trained_draft("dflash2"), tmp_path / "draft", dtype=torch.float64)
+    # A target that cannot load: the sizes are refused first, in one line.
+    argv = ["eval", "--draft", str(draft_dir), "--target", str(tmp_path / "no-target"), "--out", str(tmp_path / "o")]
+    assert cli.main([*argv, "--served-block-sizes", "2", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dflash2: error: served_block_sizes=[2, 5] is invalid: [5] outside 2..4")
+    assert cli.main([*argv, "--served-block-sizes", "1"]) == 2  # the flag's own bound: 2 at least
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--served-block-sizes" in err[0] and ">= 2" in err[0]
+    assert not (tmp_path / "o" / "eval.json").exists()

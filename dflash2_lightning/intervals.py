@@ -136,6 +136,48 @@ def paired_ratio_interval(
     }
 
 
+def paired_speed_ratio_interval(
+    tokens: Sequence[float],
+    seconds: Sequence[float],
+    base_tokens: Sequence[float],
+    base_seconds: Sequence[float],
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """``tokens/s(ours) / tokens/s(base)`` (each pooled over prompts: their tokens over their seconds) and its
+    percentile interval, prompts resampled *together* (two settings timed on the same prompts).
+
+    Returns ``{"ratio", "interval": [lo, hi], "level", "resamples", "seed", "unit": "prompt"}``.
+    """
+    t, s, bt, bs = _four_lists("paired_speed_ratio_interval", tokens, seconds, base_tokens, base_seconds)
+    weights = resample_weights(t.size, resamples, seed)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = ((weights @ t) / (weights @ s)) / ((weights @ bt) / (weights @ bs))
+    ratio = (t.sum() / s.sum()) / (bt.sum() / bs.sum()) if s.sum() and bs.sum() and bt.sum() else None
+    return _ratio_result(ratio, ratios, level, resamples, seed)
+
+
+def _four_lists(name: str, *lists: Sequence[float]) -> list[np.ndarray]:
+    """Four per-prompt lists as float arrays; a ValueError unless they are equal in length and not empty."""
+    arrays = [np.asarray(x, dtype=np.float64) for x in lists]
+    if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1 or arrays[0].size == 0:
+        raise ValueError(f"{name} needs four equal, non-empty per-prompt lists (got {[a.size for a in arrays]})")
+    return arrays
+
+
+def _ratio_result(ratio: float | None, ratios: np.ndarray, level: float, resamples: int, seed: int) -> dict[str, Any]:
+    """A paired ratio's report: the point ratio and the percentile interval of its resampled values."""
+    return {
+        "ratio": float(ratio) if ratio is not None else None,
+        "interval": percentile_bounds(ratios, level),
+        "level": level,
+        "resamples": resamples,
+        "seed": seed,
+        "unit": "prompt",
+    }
+
+
 def paired_tau_ratio_interval(
     accepted: Sequence[float],
     cycles: Sequence[float],
@@ -150,24 +192,12 @@ def paired_tau_ratio_interval(
 
     Returns ``{"ratio", "interval": [lo, hi], "level", "resamples", "seed", "unit": "prompt"}``.
     """
-    arrays = [np.asarray(x, dtype=np.float64) for x in (accepted, cycles, base_accepted, base_cycles)]
-    if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1 or arrays[0].size == 0:
-        raise ValueError(
-            f"paired_tau_ratio_interval needs four equal, non-empty per-prompt lists (got {[a.size for a in arrays]})"
-        )
-    a, c, ba, bc = arrays
+    a, c, ba, bc = _four_lists("paired_tau_ratio_interval", accepted, cycles, base_accepted, base_cycles)
     weights = resample_weights(a.size, resamples, seed)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratios = (1.0 + (weights @ a) / (weights @ c)) / (1.0 + (weights @ ba) / (weights @ bc))
     ratio = (1.0 + a.sum() / c.sum()) / (1.0 + ba.sum() / bc.sum()) if c.sum() and bc.sum() else None
-    return {
-        "ratio": float(ratio) if ratio is not None else None,
-        "interval": percentile_bounds(ratios, level),
-        "level": level,
-        "resamples": resamples,
-        "seed": seed,
-        "unit": "prompt",
-    }
+    return _ratio_result(ratio, ratios, level, resamples, seed)
 
 
 def replay_summary(

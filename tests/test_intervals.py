@@ -84,3 +84,20 @@ def test_paired_tau_ratio_interval():
     with pytest.raises(ValueError, match="four equal, non-empty"):
         paired_tau_ratio_interval([1, 2], [3, 4], [1], [3])
     assert bootstrap_intervals([[2, 1, 0, 1]], resamples=5)["tokens_per_second"] is None  # no timings given
+
+
+def test_paired_speed_ratio_interval():
+    """tokens/s of two settings timed on the same prompts: the pooled ratio, resampling the prompts together."""
+    from dflash2_lightning.intervals import paired_speed_ratio_interval
+
+    tokens, seconds = [30, 40, 25, 50, 35], [1.0, 1.5, 0.8, 2.0, 1.1]
+    same = paired_speed_ratio_interval(tokens, seconds, tokens, seconds)
+    assert same["ratio"] == 1.0 and same["interval"] == pytest.approx([1.0, 1.0])
+    faster = [s / 1.25 for s in seconds]  # the same tokens in 80% of the time on every prompt
+    r = paired_speed_ratio_interval(tokens, faster, tokens, seconds, resamples=500)
+    assert r["ratio"] == pytest.approx(1.25) and r["interval"] == pytest.approx([1.25, 1.25])
+    mixed = paired_speed_ratio_interval(tokens, [0.9, 1.6, 0.5, 1.7, 1.2], tokens, seconds, resamples=500)
+    assert mixed["ratio"] == pytest.approx((sum(tokens) / 5.9) / (sum(tokens) / sum(seconds)))
+    assert mixed["interval"][0] < mixed["ratio"] < mixed["interval"][1]
+    with pytest.raises(ValueError, match="four equal, non-empty"):
+        paired_speed_ratio_interval([1, 2], [3, 4], [1], [3])

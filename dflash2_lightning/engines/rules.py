@@ -9,7 +9,10 @@ runtime); each check below says which engine it protects and how to fix what it 
 - **block size.** vLLM never reads ``block_size``: it sizes the query block and the convolution from
   ``1 + num_speculative_tokens``, which the user passes by hand (``method: "dflash"``, Model Runner V2
   only). SGLang takes the draft-token count (anchor included, = ``block_size``) from the checkpoint
-  unless overridden; llama.cpp takes ``--spec-draft-n-max block_size - 1``.
+  unless overridden; llama.cpp takes ``--spec-draft-n-max block_size - 1``. A smaller value in any of them
+  serves the draft at a smaller block (:func:`served_block_flags`, :func:`served_block_sizes`): the block
+  ``[anchor, MASK x (b-1)]``, the convolution reset at its start; ``dflash2 eval --served-block-sizes``
+  measures τ and tokens/s there.
 - **selector top-k.** SGLang's CUDA selector-walk kernel uses ``tl.arange(0, top_k)``: a power of two.
 - **target fit.** Hidden size, vocabulary, depth (the layer ids' bound), RoPE base and the tokenizer's
   ``<|MASK|>`` id (SGLang refuses a different ``mask_token_id``) must match the target served beside it.
@@ -140,6 +143,25 @@ def llama_cpp_max_top_k(hidden_size: int) -> int:
     return k
 
 
+def served_block_sizes(cfg: DraftConfig) -> list[int]:
+    """The block sizes a draft trained at ``cfg.block_size`` can be served at: 2 (the anchor and one draft) up
+    to the trained size, and never fewer positions than the convolution's taps (``conv_kernel_size``)."""
+    smallest = max(2, cfg.conv_kernel_size if cfg.is_dflash2 else 2)
+    return list(range(smallest, cfg.block_size + 1))
+
+
+def served_block_flags(block_size: int) -> dict[str, str]:
+    """What sets the served block (anchor included) in each engine: vLLM's ``num_speculative_tokens`` (drafts,
+    ``block_size - 1``), SGLang's ``--speculative-num-draft-tokens`` (``block_size``, it counts the anchor) and
+    llama.cpp's ``--spec-draft-n-max`` (drafts, ``block_size - 1``; its block is ``n_max + 1`` tokens)."""
+    n = block_size - 1
+    return {
+        VLLM: f'"num_speculative_tokens": {n}',
+        SGLANG: f"--speculative-num-draft-tokens {block_size}",
+        LLAMA_CPP: f"--spec-draft-n-max {n}",
+    }
+
+
 def choose_export_dtype(requested: str | None, target: TargetInfo | None) -> tuple[str, str]:
     """The dtype to export a draft in, and why (one sentence, printed at export and kept in SERVING.md).
 
@@ -179,8 +201,9 @@ def engine_findings(
             "note",
             VLLM,
             f"vLLM never reads block_size={cfg.block_size}: it sizes the query block and the "
-            f"convolution from 1 + num_speculative_tokens; any value but {n} runs the draft off its training "
-            'layout silently. It also needs "method": "dflash" (guessed only when the path contains '
+            f"convolution from 1 + num_speculative_tokens: {n} serves the trained block, a smaller value a "
+            "smaller block (measure it first: dflash2 eval --served-block-sizes), a larger one runs the draft "
+            'off its training layout silently. It also needs "method": "dflash" (guessed only when the path contains '
             "'dflash') and Model Runner V2 (the default; do not set VLLM_USE_V2_MODEL_RUNNER=0).",
             f'--speculative-config \'{{"method": "dflash", "num_speculative_tokens": {n}, ...}}\'',
         )
@@ -190,7 +213,8 @@ def engine_findings(
             "note",
             SGLANG,
             f"SGLang reads the draft-token count from dflash_config.block_size={cfg.block_size} "
-            "(it counts the anchor); an override re-sizes the convolution with only a warning.",
+            "(it counts the anchor); an override re-sizes the block and the convolution with only a warning "
+            "(a smaller one serves a smaller block: measure it first with dflash2 eval --served-block-sizes).",
             f"omit --speculative-num-draft-tokens or pass {cfg.block_size}",
         )
     )

@@ -23,9 +23,9 @@ from dflash2_lightning.data.prompts.standard import PROMPT_SETS
 from dflash2_lightning.decode.drafter import DraftPath
 from dflash2_lightning.errors import bounded
 from dflash2_lightning.evaluate.llama_cpp import EngineOptions
-from dflash2_lightning.evaluate.loop import evaluate_draft
+from dflash2_lightning.evaluate.loop import check_block_sizes, evaluate_block_sizes, evaluate_draft
 from dflash2_lightning.evaluate.options import DraftOptions, MeasureOptions, PromptOptions, SamplingOptions
-from dflash2_lightning.evaluate.replay import replay_report, run_replay
+from dflash2_lightning.evaluate.replay import replay_block_sizes, replay_report, run_replay
 from dflash2_lightning.evaluate.report import plot_eval, summary_lines
 from dflash2_lightning.evaluate.teacher_forced import ORACLE_TOP_K, PATHS
 from dflash2_lightning.intervals import RESAMPLES
@@ -56,6 +56,7 @@ def run_eval(
     draft_vocab: str | os.PathLike | None = "auto",
     acceptance_record: bool = True,
     prompt_overflow: str = "refuse",
+    served_block_sizes: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
@@ -91,6 +92,12 @@ def run_eval(
         prompt_overflow: a prompt that does not fit the target's context with ``max_new_tokens`` is refused
             (``"refuse"``, before anything is decoded) or cut to its last tokens (``"truncate"``; the report's
             ``prompts_cut`` counts them); see :func:`~dflash2_lightning.data.prompts.fit_to_context`.
+        served_block_sizes: also measure the draft served at these block sizes (each from 2 up to the trained
+            ``block_size``; checked once the draft's config is read, before the target is loaded): τ and tokens/s
+            per size, path and temperature in the loop
+            (:func:`~dflash2_lightning.evaluate.loop.evaluate_block_sizes`) and, with a replay, τ per size in the
+            replay (:func:`~dflash2_lightning.evaluate.replay.replay_block_sizes`); the report gains
+            ``served_block_sizes`` with the ``fastest`` size and each engine's flag that serves it.
 
     Returns the report dict (also written to ``out_dir/eval.json``). Its ``machine`` entry records the
     torch threads, the cores and the load average before and after; when other processes' load and
@@ -139,6 +146,8 @@ def run_eval(
     if max_prompts is not None and max_prompts < 1:
         raise ConfigError(f"max_prompts={max_prompts} is invalid: must be >= 1 (or None for all prompts)")
     draft = load_draft(draft_dir)  # before the target: a bad checkpoint path fails in a second
+    if served_block_sizes is not None:
+        check_block_sizes(served_block_sizes, draft.config)
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
     measured = min(available, max_prompts or available)
     categories: list[str] | None = None
@@ -213,6 +222,26 @@ def run_eval(
         )
         if acceptance_record:
             report["acceptance_record"] = _write_record(run, draft_dir, target, prompts_file, resamples, seed, report)
+    if served_block_sizes is not None:
+        sweep = evaluate_block_sizes(
+            draft,
+            target,
+            prompts,
+            max_new_tokens,
+            served_block_sizes,
+            paths,
+            progress=progress,
+            temperatures=temperatures,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            samples=samples,
+            resamples=resamples,
+            draft_head=draft_head,
+        )
+        if replay_prompts:
+            sweep["replay"] = replay_block_sizes(draft, target, run, served_block_sizes, resamples, seed, progress)
+        report["served_block_sizes"] = sweep
     report = {"draft": str(draft_dir), "target": _describe(target), "prompts_file": str(prompts_file), **report}
     if prompt_set is not None:
         report["prompt_set"] = {
@@ -284,6 +313,15 @@ class EvalOptions(DraftOptions, TargetOptions, PromptOptions, SamplingOptions, M
         f"{ORACLE_TOP_K} for a DFlash draft)",
         parse=bounded(int, 1),
     )
+    served_block_sizes: list[int] = option(
+        [],
+        "also measure the draft served at these block sizes, e.g. --served-block-sizes 2 3 4 (each from 2, or the "
+        "convolution's taps, up to the trained block_size; checked before the target is loaded): tau and tokens/s "
+        "per size, path and temperature in the loop, tau per size in the replay, and the fastest size with each "
+        "engine's flag that serves it (default: none; docs/measuring-tau.md)",
+        parse=bounded(int, 2),
+        metavar="B",
+    )
 
 
 EVAL_DESCRIPTION = (
@@ -322,6 +360,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         draft_vocab=opts.draft_vocab,
         acceptance_record=opts.acceptance_record,
         prompt_overflow=opts.prompt_overflow,
+        served_block_sizes=opts.served_block_sizes or None,
     )
     print("\n".join(summary_lines(report)))
     if report.get("acceptance_record"):

@@ -18,7 +18,7 @@ Every measured figure carries a 95% bootstrap interval over prompts (:mod:`dflas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.model.sampling import Sampling
 
 if TYPE_CHECKING:
+    from dflash2_lightning.config import DraftConfig
     from dflash2_lightning.train.metrics import SelectorHealth
 
 
@@ -93,12 +94,7 @@ def evaluate_draft(
     check_inputs(prompts, max_new_tokens, oracle_top_k, "evaluate", resamples)
     if categories is not None and len(categories) != len(prompts):
         raise ConfigError(f"categories has {len(categories)} names for {len(prompts)} prompts: give one per prompt")
-    if samples < 1:
-        raise ConfigError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
-    temps = [float(t) for t in temperatures]
-    if not temps or len(set(temps)) != len(temps):
-        raise ConfigError(f"temperatures={temps} is invalid: need at least one, without repeats")
-    settings = [Sampling(t, top_p, top_k) for t in temps]  # validates every setting before any work
+    settings = sampling_settings(temperatures, top_p, top_k, samples)
     if hasattr(target, "check_fits"):
         target.check_fits(draft.config, "the draft")
     hf = target_handles(target).hf
@@ -107,20 +103,10 @@ def evaluate_draft(
     usable = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
     notes = [f"path {x!r} skipped: a DFlash baseline draft has no candidate selector" for x in paths if x not in usable]
     drafters = {x: TorchDrafter(draft, x, head=draft_head) for x in usable}
-    if warmup:  # first calls pay for allocation and lazy init; keep them out of the timings
-        target_greedy(target, prompts[0], min(4, max_new_tokens), stop)
-        for drafter in drafters.values():
-            speculative_generate(target, drafter, prompts[0], min(4, max_new_tokens), stop)
-            if any(not st.greedy for st in settings):
-                speculative_generate(
-                    target, drafter, prompts[0], min(4, max_new_tokens), stop, temperature=1.0, seed=seed
-                )
+    if warmup:
+        _warm_up(target, drafters.values(), prompts[0], max_new_tokens, stop, settings, seed)
     if any(not st.greedy for st in settings):
-        notes.append(
-            "temperature > 0: outputs are samples, so losslessness is not checked token for token "
-            "(lossless: null); the loop's output law is proven equal to the target's in "
-            "tests/model/test_sampling.py"
-        )
+        notes.append(SAMPLED_NOTE)
 
     if oracle_top_k is None:
         oracle_top_k = default_oracle_top_k(draft)
@@ -159,7 +145,7 @@ def evaluate_draft(
             "draft_dtype": str(next(draft.parameters()).dtype).replace("torch.", ""),
         },
         "sampling": {
-            "temperatures": temps,
+            "temperatures": [st.temperature for st in settings],
             "top_p": top_p,
             "top_k": top_k,
             "seed": seed,
@@ -172,6 +158,230 @@ def evaluate_draft(
         "notes": notes,
     }
     return report
+
+
+SAMPLED_NOTE = (
+    "temperature > 0: outputs are samples, so losslessness is not checked token for token "
+    "(lossless: null); the loop's output law is proven equal to the target's in "
+    "tests/model/test_sampling.py"
+)
+
+
+def evaluate_block_sizes(
+    draft: DraftModel,
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    block_sizes: Sequence[int],
+    paths: Sequence[DraftPath] = PATHS,
+    stop_token_ids: Sequence[int] | None = None,
+    warmup: bool = True,
+    progress: bool = True,
+    temperatures: Sequence[float] = (0.0,),
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    samples: int = 1,
+    resamples: int = RESAMPLES,
+    draft_head: Head | None = None,
+) -> dict[str, Any]:
+    """τ and tokens/s of ``draft`` served at each of ``block_sizes`` (the loop's part of an eval report's
+    ``served_block_sizes``).
+
+    At block ``b`` the draft runs as an engine serving it at ``b`` runs it (:meth:`~dflash2_lightning.model.draft.DraftModel.at_block_size`):
+    ``[anchor, MASK x (b-1)]``, ``b - 1`` drafts per cycle, the target verifying ``b`` tokens. Every size is
+    measured on every prompt right after the target alone decoded it (sizes and paths interleaved, so a change in
+    the machine's load falls on all of them alike), with the seeds :func:`evaluate_draft` uses, and checked token
+    for token at T=0. Per temperature: the target alone, per size and path the measured figures with intervals
+    (:func:`measured_figures`), ``lossless``, and ``fastest``: per path the size with the most tokens/s and its
+    speed over the runner-up (paired over prompts). The top-level ``fastest`` is the fastest size and path at the
+    first temperature, with each engine's flag that serves it (:func:`~dflash2_lightning.engines.rules.served_block_flags`).
+    """
+    from tqdm.auto import tqdm
+
+    from dflash2_lightning.engines.rules import served_block_flags
+
+    check_inputs(prompts, max_new_tokens, None, "evaluate", resamples)
+    sizes = check_block_sizes(block_sizes, draft.config)
+    settings = sampling_settings(temperatures, top_p, top_k, samples)
+    if hasattr(target, "check_fits"):
+        target.check_fits(draft.config, "the draft")
+    draft = draft.to(target_handles(target).hf.device).eval()
+    stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
+    usable = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
+    drafters = {
+        b: {x: TorchDrafter(served, x, head=draft_head) for x in usable}
+        for b in sizes
+        for served in [draft.at_block_size(b)]
+    }
+    if warmup:
+        _warm_up(
+            target,
+            [d for ds in drafters.values() for d in ds.values()],
+            prompts[0],
+            max_new_tokens,
+            stop,
+            settings,
+            seed,
+        )
+    blocks: dict[str, Any] = {}
+    for ti, st in enumerate(settings):
+        references: list[list[GreedyResult]] = []
+        runs = {(b, x): PathRun([], None, []) for b in sizes for x in usable}
+        desc = "block sizes" + ("" if st.greedy else f" T={st.temperature:g}")
+        for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
+            references.append([])
+            for run in runs.values():
+                run.by_prompt.append([])
+            for j in range(samples if not st.greedy else 1):
+                ref = _target_run(target, prompt, max_new_tokens, stop, st, _run_seed(seed, ti, i, j, 0))
+                references[-1].append(ref)
+                for (b, x), run in runs.items():
+                    r = _speculative_run(
+                        target,
+                        drafters[b][x],
+                        prompt,
+                        max_new_tokens,
+                        stop,
+                        st,
+                        _run_seed(seed, ti, i, j, 1 + usable.index(x)),
+                    )
+                    run.by_prompt[-1].append(r)
+                    if st.greedy and r.tokens != ref.tokens:
+                        run.mismatched.append(i)
+        per_size: dict[str, Any] = {
+            str(b): {
+                "paths": {
+                    x: {
+                        **measured_figures(runs[b, x].by_prompt, references, resamples, seed),
+                        "lossless": not runs[b, x].mismatched if st.greedy else None,
+                        "mismatched_prompts": runs[b, x].mismatched,
+                    }
+                    for x in usable
+                }
+            }
+            for b in sizes
+        }
+        blocks[_temperature_key(st.temperature)] = {
+            "temperature": st.temperature,
+            "top_p": st.top_p,
+            "top_k": st.top_k,
+            "samples_per_prompt": samples if not st.greedy else 1,
+            "target_only": target_only(references),
+            "sizes": per_size,
+            "fastest": {x: _fastest_size({b: runs[b, x].by_prompt for b in sizes}, resamples, seed) for x in usable},
+        }
+    first = next(iter(blocks.values()))
+    best = max(
+        ((x, f) for x, f in first["fastest"].items() if f is not None),
+        key=lambda xf: xf[1]["tokens_per_second"],
+        default=None,
+    )
+    return {
+        "trained_block_size": draft.config.block_size,
+        "block_sizes": sizes,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "method": "the draft served at block b drafts b - 1 tokens per cycle from [anchor, MASK x (b-1)], its "
+        "convolution reset at that block's start (what vLLM's num_speculative_tokens = b - 1, SGLang's "
+        "--speculative-num-draft-tokens b and llama.cpp's --spec-draft-n-max b - 1 run); every size measured on "
+        "every prompt in turn, beside the target alone",
+        "temperatures": blocks,
+        "fastest": None
+        if best is None
+        else {
+            "temperature": first["temperature"],
+            "path": best[0],
+            **best[1],
+            "serve_with": served_block_flags(best[1]["block_size"]),
+        },
+        "notes": [SAMPLED_NOTE] if any(not st.greedy for st in settings) else [],
+    }
+
+
+def _fastest_size(by_size: dict[int, list[list[SpecResult]]], resamples: int, seed: int) -> dict[str, Any] | None:
+    """The size with the most tokens/s (``by_size``: each size's runs per prompt), its τ, and its speed over the
+    runner-up with a paired interval over prompts (None with one size); None when nothing was timed."""
+    from dflash2_lightning.intervals import paired_speed_ratio_interval
+
+    stats = {b: AcceptanceStats.from_results([r for rs in runs for r in rs]) for b, runs in by_size.items()}
+    timed = {b: s.tokens / s.seconds for b, s in stats.items() if s.seconds > 0}
+    if not timed:
+        return None
+    ranked = sorted(timed, key=lambda b: -timed[b])
+    best, runner_up = ranked[0], ranked[1] if len(ranked) > 1 else None
+
+    def per_prompt(b: int) -> tuple[list[int], list[float]]:
+        return [sum(len(r.tokens) for r in rs) for rs in by_size[b]], [sum(r.seconds for r in rs) for rs in by_size[b]]
+
+    return {
+        "block_size": best,
+        "tokens_per_second": timed[best],
+        "tau": stats[best].tau,
+        "runner_up": None
+        if runner_up is None
+        else {
+            "block_size": runner_up,
+            "tokens_per_second": timed[runner_up],
+            "speed_ratio": paired_speed_ratio_interval(
+                *per_prompt(best), *per_prompt(runner_up), resamples=resamples, seed=seed
+            ),
+        },
+    }
+
+
+def check_block_sizes(block_sizes: Sequence[int], config: DraftConfig) -> list[int]:
+    """The served block sizes to measure, ascending; a :class:`~dflash2_lightning.errors.ConfigError` unless each
+    is one the draft can be served at (:func:`~dflash2_lightning.engines.rules.served_block_sizes`), without repeats."""
+    from dflash2_lightning.engines.rules import served_block_sizes
+    from dflash2_lightning.errors import ConfigError
+
+    sizes = [int(b) for b in block_sizes]
+    if not sizes or len(set(sizes)) != len(sizes):
+        raise ConfigError(f"served_block_sizes={sizes} is invalid: give at least one size, without repeats")
+    allowed = served_block_sizes(config)
+    wrong = [b for b in sizes if b not in allowed]
+    if wrong:
+        floor = (
+            f"conv_kernel_size={config.conv_kernel_size} (the convolution's taps)"
+            if allowed[0] > 2
+            else "2 (the anchor and one draft)"
+        )
+        raise ConfigError(
+            f"served_block_sizes={sizes} is invalid: {wrong} outside {allowed[0]}..{allowed[-1]}; each must be at least "
+            f"{floor} and at most the trained block_size={config.block_size}"
+        )
+    return sorted(sizes)
+
+
+def sampling_settings(temperatures: Sequence[float], top_p: float, top_k: int, samples: int) -> list[Sampling]:
+    """The sampling settings of a measurement, each validated before any work (and ``samples`` >= 1)."""
+    from dflash2_lightning.errors import ConfigError
+
+    if samples < 1:
+        raise ConfigError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
+    temps = [float(t) for t in temperatures]
+    if not temps or len(set(temps)) != len(temps):
+        raise ConfigError(f"temperatures={temps} is invalid: need at least one, without repeats")
+    return [Sampling(t, top_p, top_k) for t in temps]
+
+
+def _warm_up(
+    target: Any,
+    drafters: Iterable[TorchDrafter],
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop: list[int],
+    settings: Sequence[Sampling],
+    seed: int,
+) -> None:
+    """A few tokens of every run kind: first calls pay for allocation and lazy init; keep them out of the timings."""
+    n = min(4, max_new_tokens)
+    target_greedy(target, prompt, n, stop)
+    for drafter in drafters:
+        speculative_generate(target, drafter, prompt, n, stop)
+        if any(not st.greedy for st in settings):
+            speculative_generate(target, drafter, prompt, n, stop, temperature=1.0, seed=seed)
 
 
 def check_inputs(
@@ -201,6 +411,33 @@ def _run_seed(seed: int, *parts: int) -> int:
     return int(np.random.SeedSequence([seed, *parts]).generate_state(1)[0])
 
 
+def _target_run(
+    target: Any, prompt: Sequence[int], max_new_tokens: int, stop: list[int], st: Sampling, seed: int
+) -> GreedyResult:
+    """The target alone on one prompt: greedy, or sampled at ``st`` from ``seed`` (the reference and the baseline)."""
+    if st.greedy:
+        return target_greedy(target, prompt, max_new_tokens, stop)
+    return target_sample(
+        target, prompt, max_new_tokens, stop, temperature=st.temperature, top_p=st.top_p, top_k=st.top_k, seed=seed
+    )
+
+
+def _speculative_run(
+    target: Any,
+    drafter: TorchDrafter,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop: list[int],
+    st: Sampling,
+    seed: int,
+) -> SpecResult:
+    """One speculative generation of one prompt at ``st`` (sampled from ``seed``), without its draft cache."""
+    sampled = {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k, "seed": seed}
+    result = speculative_generate(target, drafter, prompt, max_new_tokens, stop, **sampled)
+    result.context = None  # drop the cache: the report keeps only numbers
+    return result
+
+
 def _evaluate_at(
     draft: DraftModel,
     drafters: dict[DraftPath, TorchDrafter],
@@ -225,7 +462,6 @@ def _evaluate_at(
     from dflash2_lightning.train.metrics import SelectorHealth
 
     usable = list(drafters)
-    kw = {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k}
     references: list[list[GreedyResult]] = []
     runs = {
         x: PathRun([], EstimateStats.empty(draft.config.block_size, not st.greedy) if estimate else None, [])
@@ -240,22 +476,12 @@ def _evaluate_at(
         for x in usable:
             runs[x].by_prompt.append([])
         for j in range(samples):
-            ref = (
-                target_greedy(target, prompt, max_new_tokens, stop)
-                if st.greedy
-                else target_sample(target, prompt, max_new_tokens, stop, seed=_run_seed(seed, ti, i, j, 0), **kw)
-            )
+            ref = _target_run(target, prompt, max_new_tokens, stop, st, _run_seed(seed, ti, i, j, 0))
             refs.append(ref)
             for xi, x in enumerate(usable):
-                r = speculative_generate(
-                    target,
-                    drafters[x],
-                    prompt,
-                    max_new_tokens,
-                    stop,
-                    **({} if st.greedy else {"seed": _run_seed(seed, ti, i, j, 1 + xi), **kw}),
+                r = _speculative_run(
+                    target, drafters[x], prompt, max_new_tokens, stop, st, _run_seed(seed, ti, i, j, 1 + xi)
                 )
-                r.context = None  # drop the cache: the report keeps only numbers
                 runs[x].results.append(r)
                 runs[x].by_prompt[-1].append(r)
                 if st.greedy and r.tokens != ref.tokens:

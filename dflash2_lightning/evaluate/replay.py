@@ -161,6 +161,41 @@ def replay_report(
     return report
 
 
+def replay_block_sizes(
+    draft: DraftModel,
+    target: Any,
+    run: ReplayRun,
+    block_sizes: Sequence[int],
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The replay's part of an eval report's ``served_block_sizes``: the loop's cycles at each served block size
+    (:func:`~dflash2_lightning.evaluate.loop.evaluate_block_sizes`) replayed along ``run``'s greedy outputs (the
+    target decodes once; the draft at each size, :meth:`~dflash2_lightning.model.draft.DraftModel.at_block_size`,
+    replays them). Per size, each path's τ summary with its interval and the top-k oracle's."""
+    from dflash2_lightning.evaluate.loop import check_block_sizes
+
+    sizes = check_block_sizes(block_sizes, draft.config)
+    per_size: dict[str, Any] = {}
+    for b in sizes:
+        lengths = (
+            run.lengths
+            if b == draft.config.block_size  # the trained size: the run has replayed it already
+            else replay_cycles(draft.at_block_size(b), target, run.prompts, run.outputs, run.oracle_top_k, progress)[0]
+        )
+        per_size[str(b)] = {
+            "paths": {x: replay_summary(v, b, resamples, seed) for x, v in lengths.items() if x != "oracle"},
+            "oracle": {"top_k": run.oracle_top_k, **replay_summary(lengths["oracle"], b, resamples, seed)},
+        }
+    return {
+        "temperature": 0.0,
+        "prompts": len(run.prompts),
+        "generated_tokens": sum(len(o) for o in run.outputs),
+        "sizes": per_size,
+    }
+
+
 def replay_eval(
     draft: DraftModel,
     target: Any,

@@ -263,6 +263,66 @@ def replay_lines(replay: dict[str, Any] | None, indent: str = "") -> list[str]:
     return lines + category_lines(replay.get("categories"), indent)
 
 
+def block_size_lines(section: dict[str, Any] | None) -> list[str]:
+    """The served block sizes' lines of a summary (none without them): per temperature a line per size with each
+    path's τ, tokens/s and speed-up (95% intervals) and the fastest size; the replay's τ per size; the fastest
+    size overall with each engine's flag that serves it."""
+    if not section:
+        return []
+    lines = [
+        f"served block sizes {section['block_sizes']} (trained {section['trained_block_size']}), "
+        f"{section['prompts']} prompts:"
+    ]
+    for blk in section["temperatures"].values():
+        base = blk["target_only"]["tokens_per_second"]
+        lines.append(f"  T={blk['temperature']:g}" + (f"; target alone {base:.1f} tok/s" if base else ""))
+        for size, figures in blk["sizes"].items():
+            parts = []
+            for path, res in figures["paths"].items():
+                m, iv = res["measured"], res.get("interval") or {}
+                speed = (
+                    f", {m['tokens_per_second']:.1f}{interval_text(iv.get('tokens_per_second'))} tok/s "
+                    f"({res['speedup']:.2f}x{interval_text(iv.get('speedup'))})"
+                    if res["speedup"]
+                    else ""
+                )
+                lossy = ", NOT LOSSLESS" if res["lossless"] is False else ""
+                parts.append(f"{path} tau {m['tau']:.2f}{interval_text(iv.get('tau'))}{speed}{lossy}")
+            lines.append(f"    block {size:>2}: " + "; ".join(parts))
+        for path, best in blk["fastest"].items():
+            if best is None:
+                continue
+            runner = best["runner_up"]
+            over = (
+                f" ({runner['speed_ratio']['ratio']:.2f}x{interval_text(runner['speed_ratio']['interval'])} "
+                f"the tok/s of block {runner['block_size']})"
+                if runner and runner["speed_ratio"]["ratio"]
+                else ""
+            )
+            lines.append(f"    fastest {path}: block {best['block_size']}, {best['tokens_per_second']:.1f} tok/s{over}")
+    replay = section.get("replay")
+    if replay:
+        lines.append(f"  replay at T=0 on {replay['prompts']} prompts:")
+        for size, figures in replay["sizes"].items():
+            parts = [
+                f"{name} tau {r['tau']:.2f}{interval_text(r['interval'])}"
+                for name, r in [
+                    *figures["paths"].items(),
+                    (f"top-{figures['oracle']['top_k']} oracle", figures["oracle"]),
+                ]
+                if r["tau"] is not None
+            ]
+            lines.append(f"    block {size:>2}: " + "; ".join(parts))
+    best = section.get("fastest")
+    if best:
+        flags = "; ".join(f"{engine} {flag}" for engine, flag in best["serve_with"].items())
+        lines.append(
+            f"  fastest: block {best['block_size']} ({best['path']}, T={best['temperature']:g}, "
+            f"{best['tokens_per_second']:.1f} tok/s); serve it with {flags}"
+        )
+    return lines
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
     """Human-readable lines per temperature and path: τ with its 95% interval, per-position acceptance
     with intervals, the trainer's estimate, speed, losslessness."""
@@ -321,6 +381,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             "verifies with its full head)"
         )
     lines += replay_lines(report.get("replay"))
+    lines += block_size_lines(report.get("served_block_sizes"))
     if any("interval" in r for blk in blocks.values() for r in blk["paths"].values()):
         lines.append("[lo, hi]: 95% bootstrap interval over prompts")
     if report.get("llama.cpp"):

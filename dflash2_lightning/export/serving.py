@@ -29,6 +29,8 @@ from dflash2_lightning.engines.rules import (
     Finding,
     TargetInfo,
     engine_findings,
+    served_block_flags,
+    served_block_sizes,
     serving_commands,
 )
 from dflash2_lightning.files import atomic_write_text
@@ -139,6 +141,7 @@ def serving_markdown(
         ),
         "",
     ]
+    lines += served_block_section(cfg, draft, target.path or target.gguf or "TARGET")
     lines += [
         "## Checking a running deployment",
         "",
@@ -171,6 +174,46 @@ def serving_markdown(
         )
     lines += ["", "Re-run with `dflash2 check --draft <this directory> --target <target dir>`.", ""]
     return "\n".join(lines)
+
+
+def served_block_section(cfg: DraftConfig, draft: str, target: str) -> list[str]:
+    """SERVING.md's lines on serving the draft at a block smaller than the trained one: the sizes it can be served
+    at (:func:`~dflash2_lightning.engines.rules.served_block_sizes`), how to measure them, and each engine's flag
+    per size (:func:`~dflash2_lightning.engines.rules.served_block_flags`)."""
+    sizes = served_block_sizes(cfg)
+    bs = cfg.block_size
+    lines = [
+        "## Serving at a smaller block",
+        "",
+        f"The engines can serve this draft at any block from {sizes[0]} to {bs} tokens (anchor included). At block "
+        "b it drafts b - 1 tokens per step from `[anchor, MASK x (b-1)]`"
+        + (", its convolution reset at that block's start" if cfg.is_dflash2 else "")
+        + "; a smaller block verifies fewer tokens per step and drafts fewer that can be rejected, so on CPUs and "
+        "quantized targets it is often faster even though tau is lower. Measure tau and tokens/s at each size on "
+        "your machine first (docs/measuring-tau.md, section Served block sizes):",
+        "",
+        "```bash",
+        f"dflash2 eval --draft {_q(draft)} --target {_q(target)} --out eval-blocks \\",
+        f"  --served-block-sizes {' '.join(str(b) for b in sizes)} --replay-prompts 64",
+        "```",
+        "",
+        "`eval.json`'s `served_block_sizes.fastest` names the fastest size and the flag that serves it in each "
+        "engine. To serve at block b, change only that flag in the commands above:",
+        "",
+        "| served block | vLLM | SGLang | llama.cpp |",
+        "|---|---|---|---|",
+    ]
+    for b in sizes:
+        flags = served_block_flags(b)
+        label = f"{b} (trained)" if b == bs else str(b)
+        lines.append(f"| {label} | `{flags[VLLM]}` | `{flags[SGLANG]}` | `{flags[LLAMA_CPP]}` |")
+    return lines + [
+        "",
+        f"Not larger than {bs}: the draft never saw a wider block (llama.cpp clamps it to {bs - 1} drafts; vLLM and "
+        "SGLang run it off its training layout). `dflash2 check-serving` expects the trained block's tau: check a "
+        "deployment at the trained block, then change the flag.",
+        "",
+    ]
 
 
 def write_serving(

@@ -149,5 +149,22 @@ class DraftModel(nn.Module):
         # contiguous: a sliced [B, bs-1, H] view sends the head's matmul down a slow batched path on CPU.
         return self.propose(hidden[:, 1:].contiguous(), anchor, head)
 
+    def at_block_size(self, block_size: int) -> DraftModel:
+        """This draft served at another block size: the same weights, drafting ``block_size - 1`` tokens per step.
+
+        What an engine runs when told to serve a smaller block (vLLM's ``1 + num_speculative_tokens``, SGLang's
+        draft-token count, llama.cpp's ``--spec-draft-n-max + 1``): the block is ``[anchor, MASK x
+        (block_size-1)]`` and the convolution's taps stop at that block's start. No weight depends on the
+        block size, so the copy holds the same tensors' values; it is a new module (in the same dtype and on
+        the same device), this one is unchanged. The trained ``block_size`` returns ``self``.
+        """
+        if block_size == self.config.block_size:
+            return self
+        served = DraftModel(self.config.replace(block_size=block_size))  # validates conv_kernel_size <= block_size
+        reference = next(self.parameters())
+        served = served.to(device=reference.device, dtype=reference.dtype)
+        served.load_state_dict(self.state_dict(), strict=True)
+        return served.train(self.training)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

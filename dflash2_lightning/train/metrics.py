@@ -235,7 +235,8 @@ class SelectorHealth(Metric):
 
     def summary(self) -> dict[str, Any]:
         """The figures as plain lists (a report's ``selector_health``; index 0 is offset 1)."""
-        result = self.compute()
+        # reshape: torchmetrics squeezes a one-element result (block size 2) to a 0-d tensor.
+        result = {name: value.reshape(-1) for name, value in self.compute().items()}
         return {
             "reached": [int(x) for x in result["reached"]],
             **{name: [float(x) for x in result[name]] for name in ("recall", "picked", "passed_over")},

@@ -249,7 +249,7 @@ def test_serve_help_writes_commands_with_this_checkpoints_numbers(tiny_draft_con
     text = (draft / SERVING_NAME).read_text()
     arch = "DFlash2DraftModel" if projector == "dflash2" else "DFlashDraftModel"
     assert f"`{arch}`" in text
-    vllm, sglang, export, server, simple = commands(text)
+    vllm, sglang, export, server, simple, sweep = commands(text)
 
     assert vllm[:3] == ["vllm", "serve", str(target.resolve())] and flag(vllm, "--dtype") == "bfloat16"
     spec = json.loads(flag(vllm, "--speculative-config"))
@@ -268,6 +268,48 @@ def test_serve_help_writes_commands_with_this_checkpoints_numbers(tiny_draft_con
         assert flag(argv, "--spec-type") == "draft-dflash" and flag(argv, "--spec-draft-n-max") == "7"
     assert "no engine problem found" in text
     assert ("walks the candidate selector" in text) == (projector == "dflash2")
+
+    # Serving at a smaller block: the sweep that measures it, and each engine's flag at every size.
+    assert sweep[:2] == ["dflash2", "eval"] and flag(sweep, "--draft") == str(draft.resolve())
+    assert flag(sweep, "--target") == str(target.resolve())
+    sizes = sweep[sweep.index("--served-block-sizes") + 1 : sweep.index("--replay-prompts")]
+    assert sizes == [str(b) for b in range(2, 9)]
+    rows = served_block_rows(text)
+    assert list(rows) == list(range(2, 9))
+    for b, (v, sg, lc) in rows.items():
+        assert (v, sg, lc) == (
+            f'"num_speculative_tokens": {b - 1}',
+            f"--speculative-num-draft-tokens {b}",
+            f"--spec-draft-n-max {b - 1}",
+        )
+    # The trained size's row says what the commands above say.
+    assert rows[8] == (
+        f'"num_speculative_tokens": {spec["num_speculative_tokens"]}',
+        f"--speculative-num-draft-tokens {flag(sglang, '--speculative-num-draft-tokens')}",
+        f"--spec-draft-n-max {flag(server, '--spec-draft-n-max')}",
+    )
+
+
+def served_block_rows(text: str) -> dict[int, tuple[str, str, str]]:
+    """SERVING.md's table of served block sizes: per size, the vLLM, SGLang and llama.cpp settings."""
+    rows = {}
+    for line in text.split("## Serving at a smaller block", 1)[1].splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].split(" ")[0].isdigit():
+            rows[int(cells[0].split(" ")[0])] = (cells[1], cells[2], cells[3])
+    return rows
+
+
+def test_serving_md_serves_no_block_below_the_convolution(tiny_draft_config, tmp_path):
+    """A draft with a 3-tap convolution is served at blocks 3 .. trained; a DFlash draft (no convolution) from 2."""
+    from dflash2_lightning.engines.rules import served_block_sizes
+    from dflash2_lightning.export.serving import serving_markdown
+
+    wide = tiny_draft_config(block_size=6, conv_kernel_size=3)
+    assert served_block_sizes(wide) == [3, 4, 5, 6]
+    assert list(served_block_rows(serving_markdown(wide, tmp_path))) == [3, 4, 5, 6]
+    plain = tiny_draft_config(block_size=6, conv_kernel_size=3, projector_type="dflash")
+    assert list(served_block_rows(serving_markdown(plain, tmp_path))) == [2, 3, 4, 5, 6]
 
 
 def test_serve_help_takes_its_options_from_a_config_file(good, tmp_path, capsys):

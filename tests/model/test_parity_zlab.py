@@ -84,3 +84,32 @@ def test_zlab_sees_the_rope_base_we_export(tiny_draft_config, randomized_draft, 
         wrong = model(noise, positions[:, CONTEXT:], model.context_kv(features, positions[:, :CONTEXT]))
         theirs = ref(position_ids=positions, noise_embedding=noise, target_hidden=features)
     assert (wrong - theirs).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("served", [2, 3, 5])
+def test_served_at_a_smaller_block_matches_zlab_on_that_block(tiny_draft_config, randomized_draft, tmp_path, served):
+    """A draft trained at block 8 served at ``served`` (as vLLM's ``1 + num_speculative_tokens`` or llama.cpp's
+    ``--spec-draft-n-max + 1`` serve it) computes what z-lab's reference computes on the shorter block
+    ``[anchor, MASK x (served-1)]``: same weights, the convolution over that block only."""
+    model = randomized_draft(tiny_draft_config(block_size=8, conv_kernel_size=2), dtype=torch.float64)
+    ref = load_reference(model, tmp_path)
+    small = model.at_block_size(served)
+    assert small.config.block_size == served and model.config.block_size == 8  # the trained draft is unchanged
+    assert small.layers[0].attention_conv.block_size == served
+    features, trained_noise, trained_positions = layout(model.config)
+    noise, positions = trained_noise[:, :served], trained_positions[:, : CONTEXT + served]
+    head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False).double()
+    anchor = torch.tensor([5, 60])
+    with torch.no_grad():
+        ours = small(noise, positions[:, CONTEXT:], small.context_kv(features, positions[:, :CONTEXT]))
+        theirs = ref(position_ids=positions, noise_embedding=noise, target_hidden=features)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
+        tokens = small.propose(ours[:, 1:], anchor, head)
+        assert tokens.shape == (2, served - 1)
+        assert torch.equal(tokens, ref.propose(ours[:, 1:], anchor, head, 0.0)[0])
+        # Not the first served-1 drafts of the trained block: the masks after them change what the block computes.
+        trained = model(
+            trained_noise, trained_positions[:, CONTEXT:], model.context_kv(features, positions[:, :CONTEXT])
+        )
+        assert (trained[:, :served] - ours).abs().max() > 1e-6
+    assert small.at_block_size(served) is small and model.at_block_size(8) is model

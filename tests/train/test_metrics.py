@@ -116,6 +116,15 @@ def test_selector_health_counts_only_the_offsets_a_block_reached():
     assert result["picked"][0] == accept.compute()["accept"][0].item()  # the first offset is the acceptance
 
 
+def test_selector_health_of_a_two_token_block_is_a_list_of_one():
+    """Block size 2 (one draft per cycle, what a draft served at block 2 walks): one offset, still reported as lists."""
+    metric = SelectorHealth(block_size=2)
+    metric.update(torch.tensor([[T], [F], [F]]), torch.tensor([[T], [T], [F]]), torch.ones(3, 1, dtype=torch.bool))
+    result = metric.summary()
+    assert result["reached"] == [3] and result["recall"] == pytest.approx([2 / 3])
+    assert result["picked"] == pytest.approx([1 / 3]) and result["passed_over"] == pytest.approx([1 / 3])
+
+
 def test_selector_health_of_a_real_walk_that_passes_the_right_token_over():
     """The selector walks candidates (7, 3, 9) at each of three offsets; the transition scores make it pick 7
     first, then 9, then 3. The target wants 3 at offset 1 (among the candidates, passed over) in one block and

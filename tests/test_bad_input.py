@@ -53,7 +53,7 @@ def small_config(directory: Path, name: str = "fit.yaml", model: dict | None = N
     for key, value in (model or {}).items():  # an option group is merged into the config's, not replaced
         init_args = config["model"]["init_args"]
         init_args[key] = {**init_args.get(key, {}), **value} if isinstance(value, dict) else value
-    config["data"]["init_args"].update(data_args(max_samples=48, **data))
+    config["data"]["init_args"].update(data_args(**{"max_samples": 48, **data}))
     path = directory / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

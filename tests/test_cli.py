@@ -32,7 +32,7 @@ def small_config(tmp_path: Path, name: str = "tiny.yaml", **data) -> Path:
     for logger in trainer["logger"]:
         logger["init_args"]["save_dir"] = str(tmp_path / "runs")
     trainer["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
-    config["data"]["init_args"].update(data_args(max_samples=64, **data))
+    config["data"]["init_args"].update(data_args(**{"max_samples": 64, **data}))
     path = tmp_path / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

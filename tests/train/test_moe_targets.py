@@ -27,7 +27,7 @@ def test_fit_and_export_against_a_moe_target(tmp_path, monkeypatch, family, mode
     config["model"]["init_args"]["target"] = {"path": str(directory)}
     config["trainer"]["max_steps"] = 2
     if mode == "offline":
-        config["data"]["init_args"]["teacher_top_k"] = 8  # the distillation's teacher logits, cached
+        config["data"]["init_args"]["offline"]["teacher_top_k"] = 8  # the distillation's teacher logits, cached
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
     assert not cli.main(["fit", "--config", str(config_path), "--model.init_args.export.acceptance_prompts", "0"])

@@ -150,18 +150,53 @@ def paired_tau_ratio_interval(
 
     Returns ``{"ratio", "interval": [lo, hi], "level", "resamples", "seed", "unit": "prompt"}``.
     """
-    arrays = [np.asarray(x, dtype=np.float64) for x in (accepted, cycles, base_accepted, base_cycles)]
+    return _paired_quotient_ratio(
+        "paired_tau_ratio_interval", accepted, cycles, base_accepted, base_cycles, 1.0, resamples, level, seed
+    )
+
+
+def paired_rate_ratio_interval(
+    tokens: Sequence[float],
+    seconds: Sequence[float],
+    base_tokens: Sequence[float],
+    base_seconds: Sequence[float],
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """``tokens/s(ours) / tokens/s(base)``, each ``sum(tokens) / sum(seconds)`` over prompts, and its percentile
+    interval, prompts resampled *together* (two drafts' speculative runs of the same prompts: the speed ratio).
+
+    Returns ``{"ratio", "interval": [lo, hi], "level", "resamples", "seed", "unit": "prompt"}``.
+    """
+    return _paired_quotient_ratio(
+        "paired_rate_ratio_interval", tokens, seconds, base_tokens, base_seconds, 0.0, resamples, level, seed
+    )
+
+
+def _paired_quotient_ratio(
+    name: str,
+    numerator: Sequence[float],
+    denominator: Sequence[float],
+    base_numerator: Sequence[float],
+    base_denominator: Sequence[float],
+    offset: float,
+    resamples: int,
+    level: float,
+    seed: int,
+) -> dict[str, Any]:
+    """``(offset + sum(num) / sum(den)) / (offset + sum(base_num) / sum(base_den))`` over prompts, with the
+    percentile interval of the same ratio over resampled prompts (one resample for both sides)."""
+    arrays = [np.asarray(x, dtype=np.float64) for x in (numerator, denominator, base_numerator, base_denominator)]
     if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1 or arrays[0].size == 0:
-        raise ValueError(
-            f"paired_tau_ratio_interval needs four equal, non-empty per-prompt lists (got {[a.size for a in arrays]})"
-        )
+        raise ValueError(f"{name} needs four equal, non-empty per-prompt lists (got {[a.size for a in arrays]})")
     a, c, ba, bc = arrays
     weights = resample_weights(a.size, resamples, seed)
     with np.errstate(invalid="ignore", divide="ignore"):
-        ratios = (1.0 + (weights @ a) / (weights @ c)) / (1.0 + (weights @ ba) / (weights @ bc))
-    ratio = (1.0 + a.sum() / c.sum()) / (1.0 + ba.sum() / bc.sum()) if c.sum() and bc.sum() else None
+        ratios = (offset + (weights @ a) / (weights @ c)) / (offset + (weights @ ba) / (weights @ bc))
+    ratio = (offset + a.sum() / c.sum()) / (offset + ba.sum() / bc.sum()) if c.sum() and bc.sum() else None
     return {
-        "ratio": float(ratio) if ratio is not None else None,
+        "ratio": float(ratio) if ratio is not None and np.isfinite(ratio) else None,
         "interval": percentile_bounds(ratios, level),
         "level": level,
         "resamples": resamples,

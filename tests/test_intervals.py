@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash2_lightning.intervals import bootstrap_intervals, paired_ratio_interval, paired_tau_ratio_interval
+from dflash2_lightning.intervals import (
+    bootstrap_intervals,
+    paired_rate_ratio_interval,
+    paired_ratio_interval,
+    paired_tau_ratio_interval,
+)
 
 
 def _prompts(n: int, seed: int) -> tuple[list[list[int]], list[float], list[float]]:
@@ -84,3 +89,20 @@ def test_paired_tau_ratio_interval():
     with pytest.raises(ValueError, match="four equal, non-empty"):
         paired_tau_ratio_interval([1, 2], [3, 4], [1], [3])
     assert bootstrap_intervals([[2, 1, 0, 1]], resamples=5)["tokens_per_second"] is None  # no timings given
+
+
+def test_paired_rate_ratio_interval():
+    """tokens/s of B over A's, prompts resampled together: the same seconds give [1, 1]; B twice as fast on every
+    prompt gives exactly 2 in every resample; a ratio of pooled rates, not a mean of per-prompt ratios."""
+    tokens, seconds = [40, 48, 12, 30], [2.0, 3.0, 0.5, 1.5]
+    same = paired_rate_ratio_interval(tokens, seconds, tokens, seconds)
+    assert same["ratio"] == 1.0 and same["interval"] == [1.0, 1.0]
+    twice = paired_rate_ratio_interval(tokens, [s / 2 for s in seconds], tokens, seconds)
+    assert twice["ratio"] == pytest.approx(2.0) and twice["interval"] == pytest.approx([2.0, 2.0])
+    faster_on_one = [2.0, 3.0, 0.25, 1.5]  # only the short prompt is faster
+    r = paired_rate_ratio_interval(tokens, faster_on_one, tokens, seconds)
+    assert r["ratio"] == pytest.approx((sum(tokens) / sum(faster_on_one)) / (sum(tokens) / sum(seconds)))
+    lo, hi = r["interval"]
+    assert 1.0 <= lo <= r["ratio"] <= hi
+    with pytest.raises(ValueError, match="paired_rate_ratio_interval needs four equal"):
+        paired_rate_ratio_interval([1, 2], [1.0, 1.0], [1], [1.0])

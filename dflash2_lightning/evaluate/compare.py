@@ -223,6 +223,12 @@ def run_compare(
             "the speed ratio is only as steady as the machine's load between the two runs (machine.*.load_average_*)"
         ],
     }
+    untrusted = [side for side, r in zip("ab", reports) if not r["machine"].get("timing_trusted", True)]
+    if untrusted:
+        result["notes"].append(
+            f"speed ratio NOT trustworthy: other processes loaded the machine during the run of {' and '.join(untrusted)}"
+            " (see its eval.json notes); the tau ratios are unaffected"
+        )
     atomic_write_text(out / COMPARE_FILE, json.dumps(result, indent=2) + "\n")
     return result
 
@@ -260,7 +266,7 @@ def compare_lines(result: dict[str, Any]) -> list[str]:
             for name, figures in (entry.get("categories") or {}).items():
                 lines.append(_row_text(f"    {name + ' (' + str(figures['prompts']) + ')':>{width}}", figures))
     lines.append("B/A [lo, hi]: ratio with its 95% bootstrap interval, prompts resampled together for both drafters")
-    return lines
+    return lines + [f"note: {note}" for note in result.get("notes", []) if note.startswith("speed ratio NOT")]
 
 
 COMPARE_DESCRIPTION = (

@@ -67,6 +67,11 @@ ACTIONS: dict[str, Action] = {
         "write DRAFT/acceptance.json: the tau a draft earns at T=0 on held-out prompts",
         "dflash2_lightning.evaluate.record:RecordOptions",
     ),
+    "compare": Action(
+        "dflash2_lightning.evaluate.compare:compare_main",
+        "two drafters for one target on the same prompts: B's tau and speed over A's, paired intervals",
+        "dflash2_lightning.evaluate.compare:CompareOptions",
+    ),
     "check": Action(
         "dflash2_lightning.export.serving:check_main",
         "check a draft checkpoint against what vLLM, SGLang and llama.cpp expect",

@@ -5,7 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash2_lightning.intervals import bootstrap_intervals, paired_ratio_interval, paired_tau_ratio_interval
+from dflash2_lightning.intervals import (
+    bootstrap_intervals,
+    paired_ratio_interval,
+    paired_tau_ratio_interval,
+)
 
 
 def _prompts(n: int, seed: int) -> tuple[list[list[int]], list[float], list[float]]:

@@ -24,7 +24,7 @@ from dflash2_lightning.decode.drafter import DraftPath
 from dflash2_lightning.errors import bounded
 from dflash2_lightning.evaluate.llama_cpp import EngineOptions
 from dflash2_lightning.evaluate.loop import check_block_sizes, evaluate_block_sizes, evaluate_draft
-from dflash2_lightning.evaluate.options import DraftOptions, MeasureOptions, PromptOptions, SamplingOptions
+from dflash2_lightning.evaluate.options import DraftOptions, LoopOptions
 from dflash2_lightning.evaluate.replay import replay_block_sizes, replay_report, run_replay
 from dflash2_lightning.evaluate.report import plot_eval, summary_lines
 from dflash2_lightning.evaluate.teacher_forced import ORACLE_TOP_K, PATHS
@@ -249,6 +249,9 @@ def run_eval(
             "questions": prompt_set.records,
             "turns": available,
             "measured_per_category": dict(Counter(categories[:measured])) if categories is not None else {},
+            # one per turn measured or replayed, in order (the loop's are the first `prompts`, the replay's the
+            # first `replay.prompts`): what a per-category comparison of two reports slices by
+            "categories": categories,
         }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -293,7 +296,7 @@ def _describe(target: Any) -> Any:
 
 
 @dataclass(kw_only=True)
-class EvalOptions(DraftOptions, TargetOptions, PromptOptions, SamplingOptions, MeasureOptions, EngineOptions):
+class EvalOptions(DraftOptions, TargetOptions, LoopOptions, EngineOptions):
     """``dflash2 eval``'s options: the shared measuring groups (:mod:`dflash2_lightning.evaluate.options`), the
     target, llama.cpp's, and these."""
 
@@ -340,27 +343,13 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     report = run_eval(
         opts.draft,
         opts.target_spec(),
-        opts.prompts,
-        opts.out,
-        opts.max_new_tokens,
-        opts.paths,
-        opts.max_prompts,
-        opts.estimate,
-        opts.progress,
-        temperatures=opts.temperatures,
-        top_p=opts.top_p,
-        top_k=opts.top_k,
-        seed=opts.seed,
-        samples=opts.samples,
-        resamples=opts.resamples,
+        out_dir=opts.out,
+        estimate=opts.estimate,
         llama_cpp=opts.llama_cpp_options(),
         oracle_top_k=opts.oracle_top_k,
-        replay_prompts=opts.replay_prompts,
-        replay_max_new_tokens=opts.replay_max_new_tokens,
-        draft_vocab=opts.draft_vocab,
         acceptance_record=opts.acceptance_record,
-        prompt_overflow=opts.prompt_overflow,
         served_block_sizes=opts.served_block_sizes or None,
+        **opts.run_eval_arguments(),
     )
     print("\n".join(summary_lines(report)))
     if report.get("acceptance_record"):

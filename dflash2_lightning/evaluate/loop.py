@@ -513,6 +513,7 @@ def _evaluate_at(
             "lossless": not run.mismatched if st.greedy else None,
             "mismatched_prompts": run.mismatched,
             "per_prompt_accepted": [int(sum(sum(r.accepted) for r in rs)) for rs in run.by_prompt],
+            "per_prompt": per_prompt_figures(run.by_prompt),
         }
     if "selector" in block["paths"]:
         block["paths"]["selector"]["selector_health"] = (
@@ -564,6 +565,19 @@ def target_only(references: Sequence[Sequence[GreedyResult]]) -> dict[str, Any]:
     tokens = sum(len(r.tokens) for refs in references for r in refs)
     seconds = sum(r.seconds for refs in references for r in refs)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds if seconds > 0 else None}
+
+
+def per_prompt_figures(by_prompt: Sequence[Sequence[SpecResult]]) -> dict[str, list[Any]]:
+    """Per prompt (its runs pooled), what τ and tokens/s are pooled from: the untruncated cycles
+    (``full_cycles``), the drafts they accepted (``full_accepted``; τ = 1 + their sums' ratio), the tokens
+    generated and the seconds taken. What a paired comparison of two drafts resamples (``dflash2 compare``)."""
+    stats = [AcceptanceStats.from_results(rs) for rs in by_prompt]
+    return {
+        "full_cycles": [s.full_cycles for s in stats],
+        "full_accepted": [sum(a * n for a, n in enumerate(s.histogram)) for s in stats],
+        "tokens": [s.tokens for s in stats],
+        "seconds": [s.seconds for s in stats],
+    }
 
 
 def measured_figures(

@@ -4,14 +4,16 @@
 these groups by inheritance, so a flag means the same thing, with the same bounds and help, in every action that
 takes it::
 
-    DraftOptions, PromptFitOptions, TargetOptions   -> RecordOptions   (acceptance-record)
-    + PromptOptions, SamplingOptions, MeasureOptions -> EvalOptions     (eval; + its own: --out, estimate, llama.cpp)
-    + the same groups, two drafts                    -> CompareOptions  (compare)
+    DraftOptions, PromptFitOptions, TargetOptions    -> RecordOptions   (acceptance-record)
+    PromptOptions + SamplingOptions + MeasureOptions = LoopOptions (what run_eval takes besides draft, target, out)
+    DraftOptions, TargetOptions, LoopOptions          -> EvalOptions     (eval; + its own: --out, estimate, llama.cpp)
+    TargetOptions, LoopOptions, two drafts            -> CompareOptions  (compare)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from dflash2_lightning.action_options import REQUIRED, option
 from dflash2_lightning.data.prompts import PROMPT_OVERFLOW_HELP, PromptOverflow
@@ -118,3 +120,28 @@ class MeasureOptions:
         from dflash2_lightning.threads import auto_threads
 
         torch.set_num_threads(auto_threads(torch.get_num_threads()) if self.threads == "auto" else int(self.threads))
+
+
+@dataclass(kw_only=True)
+class LoopOptions(PromptOptions, SamplingOptions, MeasureOptions):
+    """The speculative loop's and the replay's settings together: ``dflash2 eval``'s and ``dflash2 compare``'s."""
+
+    def run_eval_arguments(self) -> dict[str, Any]:
+        """These settings as :func:`~dflash2_lightning.evaluate.command.run_eval`'s keyword arguments."""
+        return {
+            "prompts_file": self.prompts,
+            "max_new_tokens": self.max_new_tokens,
+            "max_prompts": self.max_prompts,
+            "prompt_overflow": self.prompt_overflow,
+            "temperatures": self.temperatures,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "samples": self.samples,
+            "paths": self.paths,
+            "resamples": self.resamples,
+            "replay_prompts": self.replay_prompts,
+            "replay_max_new_tokens": self.replay_max_new_tokens,
+            "draft_vocab": self.draft_vocab,
+            "progress": self.progress,
+        }

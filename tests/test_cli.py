@@ -267,6 +267,11 @@ def test_a_setting_outside_its_group_names_the_group(tmp_path, argv, capsys):
     assert "selector_rank" in err and "did you mean draft.selector_rank?" in err, err
     assert cli.main(["fit", "--config", str(TINY), "--model.init_args.lr", "0.1"]) == 2
     assert "did you mean optimizer.lr?" in capsys.readouterr().err
+    # the data module's offline settings are a group too; a name two groups share names both
+    assert cli.main(["fit", "--config", str(TINY), "--data.init_args.teacher_top_k", "8"]) == 2
+    assert "did you mean offline.teacher_top_k?" in capsys.readouterr().err
+    assert cli.main(["fit", "--config", str(TINY), "--data.init_args.cache_dir", "x"]) == 2
+    assert "did you mean target.cache_dir or offline.cache_dir?" in capsys.readouterr().err
 
 
 def test_a_truncated_checkpoint_named_explicitly_is_refused_as_last_refuses_it(tmp_path, argv, capsys):

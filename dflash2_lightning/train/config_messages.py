@@ -103,8 +103,13 @@ def _closest_setting(key: str, cls: Any) -> str | None:
     direct = _closest(key.split(".")[0], parameters(cls))
     if direct is not None:
         return direct
-    for group, fields in group_fields(cls).items():
-        field = _closest(key.split(".")[-1], fields)
+    leaf = key.split(".")[-1]
+    groups = group_fields(cls)
+    exact = [f"{group}.{leaf}" for group, fields in groups.items() if leaf in fields]
+    if exact:  # a name two groups share (target.cache_dir, offline.cache_dir): name them all
+        return " or ".join(exact)
+    for group, fields in groups.items():
+        field = _closest(leaf, fields)
         if field is not None:
             return f"{group}.{field}"
     return None

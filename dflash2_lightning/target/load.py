@@ -76,7 +76,7 @@ def build_target(spec: TargetSpec) -> Target:
         hf = hf.to(dtype)
     else:
         directory = hf_dir_of(spec)
-        hf, tok = _load_hf_dir(directory, dtype, sharded=spec.shard == "fsdp")
+        hf, tok = _load_hf_dir(directory, dtype, sharded=spec.shard == "fsdp", shard_size=spec.shard_size)
     return Target(hf.eval(), tok, spec)
 
 
@@ -93,13 +93,15 @@ def hf_dir_of(spec: TargetSpec) -> Path:
     return convert_gguf(resolve_gguf(spec.gguf or ""), Path(spec.cache_dir) if spec.cache_dir else None)
 
 
-def _load_hf_dir(directory: Path, dtype: torch.dtype, sharded: bool) -> tuple[nn.Module, Any]:
+def _load_hf_dir(
+    directory: Path, dtype: torch.dtype, sharded: bool, shard_size: int | None = None
+) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = target_config(directory)  # a broken config.json is refused before any layer is built
     try:
         if sharded:
-            hf = load_sharded_hf(directory, config, dtype)
+            hf = load_sharded_hf(directory, config, dtype, shard_size)
         else:
             hf = AutoModelForCausalLM.from_pretrained(str(directory), config=config, dtype=dtype, local_files_only=True)
     except OSError as error:

@@ -71,18 +71,62 @@ def check_shard_devices(devices: Any) -> None:
         )
 
 
-def load_sharded_hf(directory: Path, config: Any, dtype: torch.dtype) -> nn.Module:
-    """The causal LM of ``directory``, each decoder layer sharded over the job's processes (FSDP2), each process
-    reading only its own slices; frozen. A collective: every process of the job calls it."""
+def check_shard_size(shard_size: int | None, devices: Any, num_nodes: Any) -> None:
+    """Refuse, before launch, a ``TargetSpec.shard_size`` that does not divide the job's processes
+    (``trainer.devices`` per node x ``trainer.num_nodes``), where the config says how many there are."""
+    if shard_size is None:
+        return
+    if isinstance(devices, bool):
+        return
+    if isinstance(devices, int) and devices > 0:
+        per_node = devices
+    elif isinstance(devices, (list, tuple)):
+        per_node = len(devices)
+    elif isinstance(devices, str) and devices.strip().isdigit():
+        per_node = int(devices)
+    elif isinstance(devices, str) and "," in devices:
+        per_node = len([d for d in devices.split(",") if d.strip()])
+    else:
+        return  # "auto" / -1: counted when the job starts (shard_groups refuses it there)
+    shard_groups(per_node * (int(num_nodes) if isinstance(num_nodes, int) and num_nodes > 0 else 1), shard_size)
+
+
+def shard_groups(world: int, shard_size: int | None) -> tuple[int, int]:
+    """``(processes a copy is sharded over, copies)`` for ``world`` processes and ``TargetSpec.shard_size``; a
+    :class:`TargetError` when ``shard_size`` does not divide ``world``."""
+    size = world if shard_size is None else shard_size
+    if size > world or world % size:
+        raise TargetError(
+            f"TargetSpec.shard_size={shard_size} does not divide the job's {world} processes: give the processes of "
+            f"one node (trainer.devices), a divisor of {world}, or null for one group of all {world}"
+        )
+    return size, world // size
+
+
+def load_sharded_hf(directory: Path, config: Any, dtype: torch.dtype, shard_size: int | None = None) -> nn.Module:
+    """The causal LM of ``directory``, each decoder layer sharded over ``shard_size`` processes (FSDP2; every
+    process of the job when None) and replicated across the groups of them (HSDP), each process reading only its
+    own slices; frozen. A collective: every process of the job calls it."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    world = shard_world()
+    size, copies = shard_groups(shard_world(), shard_size)
     fields = {f.name for f in dataclasses.fields(DistributedConfig)}
+    groups: dict[str, Any] = {"fsdp_size": size}  # dp_replicate_size only where there are copies (HSDP)
+    if copies > 1:
+        if "dp_replicate_size" not in fields:
+            import transformers
+
+            raise TargetError(
+                f"TargetSpec.shard_size={shard_size} (a copy of the target per group of {size} processes) needs "
+                f"transformers' HSDP loading (DistributedConfig.dp_replicate_size), which transformers "
+                f"{transformers.__version__} lacks: upgrade transformers, or drop shard_size (one group of all)"
+            )
+        groups["dp_replicate_size"] = copies
     if "fsdp_plan" in fields:
-        distributed = DistributedConfig(fsdp_size=world, fsdp_plan=dict(_ENDS_PLAN))
+        distributed = DistributedConfig(**groups, fsdp_plan=dict(_ENDS_PLAN))
     else:  # older transformers (5.17) take no plan: their default one keeps the norm and head whole after use
-        distributed = DistributedConfig(fsdp_size=world)
+        distributed = DistributedConfig(**groups)
     hf = AutoModelForCausalLM.from_pretrained(
         str(directory), config=config, dtype=dtype, local_files_only=True, distributed_config=distributed
     )

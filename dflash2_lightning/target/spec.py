@@ -48,6 +48,10 @@ class TargetSpec:
             all of it) or ``fsdp`` (FSDP2 shards of each decoder layer, every process reading only its own
             from the checkpoint, gathered layer by layer as the forward runs;
             :mod:`dflash2_lightning.target.shard`). Needs a ``path`` or ``gguf`` target and a process group.
+        shard_size: with ``shard: fsdp``, the processes one copy of the target is sharded over (HSDP): the job's
+            processes form groups of ``shard_size`` (one node's GPUs: ``trainer.devices``), each holding the whole
+            target in shards, so a forward gathers layers within a node and never across nodes. ``None`` (default):
+            one group of every process of the job. Must divide the job's process count.
     """
 
     path: str | None = None
@@ -58,6 +62,7 @@ class TargetSpec:
     cache_dir: str | None = None
     cpu_linear: CpuLinear = "auto"
     shard: Shard = "none"
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("path", "gguf", "tiny") if getattr(self, name) is not None]
@@ -78,13 +83,20 @@ class TargetSpec:
                 f"TargetSpec.shard={self.shard!r} is invalid for a {given[0]} target: must be one of "
                 f"{', '.join(SHARD_CHOICES)}, and fsdp needs a path or gguf target (a tiny one is built whole)"
             )
+        if self.shard_size is not None and (
+            self.shard != "fsdp" or not isinstance(self.shard_size, int) or self.shard_size < 1
+        ):
+            raise TargetError(
+                f"TargetSpec.shard_size={self.shard_size!r} is invalid: must be an integer >= 1 with shard: fsdp "
+                f"(shard is {self.shard!r}), or null for one shard group of every process"
+            )
 
     def key(self) -> str:
         """A canonical string for this spec (the memoisation key of :func:`load_target`, and what run logs
-        record as the target). ``cpu_linear`` and ``shard`` appear only when they are not their defaults
-        (``auto``, ``none``): keys written before those fields existed stay valid."""
+        record as the target). ``cpu_linear``, ``shard`` and ``shard_size`` appear only when they are not their
+        defaults (``auto``, ``none``, None): keys written before those fields existed stay valid."""
         fields = dataclasses.asdict(self)
-        for name, default in (("cpu_linear", "auto"), ("shard", "none")):
+        for name, default in (("cpu_linear", "auto"), ("shard", "none"), ("shard_size", None)):
             if fields[name] == default:
                 del fields[name]
         return json.dumps(fields, sort_keys=True, default=str)

@@ -68,7 +68,7 @@ from dflash2_lightning.data.datamodule import DraftDataModule
 from dflash2_lightning.data.records import DataError
 from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.reporting import run_command
-from dflash2_lightning.target.shard import check_shard_devices
+from dflash2_lightning.target.shard import check_shard_devices, check_shard_size
 from dflash2_lightning.train.launcher import WatchedLauncher, install_launcher
 from dflash2_lightning.train.module import MISSING_TARGET, DFlash2Module
 from dflash2_lightning.train.plan import PlanOptions
@@ -246,6 +246,11 @@ def precheck(config: Any, data_files: bool = True) -> None:
                 raise DataError(f"data.init_args.{key}: {path} is not readable (permission denied)")
     if _config_value(config, "model.init_args.target.shard") == "fsdp":
         check_shard_devices(_config_value(config, "trainer.devices"))
+        check_shard_size(
+            _config_value(config, "model.init_args.target.shard_size"),
+            _config_value(config, "trainer.devices"),
+            _config_value(config, "trainer.num_nodes"),
+        )
     token_loss = _config_value(config, "model.init_args.objective.token_loss")
     mode = _config_value(config, "data.init_args.mode")
     top_k = _config_value(config, "data.init_args.offline.teacher_top_k") or 0

@@ -242,6 +242,7 @@ class TargetSize:
     experts: RoutedExperts | None = None  # a mixture-of-experts target's routed experts (None: dense)
     largest_layer: int = 0  # parameters of its largest decoder layer (all experts of a MoE layer)
     shard: str = "none"  # TargetSpec.shard: "fsdp" divides its weights over the job's devices
+    shard_size: int | None = None  # TargetSpec.shard_size: the devices one copy is divided over (None: all)
 
     @property
     def active_parameters(self) -> int:
@@ -277,6 +278,7 @@ def target_size(spec: TargetSpec) -> TargetSize:
         experts=routed_experts(model, config),
         largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in decoder_and_layers(model)[1]),
         shard=spec.shard,
+        shard_size=spec.shard_size,
     )
 
 
@@ -776,15 +778,18 @@ def cache_build_items(run: RunSetup) -> list[Item]:
 
 
 def sharded_target_items(tgt: TargetSize, world: int) -> list[Item]:
-    """A target sharded over the job's ``world`` devices (``target.shard: fsdp``): each holds its share of every
-    weight, whole copies of the embedding and head (the draft calls them on its own), and while the target runs
-    the decoder layer being computed and the next one gathered whole."""
+    """A target sharded over the job's ``world`` devices (``target.shard: fsdp``), or over groups of
+    ``target.shard_size`` of them (HSDP): each holds its share of every weight, whole copies of the embedding and
+    head (the draft calls them on its own), and while the target runs the decoder layer being computed and the
+    next one gathered whole."""
     t = tgt.dtype_bytes
+    group = min(world, tgt.shard_size or world)
+    over = f"{group} devices" + (f" (a copy per {group} of the {world})" if group < world else "")
     return [
         Item(
             "frozen target, sharded",
-            -(-tgt.parameters // world) * t,
-            f"{tgt.describe_parameters()} x {t} B / {world} devices (target.shard fsdp)",
+            -(-tgt.parameters // group) * t,
+            f"{tgt.describe_parameters()} x {t} B / {over} (target.shard fsdp)",
         ),
         Item("target embedding + head, whole", (tgt.embedding + tgt.head) * t, "copies the draft calls"),
         Item("target layers gathered", 2 * tgt.largest_layer * t, "the running decoder layer and the next, whole"),

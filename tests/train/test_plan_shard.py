@@ -60,3 +60,10 @@ def test_the_shipped_235b_recipe_fits_one_node_of_8_x_141_gb_and_two(tmp_path):
     name = "frozen target, sharded"
     assert abs(figure(two_nodes, name) - figure(one_node, name) / 2) < 0.05 * GB
     assert figure(two_nodes, "peak (estimate)") < figure(one_node, "peak (estimate)") < 0.92 * 141 * GB
+    # HSDP: a copy of the target per node (shard_size 8), sharded within it: each device holds what one node's does
+    code, per_node, err = run_plan(*args, "--trainer.num_nodes", "2", "--model.init_args.target.shard_size", "8")
+    assert code == 0, per_node + err
+    assert "/ 8 devices (a copy per 8 of the 16) (target.shard fsdp)" in per_node
+    assert abs(figure(per_node, name) - figure(one_node, name)) < 0.05 * GB
+    code, out, err = run_plan(*args, "--trainer.num_nodes", "2", "--model.init_args.target.shard_size", "6")
+    assert code == 2 and "shard_size=6 does not divide the job's 16 processes" in err, out + err

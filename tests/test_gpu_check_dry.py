@@ -48,7 +48,7 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "4 passed" in done.stdout, done.stdout[-2000:]
+    assert "5 passed" in done.stdout, done.stdout[-2000:]
     versions = json.loads(re.search(r"^gpu_check: running with (\{.*\})$", done.stdout, re.MULTILINE).group(1))
     assert versions["torch"] and versions["jsonargparse"] and versions["python"]  # what it ran with, printed
     assert "-m gpu_dry_run" in done.stdout and "training_step: passed" in done.stdout
@@ -58,7 +58,7 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
     assert {"torch", "triton", "cuda", "device", "python"} <= set(data)
     assert data["device"] is None  # no GPU figures pretend to come from a device
     checks = data["checks"]
-    assert set(checks) == {"training_step", "feature_capture", "drafting_latency", "fit_resume"}
+    assert set(checks) == {"training_step", "feature_capture", "drafting_latency", "fit_resume", "sharded_target"}
     assert all(c["passed"] is True and c["in_progress"] is False for c in checks.values()), checks
 
     step = checks["training_step"]
@@ -90,6 +90,10 @@ def test_the_gpu_check_runs_on_cpu_in_dry_mode_and_writes_its_record(tmp_path: P
         "equals_last_checkpoint": True,
     }
     assert fit["fsdp"]["ran"] is False and "requires a GPU accelerator" in fit["fsdp"]["reason"]  # said, not silent
+
+    sharded = checks["sharded_target"]  # two gloo processes in the dry run; NCCL and memory on two GPUs
+    assert sharded["bitwise_equal"] is True and sharded["backend"] == "gloo" and sharded["processes"] == 2
+    assert sharded["held_gib"] is None and sharded["planned_resident_gib"] > 0
 
 
 @pytest.mark.parametrize(

@@ -159,6 +159,13 @@ class ServedTau(pl.Callback):
         check_llama_cpp_limits(cfg)
         # The prompts and their token budget must fit the target's context (a tokenisation).
         record_prompts(load_geometry(spec), None, self.prompts, self.max_new_tokens, budget=f"{_OPTION}.max_new_tokens")
+        try:
+            import gguf  # noqa: F401  (the draft's GGUF export and the target GGUF's vocabulary check read it)
+        except ModuleNotFoundError:
+            raise ConfigError(
+                f"served tau ({CLASS_PATH} in trainer.callbacks) exports the draft to GGUF, which needs the gguf "
+                "package, not installed here: pip install 'dflash2-lightning[gguf]' (or take the callback out)"
+            ) from None
         found: str | Path | None = None
         if trainer.is_global_zero:
             try:

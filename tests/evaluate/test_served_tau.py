@@ -122,9 +122,25 @@ def test_a_target_that_is_not_a_gguf_is_refused_before_the_fit_trains(tmp_path):
     assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()
 
 
+def test_without_the_gguf_package_the_callback_is_refused_before_the_fit_trains(tmp_path):
+    """Where gguf is not installed (the GPU machine's packages), one line naming the extra, not an internal error."""
+    llama_cpp_or_skip()
+    shadow = tmp_path / "no-gguf"
+    shadow.mkdir()
+    (shadow / "gguf.py").write_text("raise ModuleNotFoundError(\"No module named 'gguf'\", name='gguf')\n")
+    config = with_served_tau(tiny_config(tmp_path), target_gguf=str(tmp_path / "target.gguf"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "dflash2_lightning", "fit", "--config", str(config)]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=3600)
+    assert_user_error(done, "served tau", "needs the gguf package", "dflash2-lightning[gguf]")
+    assert not (tmp_path / "runs" / "tiny" / "default" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("kind", ["garbage", "another-vocabulary"])
 def test_a_target_gguf_path_that_is_not_the_targets_is_refused_before_the_fit_trains(tmp_path, kind):
     llama_cpp_or_skip()
+    pytest.importorskip("gguf", reason="reading a GGUF needs the gguf package (the callback refuses without it)")
     path = tmp_path / f"{kind}.gguf"
     if kind == "garbage":
         path.write_bytes(b"not a gguf file at all")

@@ -1,4 +1,9 @@
-"""Bad input and faults, through the installed entry points (``dflash2 ...``, ``python export/to_onnx.py``).
+"""Bad input and faults, through the entry points (``dflash2 ...``, ``python export/to_onnx.py``).
+
+A refusal runs in this process (:func:`refused_here`, :mod:`cli_helpers`); what needs a process of its own runs the
+installed script (:func:`run`): the trainings, ``--debug``'s traceback, signals, the warnings a user sees, and
+one refusal per kind of action, so the real exit status and stderr stay covered. A new interpreter costs
+~5 s of imports on 2 cores, which 60 refusals paid before.
 
 Every case asserts the exit status (2: the user's mistake), that stderr is short, carries one
 ``dflash2: error:`` line naming the file / field / value and no traceback, and that nothing already
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_helpers import run_here
 from llamacpp_helpers import vocab_gguf
 from module_helpers import data_args
 
@@ -85,6 +91,11 @@ def run(
     return subprocess.run(
         command(args, script), cwd=cwd, env=environment(cache, **env), capture_output=True, text=True, timeout=600
     )
+
+
+def refused_here(args: list[str], cwd: Path, cache: Path) -> subprocess.CompletedProcess:
+    """``dflash2 ARGS`` in this process with :func:`run`'s environment: for the cases refused before anything runs."""
+    return run_here(args, cwd, {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DFLASH2_CACHE": str(cache)})
 
 
 def snapshot(*roots: Path) -> dict[str, str]:
@@ -167,7 +178,7 @@ def untouched(base):
     ],
 )
 def test_fit_config_errors(tmp_path, base, untouched, override, needles):
-    done = run(["fit", "--config", str(small_config(tmp_path)), *override], tmp_path, base["cache"])
+    done = refused_here(["fit", "--config", str(small_config(tmp_path)), *override], tmp_path, base["cache"])
     assert_user_error(done, *needles)
     assert not (tmp_path / "runs").exists()  # refused before anything was written
 
@@ -189,7 +200,7 @@ def test_typo_in_a_config_file_names_the_file(tmp_path, base, untouched):
 def test_kd_offline_without_logits_is_refused_before_the_cache_is_built(tmp_path, base, untouched):
     cache_dir = tmp_path / "features"
     config = small_config(tmp_path, mode="offline", cache_dir=str(cache_dir))  # tiny.yaml trains with kd
-    assert_user_error(run(["fit", "--config", str(config)], tmp_path, base["cache"]), "teacher_top_k", "kd")
+    assert_user_error(refused_here(["fit", "--config", str(config)], tmp_path, base["cache"]), "teacher_top_k", "kd")
     assert not cache_dir.exists()
 
 
@@ -197,7 +208,7 @@ def test_a_new_target_kind_replaces_the_configs_target(tmp_path, base):
     # tiny.yaml says `tiny: {}`: naming a gguf (or a JSON spec) replaces it instead of naming two targets.
     bad = tmp_path / "not.gguf"
     bad.write_bytes(b"\0" * 4096)
-    done = run(
+    done = refused_here(
         ["fit", "--config", str(small_config(tmp_path)), "--model.init_args.target.gguf", str(bad)],
         tmp_path,
         base["cache"],
@@ -245,7 +256,9 @@ def test_corrupt_gguf_with_a_valid_magic_is_one_line_and_leaves_no_directory(tmp
 def test_bad_data_files_name_file_and_line(tmp_path, base, untouched, content, needles):
     data = tmp_path / "train.jsonl"
     data.write_bytes(content)
-    done = run(["fit", "--config", str(small_config(tmp_path, train_files=[str(data)]))], tmp_path, base["cache"])
+    done = refused_here(
+        ["fit", "--config", str(small_config(tmp_path, train_files=[str(data)]))], tmp_path, base["cache"]
+    )
     assert_user_error(done, *needles)
 
 
@@ -290,7 +303,7 @@ def test_a_damaged_feature_cache_is_an_error_naming_the_file(tmp_path, base, unt
     name = damage(cache_dir)
     damaged = snapshot(cache_dir)
     config = small_config(tmp_path, model={"objective": {"token_loss": "ce"}}, mode="offline", cache_dir=str(cache_dir))
-    done = run(["fit", "--config", str(config)], tmp_path, base["cache"])
+    done = refused_here(["fit", "--config", str(config)], tmp_path, base["cache"])
     assert_user_error(done, name, str(cache_dir), "rebuild")
     assert snapshot(cache_dir) == damaged  # reported, not silently rebuilt or deleted
     assert not list((tmp_path / "runs").rglob("*.ckpt"))  # no training step ran on it
@@ -302,7 +315,9 @@ def test_resume_from_a_truncated_checkpoint_names_it(tmp_path, base, untouched):
     shutil.copytree(base["run"], run_dir)
     last = run_dir / "checkpoints" / "last.ckpt"
     os.truncate(last, last.stat().st_size // 2)
-    done = run(["fit", "--config", str(small_config(tmp_path)), "--ckpt_path", "last"], tmp_path, base["cache"])
+    done = refused_here(
+        ["fit", "--config", str(small_config(tmp_path)), "--ckpt_path", "last"], tmp_path, base["cache"]
+    )
     assert_user_error(done, "last.ckpt", "cannot be read", "delete it")
 
 
@@ -317,7 +332,7 @@ def test_ckpt_path_last_without_a_checkpoint_starts_fresh_and_says_so(tmp_path, 
         assert noise not in done.stderr + done.stdout, noise
     # A second fresh run into the same run directory is refused, and leaves the first run as it was.
     before = snapshot(tmp_path / "runs")
-    done = run(["fit", "--config", str(small_config(tmp_path))], tmp_path, base["cache"])
+    done = refused_here(["fit", "--config", str(small_config(tmp_path))], tmp_path, base["cache"])
     assert_user_error(done, "already holds checkpoints", "--ckpt_path last")
     assert snapshot(tmp_path / "runs") == before
 
@@ -403,11 +418,13 @@ def test_eval_and_regen_errors(tmp_path, base, untouched):
             ["--concurrency", "0 is invalid: must be >= 1"],
         ),
         (["regen", "--target", "tiny", "--out", str(tmp_path / "r.jsonl"), "--bogus"], ["unrecognized", "--bogus"]),
-        (["quickstart", "--threads", "abc", "--out", str(tmp_path / "q")], ["--threads: 'abc' is invalid"]),
         (["quickstart", "--num-prompts", "0", "--out", str(tmp_path / "q")], ["num_prompts=0"]),
     ]
     for args, needles in cases:
-        assert_user_error(run(args, tmp_path, cache), *needles)
+        assert_user_error(refused_here(args, tmp_path, cache), *needles)
+    # the installed script's own exit status and stderr (the refusals above ran in this process)
+    quickstart = ["quickstart", "--threads", "abc", "--out", str(tmp_path / "q")]
+    assert_user_error(run(quickstart, tmp_path, cache), "--threads: 'abc' is invalid")
     assert not (tmp_path / "eval").exists() and not (tmp_path / "r.jsonl").exists()
 
 
@@ -701,7 +718,7 @@ def test_resuming_against_another_target_or_draft_is_refused(tmp_path, base, unt
     run_dir = tmp_path / "runs" / "tiny" / "default"
     shutil.copytree(base["run"], run_dir)
     before = snapshot(run_dir)
-    done = run(
+    done = refused_here(
         ["fit", "--config", str(small_config(tmp_path)), "--ckpt_path", "last", *override], tmp_path, base["cache"]
     )
     assert_user_error(done, "last.ckpt", *needles, "start a new run")
@@ -717,7 +734,8 @@ def test_resuming_against_another_target_or_draft_is_refused(tmp_path, base, unt
 )
 def test_ckpt_path_values_that_cannot_resume(tmp_path, base, untouched, ckpt, needles):
     assert_user_error(
-        run(["fit", "--config", str(small_config(tmp_path)), "--ckpt_path", ckpt], tmp_path, base["cache"]), *needles
+        refused_here(["fit", "--config", str(small_config(tmp_path)), "--ckpt_path", ckpt], tmp_path, base["cache"]),
+        *needles,
     )
     assert not (tmp_path / "runs").exists()
 
@@ -731,7 +749,9 @@ def test_a_split_by_prompt_that_leaves_training_nothing_is_refused(tmp_path, bas
         + json.dumps(chat("Another question?", "Yes."))
         + "\n"
     )
-    done = run(["fit", "--config", str(small_config(tmp_path, train_files=[str(data)]))], tmp_path, base["cache"])
+    done = refused_here(
+        ["fit", "--config", str(small_config(tmp_path, train_files=[str(data)]))], tmp_path, base["cache"]
+    )
     assert_user_error(
         done, "hold out 30 of 31 records and train on 1", "val_fraction=0.05", "30 responses", "val_files"
     )
@@ -752,7 +772,7 @@ def test_prompts_past_the_targets_context(tmp_path, base, untouched):
         ["eval", "--draft", str(base["hf"]), "--target", "tiny", "--out", str(tmp_path / "e")],
     ):
         assert_user_error(
-            run([*args, "--prompts", str(long)], tmp_path, base["cache"]),
+            refused_here([*args, "--prompts", str(long)], tmp_path, base["cache"]),
             "1 of 2 prompts do not fit the target's context",
             "prompt 2",
             "2048 positions",
@@ -783,7 +803,7 @@ def test_prompts_past_the_targets_context(tmp_path, base, untouched):
         in done.stderr
     )
     assert len(out.read_text().splitlines()) == 2
-    done = run(
+    done = refused_here(
         ["fit", "--config", str(small_config(tmp_path)), "--data.init_args.seq_len", "4096"], tmp_path, base["cache"]
     )
     assert_user_error(done, "seq_len=4096", "max_position_embeddings=2048")
@@ -807,7 +827,9 @@ def test_typos_in_a_config_file_name_the_file_and_the_closest_key(tmp_path, base
     text = config.read_text()
     assert edit[0] in text
     config.write_text(text.replace(edit[0], edit[1], 1))
-    assert_user_error(run(["fit", "--config", str(config)], tmp_path, base["cache"]), *needles, str(config.name))
+    assert_user_error(
+        refused_here(["fit", "--config", str(config)], tmp_path, base["cache"]), *needles, str(config.name)
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -819,7 +841,7 @@ def test_typos_in_a_config_file_name_the_file_and_the_closest_key(tmp_path, base
     ],
 )
 def test_typos_in_a_target_on_the_command_line(tmp_path, base, untouched, spec, needles):
-    done = run(
+    done = refused_here(
         ["fit", "--config", str(small_config(tmp_path)), "--model.init_args.target", spec], tmp_path, base["cache"]
     )
     assert_user_error(done, *needles, "on the command line")
@@ -839,7 +861,7 @@ def test_the_tiny_configs_draft_exports_to_gguf_and_a_wider_selector_says_how_to
     config = json.loads((wide / "config.json").read_text())
     config["dflash_config"]["selector_top_k"] = 8  # the codebooks' shapes do not depend on top_k
     (wide / "config.json").write_text(json.dumps(config))
-    done = run(
+    done = refused_here(
         ["export-gguf", "--draft", str(wide), "--target", str(target), "--out", str(tmp_path / "w.gguf")],
         tmp_path,
         base["cache"],

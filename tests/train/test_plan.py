@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_helpers import run_here
 from hf_families import EXPERTS, MOE, hand_count, save_tiny_hf
 
 from dflash2_lightning import cli
@@ -71,15 +72,9 @@ def qwen3_8b(tmp_path_factory) -> Path:
 
 
 def run_plan(*args: str) -> tuple[int, str, str]:
-    """`dflash2 plan ARGS` in a subprocess: (exit status, stdout, stderr)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "dflash2_lightning", "plan", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    return out.returncode, out.stdout, out.stderr
+    """`dflash2 plan ARGS` (in this process, from the repository): (exit status, stdout, stderr)."""
+    done = run_here(["plan", *args], REPO)
+    return done.returncode, done.stdout, done.stderr
 
 
 def figure(text: str, name: str) -> float:

@@ -212,6 +212,30 @@ def test_every_action_says_what_it_writes_in_its_help(action, capsys):
     assert text.startswith("usage: ") and len(text) > 200
 
 
+#: the actions that read a fit config (LightningCLI's parser, hence Lightning) or train
+NEEDS_LIGHTNING = {"plan", "quickstart"}
+
+
+def test_actions_that_do_not_train_start_without_lightning():
+    """Their entry and options modules import neither Lightning nor jsonargparse (~3 s of every start on 2 cores:
+    `dflash2 eval --help` waited for it)."""
+    modules = sorted(
+        {
+            reference.split(":")[0]
+            for name, action in cli.ACTIONS.items()
+            if name not in NEEDS_LIGHTNING
+            for reference in (action.entry, action.options or action.entry)
+        }
+    )
+    code = (
+        f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+        "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'jsonargparse', 'torchmetrics') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", f"importing {modules} loaded {done.stdout.strip()}"
+
+
 def _script(name: str) -> Path:
     path = SCRIPTS / name
     if not path.exists():

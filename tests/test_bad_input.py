@@ -461,21 +461,28 @@ def test_eval_records_threads_and_load(tmp_path, base):
 # ----------------------------------------------------------------------------- export/to_onnx.py
 def test_to_onnx_errors_and_the_shared_target_spec(tmp_path, base, untouched):
     hf, cache = str(base["hf"]), base["cache"]
+    # the script is `dflash2 export-onnx`: its refusals run here, one through the script itself
     assert_user_error(
-        run(
-            ["--draft", str(tmp_path / "none"), "--target", "tiny", "--out", str(tmp_path / "o")],
+        refused_here(
+            ["export-onnx", "--draft", str(tmp_path / "none"), "--target", "tiny", "--out", str(tmp_path / "o")],
             tmp_path,
             cache,
-            TO_ONNX,
         ),
         "config.json",
     )
     assert_user_error(
-        run(
-            ["--draft", hf, "--target", '{"tiny": {"hidden_size": 32, "head_dim": 8}}', "--out", str(tmp_path / "o")],
+        refused_here(
+            [
+                "export-onnx",
+                "--draft",
+                hf,
+                "--target",
+                '{"tiny": {"hidden_size": 32, "head_dim": 8}}',
+                "--out",
+                str(tmp_path / "o"),
+            ],
             tmp_path,
             cache,
-            TO_ONNX,
         ),
         "does not fit the draft",
         "hidden_size=32",
@@ -633,10 +640,11 @@ def test_read_only_and_blocked_paths_name_the_users_path(tmp_path, base, untouch
         (["--draft", hf, "--target", "tiny", "--out", str(ro / "onnx")], TO_ONNX, ["ro/onnx", "read-only"]),
     ]
     for args, script, needles in cases:
-        line = assert_user_error(run(args, tmp_path, cache, script), *needles)
+        done = run(args, tmp_path, cache, script) if script is TO_ONNX else refused_here(args, tmp_path, cache)
+        line = assert_user_error(done, *needles)
         assert ".tmp" not in line, line  # the user's path, never an internal temporary file
     # fit from a read-only working directory (the run directory is relative to it)
-    done = run(["fit", "--config", str(TINY)], ro, cache)
+    done = refused_here(["fit", "--config", str(TINY)], ro, cache)
     assert_user_error(done, "runs", "read-only file system")
 
 

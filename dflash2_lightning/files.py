@@ -1,33 +1,18 @@
 """Files the project writes: atomically, readable by other users, with temporaries a crash can clean up.
 
-Atomic writes (:func:`atomic_write`, :func:`atomic_write_text`): the bytes go to a temporary file in the
-final path's own directory, are fsynced and renamed into place, and the directory is fsynced, so a kill
-at any moment leaves the previous complete file or the new one. Files and directories get the mode the
-umask gives (:func:`file_mode`, :func:`dir_mode`), not ``mkstemp``'s private ``0600``: engines and
-servers often run as another user.
+Atomic writes (:func:`atomic_write`, :func:`atomic_write_text`): the bytes go to a temporary in the final path's
+own directory, are fsynced and renamed into place, and the directory is fsynced, so a kill at any moment leaves
+the previous complete file or the new one. Modes follow the umask (:func:`file_mode`, :func:`dir_mode`), not
+``mkstemp``'s private ``0600``: engines and servers often run as another user.
 
-Temporaries. Every atomic write in the project (checkpoints, the HF export, the feature cache, a converted GGUF)
-goes to a temporary file or directory in the final path's own directory and is renamed into place.
-A ``kill -9`` in the middle leaves the temporary behind, and at real scale those are gigabytes. The
-name says who made it::
-
-    .<final name>.<host>-<pid>.<random>.tmp
-
-so :func:`remove_stale` can delete exactly the leftovers of *dead* processes of this host, and never a
-file another live process (a second run, a DDP rank, another user's job on a shared directory) is
-still writing. Names without an owner (other tools, older versions) are left alone. An error about a
-temporary file is reported with the final path it was for (:func:`final_path`): the user never gave the
-temporary name.
-
-Full disks. Where a file's size is known before it is written, :func:`check_free_space` refuses the write
-up front, saying what is needed and what is free; a write that runs out of space anyway (the size was not
-known, or another process filled the disk) is a :class:`~dflash2_lightning.errors.DiskFullError` naming the
-final path, and the previous file is left as it was. :func:`preallocate` reserves a memory-mapped file's
-blocks before it is mapped, so a full disk is an error and never a ``SIGBUS`` inside the mapping.
-
-Locks. :func:`lock_nowait` takes an exclusive ``flock`` without waiting, the one primitive of the run directory's
-lock (:mod:`~dflash2_lightning.train.run_lock`) and the feature cache's build lock: the kernel drops it when its
-holder dies, however it dies, so a killed job never leaves a lock behind.
+Temporaries are named ``.<final name>.<host>-<pid>.<random>.tmp``, so :func:`remove_stale` deletes exactly the
+leftovers of *dead* processes of this host (at scale, gigabytes) and never a file a live process is still
+writing; names without an owner are left alone. Errors name the final path (:func:`final_path`), never the
+temporary. Full disks: :func:`check_free_space` refuses a write of known size up front; one that runs out anyway
+is a :class:`~dflash2_lightning.errors.DiskFullError` naming the final path, the previous file untouched;
+:func:`preallocate` reserves a memory-mapped file's blocks first, so a full disk is an error, never a ``SIGBUS``.
+Locks: :func:`lock_nowait` takes an exclusive ``flock`` without waiting (the run directory's lock and the cache
+build's), which the kernel drops when its holder dies, however it dies. What users see: docs/robustness.md.
 """
 
 from __future__ import annotations

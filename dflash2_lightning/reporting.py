@@ -1,30 +1,18 @@
 """How every command reports a failure: ``dflash2: error: <what>, <where>, <what to do>`` on stderr.
 
-:func:`run_command` wraps a command's entry function (every ``dflash2`` subcommand, LightningCLI's
-``fit`` / ``validate`` included, and ``export/to_onnx.py``):
+:func:`run_command` wraps a command's entry function (every ``dflash2`` subcommand, LightningCLI's ``fit`` /
+``validate`` included, and ``export/to_onnx.py``): a *user error* or a machine fault (a full disk, a dead rank)
+prints one line and exits 2 without a traceback (a fit stopped by SIGTERM / SIGUSR1 exits ``128 + signal``,
+``UserError.exit_status``; :class:`~dflash2_lightning.errors.ReportedByAnotherRank` exits quietly on the ranks
+that did not report); anything else is a bug: the traceback, one line saying so, exit 1. ``--debug`` (anywhere on
+the command line) or ``DFLASH2_DEBUG=1`` lets every exception through.
 
-- a *user error* (bad config, data, target, checkpoint, file path or argument) prints one short
-  message and exits with status 2, no traceback (in a multi-process job, a user error that rank 0 reports
-  for every rank, :class:`~dflash2_lightning.errors.ReportedByAnotherRank`, exits 2 quietly on the others);
-  a machine or scheduler fault is reported the same way (a full disk, a rank that died); a fit stopped by
-  SIGTERM / SIGUSR1 exits with its own status, ``128 + signal`` (``UserError.exit_status``);
-- anything else is a bug: the traceback is printed, then one line saying so, exit status 1;
-- ``--debug`` (anywhere on the command line) or ``DFLASH2_DEBUG=1`` lets every exception through
-  with its full traceback.
-
-User errors are recognised here, in one place, so that every command maps the same faults the same way:
-
-- :class:`~dflash2_lightning.errors.UserError` and its subclasses, found anywhere in the exception's
-  cause/context chain (Lightning and jsonargparse wrap them); a user error in the chain wins over an OS error
-  beside it (a full disk reported while Lightning's teardown fails to flush a log is still the full disk);
-- file-system errors (:func:`describe_os_error`): a missing path, a directory where a file is needed, a
-  path under a file, a read-only file system, a permission denied, an existing path, and a full disk (with
-  or without a file name: a full disk is never a bug). A temporary file's name is reported as the final
-  path it was for (:func:`dflash2_lightning.files.final_path`);
-- network errors (:func:`describe_network_error`): a server that refuses the connection, does not answer or
-  answers with an HTTP error;
-- ``argparse`` usage errors of any subcommand are routed here, so a new subcommand gets this style without
-  doing anything (out-of-range values: :func:`dflash2_lightning.errors.bounded`).
+User errors are recognised here, in one place, so every command maps the same faults the same way:
+:class:`~dflash2_lightning.errors.UserError` anywhere in the exception's cause/context chain (Lightning and
+jsonargparse wrap them; it wins over an OS error beside it), file-system errors (:func:`describe_os_error`, a
+temporary's name reported as its final path), network errors (:func:`describe_network_error`), and ``argparse``
+usage errors of every subcommand, so a new subcommand gets this style without doing anything (out-of-range
+values: :func:`dflash2_lightning.errors.bounded`). The faults users meet: docs/robustness.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The package's layout holds: imports point one way along the data path, and each error type has one import path.
+"""The package's layout holds: imports point one way along the data path, each error type has one import path, and
+every module docstring is short.
 
 The order of the stages is the numbered list in the package docstring (``dflash2_lightning/__init__.py``); a
 stage may import itself and the stages listed before it, never one listed after it. Every import counts:
@@ -24,6 +25,10 @@ NAME = PACKAGE.name
 CLI_MODULES = {"cli", "__main__"}
 #: other trees whose imports of the package must use the error types' one import path
 USERS = ("tests", "benchmarks", "tools", "export")
+#: the most lines a module docstring may have: what the module is for, its contract and why; the rest is in docs/
+DOCSTRING_LINES = 20
+#: the two modules allowed a longer one: the stage list these tests parse, and the objective's step diagram
+LONG_DOCSTRINGS = {NAME, f"{NAME}.train.objective"}
 
 
 def stages() -> list[str]:
@@ -197,3 +202,28 @@ def test_each_error_type_has_one_import_path() -> None:
                 if name in errors and errors[name] != module:
                     wrong.append(f"{path.relative_to(ROOT)}:{line}: {name} imported from {module}, not {errors[name]}")
     assert not wrong, "error types imported through another module:\n" + "\n".join(wrong)
+
+
+def docstring_lines(path: Path) -> int:
+    """Lines of the module docstring of ``path`` as written (0 without one)."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"), str(path)), clean=False)
+    return doc.count("\n") + 1 if doc else 0
+
+
+def test_module_docstrings_are_short() -> None:
+    """Every module docstring of the package is at most DOCSTRING_LINES lines, LONG_DOCSTRINGS aside.
+
+    User-facing explanations (how to run, what a report means, measured figures) belong in docs/, derivations beside
+    the function they explain or in docs/internals.md.
+    """
+    modules = {module_name(p): p for p in package_files()}
+    assert LONG_DOCSTRINGS <= set(modules), f"LONG_DOCSTRINGS names modules that no longer exist: {LONG_DOCSTRINGS}"
+    long = [
+        f"{path.relative_to(ROOT)}: {lines} lines"
+        for name, path in sorted(modules.items())
+        if name not in LONG_DOCSTRINGS and (lines := docstring_lines(path)) > DOCSTRING_LINES
+    ]
+    assert not long, (
+        f"module docstrings over {DOCSTRING_LINES} lines (keep what the module is for, its contract and why; move "
+        "user-facing text to docs/ and derivations beside their function or to docs/internals.md):\n" + "\n".join(long)
+    )

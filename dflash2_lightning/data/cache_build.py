@@ -1,26 +1,19 @@
 """Building the offline feature cache on every rank: sharded, batched, written while the next batch computes, resumable.
 
-The build happens in ``.<name>.build`` beside the cache directory ``<name>``:
+Contract: a build on any number of ranks, or one resumed after a kill, writes the same bytes as one uninterrupted
+process (each batch is computed exactly as a one-process build computes it), and a cache is complete only once
+rank 0 has hashed its files, written ``manifest.json`` (last, in the format
+:mod:`~dflash2_lightning.data.feature_cache` reads) and renamed the build directory into place.
 
-- ``build.json``: the manifest fields the cache is built for; a build directory for other settings (or one
-  whose token arrays differ from this run's) is discarded and started afresh;
-- ``<split>/*.npy``: the cache's own files, every one created at its full size (its blocks reserved, so a
-  disk that fills up is an error, never a ``SIGBUS``) by rank 0 before any rank computes;
-- ``done/<split>.<start>-<stop>``: a marker per finished batch, made once its rows are written and synced;
-- ``lock``: held (``flock``) by rank 0 while it builds, so a second job refuses instead of writing the same rows.
-
-The batches are fixed row ranges ``[k * B, (k + 1) * B)`` of each split (``B``: the cache batch size) and
-batch ``j`` of those still to do goes to rank ``j % world``. Each batch is computed exactly as a one-process
-build computes it (same rows, same padded length), so a build on any number of ranks, or one resumed after
-a kill, writes the same bytes as one uninterrupted process. Every rank writes its rows into the shared files
-at their own offsets (``os.pwrite``: no memory map to fault on). A single writer thread per rank, fed by a
-bounded queue, does the device-to-host wait and the file writes while the main thread computes the next batch;
-on CUDA the copies go, ``non_blocking``, into pinned memory on a stream of their own.
-
-After every batch the ranks exchange whether any failed (:class:`~dflash2_lightning.data.ranks.Ranks`): one
-rank's error stops them all with its message. When every batch has its marker, rank 0 hashes the files,
-writes ``manifest.json`` (last) and renames the directory into place: a cache without a manifest is never
-complete, and the manifest format is the one :mod:`dflash2_lightning.data.feature_cache` always read.
+The build lives in ``.<name>.build`` beside the cache: ``build.json`` (the settings it is for; other settings
+start afresh), ``<split>/*.npy`` (created at full size by rank 0, blocks reserved, so a full disk is an error and
+never a ``SIGBUS``), ``done/<split>.<start>-<stop>`` (one marker per finished, synced batch) and ``lock`` (rank
+0's ``flock``: a second job refuses). Batches are fixed row ranges of the cache batch size; batch ``j`` of those
+left goes to rank ``j % world``. Each rank ``os.pwrite``s its rows at their offsets (no memory map to fault on)
+from one writer thread fed by a bounded queue, while the main thread computes the next batch (on CUDA:
+``non_blocking`` copies into pinned memory on a stream of their own). After every batch the ranks exchange
+whether any failed (:class:`~dflash2_lightning.data.ranks.Ranks`): one rank's error stops them all.
+What users see: docs/training.md ("Building the cache") and docs/robustness.md ("Files and disks").
 """
 
 from __future__ import annotations

@@ -1,32 +1,20 @@
 """The offline feature cache: the target's features, greedy tokens and top-k logits, computed once, checked on open.
 
-Offline features are computed once into a directory of ``.npy`` files loaded memory-mapped. Features
-are stored as ``float16`` by default (half the disk; an overflow is an error that says to use
-``feature_dtype="float32"``), ``target_next`` / top-k indices as int32, top-k values as float32.
-The directory holds a ``manifest.json`` recording the target fingerprint, tokenizer, layer ids,
-``seq_len``, top-k, storage dtype and a hash of the data; it is written into a temporary directory and
-renamed into place, so a crash never leaves a complete-looking cache, and a cache whose manifest differs
-from the current run is an error naming the fields that differ.
+A directory of ``.npy`` files read memory-mapped (features ``float16`` by default, an overflow being an error that
+names ``feature_dtype="float32"``; ``target_next`` and top-k indices int32, top-k values float32) and a
+``manifest.json`` naming what they were computed for (target fingerprint, tokenizer, layer ids, ``seq_len``,
+top-k, storage dtype, a hash of the data). A cache whose manifest differs from the run is an error naming the
+fields that differ; a directory without a manifest is never a complete cache.
 
-Integrity. The manifest records, for every ``.npy`` file, its size, its sha256 and the sha256 of 64
-sampled 64 KiB blocks (the first one holds the ``.npy`` header, the last one the end of the data).
-Opening the cache checks every file is there with its recorded size, then (``cache_verify``):
-
-- ``"full"``: the sha256 of every byte, once per process for a given file (size, mtime);
-- ``"sampled"``: the sampled blocks only (milliseconds whatever the size);
-- ``"auto"`` (default): full when the cache holds at most :data:`FULL_VERIFY_BYTES` (4 GiB), sampled above.
-
-Why: sha256 reads about a gigabyte a second on one core (``benchmarks/bench_cache_verify.py``), so a cache of
-a few GB is verified completely in seconds, which training on a corrupted cache is worth. A real target's
-cache is terabytes (Qwen3-8B, 5 layers, 100k x 2048 tokens in float16 is ~8 TB): hashing it at every start
-would take hours, so it gets the size check (truncation, a missing file) plus the sampled blocks (a
-damaged header, damage that hits a sampled block); ``cache_verify: full`` forces the whole check.
-A damaged file is a :class:`DataError` naming the file and saying to rebuild the cache.
-
-Space. The cache's size is known once the data is tokenised (:func:`cache_bytes`); the build
-(:mod:`dflash2_lightning.data.cache_build`: every rank computes its share, a killed build resumes) checks the
-disk has that much free before it writes anything and reserves every file's blocks before writing into it
-(:func:`dflash2_lightning.files.preallocate`), so a disk that fills up meanwhile is an error naming the cache.
+Integrity: the manifest records each file's size, sha256, and the sha256 of 64 sampled 64 KiB blocks (the first
+holds the ``.npy`` header, the last the end of the data). Opening checks every file's size, then
+(``cache_verify``) every byte (``"full"``, once per process per file), the sampled blocks (``"sampled"``), or,
+by default (``"auto"``), every byte up to :data:`FULL_VERIFY_BYTES` and the samples above: a small cache is
+hashed whole in seconds, while a real target's cache is terabytes and hashing it at every start would take
+hours. A damaged file is a :class:`DataError` naming it and saying to rebuild the cache.
+Space: :func:`cache_bytes` sizes the cache once the data is tokenised, so the build
+(:mod:`~dflash2_lightning.data.cache_build`) refuses a disk without room before it writes anything.
+What users see: docs/training.md ("Online or offline").
 """
 
 from __future__ import annotations

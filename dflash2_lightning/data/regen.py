@@ -1,28 +1,18 @@
-"""`dflash2 regen`: the target's own greedy responses to a prompts file, resumable, written atomically.
+"""`dflash2 regen`: the target's own responses to a prompts file, resumable, written atomically.
 
-A drafter learns the distribution it is trained on; training it on the target's own outputs makes
-that the distribution it meets when serving. For every prompt (chat jsonl), the target generates
-greedily, in batches with left padding and the chat template applied, and the result is a chat
-jsonl the DataModule reads::
+A drafter learns the distribution it is trained on; training it on the target's own outputs makes that the
+distribution it meets when serving. For every prompt (chat jsonl) the target generates (batched, chat template
+applied) and ``<out>`` is a chat jsonl the DataModule reads, each response appended as the assistant turn.
 
-    {"messages": [<the prompt's turns>..., {"role": "assistant", "content": "<target's response>"}]}
-
-Crash safety. Work goes to an append-only log ``<out>.partial`` beside the output:
-
-- line 1 is a header with the settings that shape the responses (target, ``max_new_tokens``); a
-  resume with different settings is refused instead of mixing two generations in one file;
-- then one line per finished response, ``{"index", "hash", "messages"}``, in the order they finish
-  (continuous batching); every :data:`LOG_EVERY` of them are written with one ``write``, flushed and fsynced;
-- on start the log is read back: a torn last line (a kill in the middle of a write) is cut off, the
-  finished prompt indices are skipped (a changed prompt at a finished index is an error), the rest is
-  generated;
-- at the end the records are sorted by prompt index and ``<out>`` is written atomically (temporary
-  file, fsync, rename); only then is the log removed.
-
-So a kill at any moment loses at most the responses in flight and the last few finished ones,
-never duplicates a sample, and ``<out>``
-either does not exist or is complete. An existing ``<out>`` means the job is done (``--overwrite``
-starts again).
+Crash safety: work goes to an append-only log ``<out>.partial``. Its first line holds the settings that shape the
+responses (a resume with other settings is refused rather than mixing two generations); then one
+``{"index", "hash", "messages"}`` line per finished response in finishing order, every :data:`LOG_EVERY` of them
+written with one ``write``, flushed and fsynced. On start a torn last line is cut off, finished prompt indices
+are skipped (a changed prompt at one is an error) and the rest is generated; at the end the records are sorted
+by prompt index, ``<out>`` is written atomically, and only then is the log removed. So a kill loses at most the
+responses in flight and the last few finished ones, never duplicates a sample, and ``<out>`` either does not
+exist or is complete (an existing ``<out>`` means done; ``--overwrite`` starts again).
+What users see: docs/training.md ("Regenerating data").
 """
 
 from __future__ import annotations

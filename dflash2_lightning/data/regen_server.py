@@ -1,23 +1,17 @@
 """`dflash2 regen --server URL`: the target's responses from an OpenAI-compatible server (vLLM, SGLang, llama-server).
 
-At scale the target is served by an inference engine, not run in the training process. This sends
-every prompt to the server's **completions** endpoint (``POST {URL}/completions``) as **token ids**:
-the prompt is rendered with the target tokenizer's chat template on the project's side
-(:func:`~dflash2_lightning.data.prompts.encode_prompt`, exactly as in-process regen and training do), so
-the server generates from the very tokens the trainer will later see, whatever the server's own chat
-handling. The response text is stored as the assistant turn, in the same records as in-process regen.
+At scale the target is served by an inference engine, not run in the training process. Every prompt goes to the
+server's **completions** endpoint (``POST {URL}/completions``) as **token ids** rendered here with the target
+tokenizer's chat template (:func:`~dflash2_lightning.data.prompts.encode_prompt`, as in-process regen and training
+render it), so the server generates from the very tokens the trainer will see, whatever its own chat handling.
+Greedy (``temperature=0``) or sampled (``top_p``; prompt ``index`` gets the seed ``seed + index``, so a resumed run
+asks for the same sample); ``concurrency`` requests are in flight at once and the server batches them.
 
-Greedy (``temperature=0``, the default) or sampled (``temperature > 0``, ``top_p``; each prompt gets its
-own seed ``seed + index``, so a resumed run asks for the same sample). ``concurrency`` requests are in
-flight at once; the server batches them.
-
-Resumable and atomic like in-process regen (same ``<out>.partial`` log, same final write): every
-finished response is appended (flushed, fsynced) as it arrives, in completion order, so a crash or a
-dead server loses only the requests in flight. The log header records the settings that shape the
-responses (target, budget, sampling, the served model's id), so a resume against another model or
-with other settings is refused. A server that stops answering, or answers with an HTTP error, raises
-:class:`ServerError` saying how many responses are kept: every request that had completed by then, the
-ones still running included, is in the log.
+Resumable and atomic like in-process regen (the same ``<out>.partial`` log and final write): each response is
+appended and fsynced as it arrives, so a crash or a dead server loses only the requests in flight. The log header
+records the settings that shape the responses (target, budget, sampling, the served model's id), so a resume
+against another model or with other settings is refused. A server that stops answering, or answers with an HTTP
+error, raises :class:`ServerError` saying how many responses are kept.
 """
 
 from __future__ import annotations

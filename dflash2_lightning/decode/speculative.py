@@ -6,45 +6,16 @@ One cycle, for a sequence whose last emitted token (the *anchor*) sits at positi
     target:  [anchor, d_1 .. d_{bs-1}] on top of its KV cache         -> greedy g_1 .. g_bs
     accept:  a = length of the longest prefix with d_k == g_k
     emit:    d_1 .. d_a, g_{a+1}                                      (a + 1 tokens)
-    caches:  target KV cropped to start + a + 1 (anchor + accepted drafts);
-             draft context += K/V of the target features of those a + 1 verified tokens
+    caches:  target KV cropped to start + a + 1; draft context += K/V of those a + 1 verified tokens
 
-The emitted tokens are exactly the target's own greedy tokens (lossless): every accepted draft equals
-the target's argmax after the verified prefix, and the last token is the target's argmax itself.
-The target's first token comes from the prompt's forward pass (prefill), before any cycle.
-
-The draft's context cache is built only from verified tokens and only ever appended to; it is never
-recomputed. The loop talks to the draft through three calls (the :class:`~dflash2_lightning.decode.drafter.Drafter`
-protocol), so a drafter running in another runtime (onnxruntime, TensorRT) drops in for the torch one.
-
-Sampling (``temperature > 0``, with ``top_p``/``top_k``): the drafter samples the block and returns the
-distributions it drew from (``drafter.sample_block(...) -> Proposal``), the target's processed
-distributions at the block's positions accept or reject each draft by the speculative-sampling rule,
-and the emitted token after the accepted run comes from the residual (or, after a full block, from the
-target). The output is then distributed exactly as the target's own samples; the math lives in
-:mod:`dflash2_lightning.model.sampling`. ``temperature == 0`` takes the greedy path below, unchanged.
-
-A drafter may also offer ``new_cache(batch, capacity)``: an empty preallocated cache (a
-:class:`~dflash2_lightning.model.DraftCache` for the torch draft) that the loop sizes once for the whole
-generation (prompt + budget) and appends to in place, so a cycle copies only its new positions.
-
-Per cycle the loop itself does only what it must: one target verify pass, one draft step, the new
-context K/V, and a handful of scalar reads (everything under ``torch.inference_mode``). On a CPU the
-target's linears multiply the verify pass's bs rows (and the head the drafted bs-1) with the kernel the
-target's ``cpu_linear`` setting picks for that row count (:func:`prepare_verification`,
-:mod:`~dflash2_lightning.target.cpu_linear`).
-
-Acceptance accounting (:class:`SpecResult`, :class:`AcceptanceStats`): per cycle the number of accepted
-drafts ``a`` (0..bs-1) and the tokens actually emitted. A cycle is *truncated* when it emitted fewer
-than ``a + 1`` tokens because the generation stopped inside it (a stop token among the accepted
-drafts, or ``max_new_tokens``); only the last cycle of a sequence can be. ``tau`` is the mean of
-``a + 1`` over untruncated cycles (a property of the draft); ``tokens_per_cycle`` counts every cycle
-with what it really emitted (what sets the speed). The last cycle still verifies a whole block, so its
-acceptance is measured in full; only its emission is cut. Batch size 1.
-
-Lossless up to floating-point ties: a cached block verify and one-token steps compute the same logits
-up to rounding, so an argmax can flip only where two logits tie to within that rounding (never seen in
-float64; rare in float32; ``dflash2 eval`` checks every output and reports any mismatch).
+The output is exactly the target's own greedy tokens (lossless, up to floating-point ties). The draft's context
+cache holds verified tokens only and is only appended to (preallocated once when the drafter offers
+``new_cache``). The loop talks to the draft through the :class:`~dflash2_lightning.decode.drafter.Drafter`
+protocol, so a drafter in another runtime (onnxruntime, TensorRT) drops in for the torch one. ``temperature > 0``
+accepts by the speculative-sampling rule (:mod:`dflash2_lightning.model.sampling`); ``temperature == 0`` keeps
+the greedy path. ``tau`` counts untruncated cycles (a property of the draft), ``tokens_per_cycle`` every cycle
+(what sets the speed). Batch size 1. The accounting, the truncated last cycle and the ties: docs/internals.md
+("Speculative decoding"); what users see: docs/measuring-tau.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """The acceptance record's file: what a served drafter must achieve, kept beside the exported draft.
 
-``acceptance.json`` (format :data:`RECORD_FORMAT`) holds, for a handful of held-out prompts (the shipped
-evaluation prompts, or the user's):
+``acceptance.json`` (format :data:`RECORD_FORMAT`) holds, for a handful of held-out prompts: their token ids
+(rendered with the target tokenizer's chat template as training and ``dflash2 eval`` render them, so no
+server-side template is involved), the target's greedy continuation (ids, and its text as engines return it),
+the accepted drafts at every verify step of the T=0 loop along it (on the path the engines decode with), and the
+expected τ with its 95% bootstrap interval over prompts and ``accept_k``. The format string changes when a field
+changes meaning; readers refuse other formats.
 
-- each prompt's token ids, rendered with the target tokenizer's chat template exactly as training and
-  ``dflash2 eval`` render it (an engine is sent these ids, so no server-side template is involved);
-- the target's greedy continuation (token ids, and its text as the engines return it: special tokens
-  and the final stop token left out, no clean-up of spaces);
-- the drafter's accepted drafted tokens at every verify step of the T=0 speculative loop along that
-  continuation (the replay of :mod:`dflash2_lightning.evaluate.replay`, which equals the loop's), so
-  per prompt the expected accepted count and verify steps;
-- the expected τ = 1 + accepted / steps over those prompts with its 95% bootstrap interval over prompts
-  (:mod:`dflash2_lightning.intervals`), and ``accept_k``.
-
-The path is the one the engines decode with: the selector walk for DFlash2, the backbone argmax for
-DFlash. ``dflash2 check-serving`` (:mod:`dflash2_lightning.engines.check_serving`) sends the prompts
-to a running engine and compares what it serves and accepts with this record.
-
-This module is the file: its fields, writing, reading and checking it, and whether it describes a draft's
-weights. Making one (the replay) is :mod:`dflash2_lightning.evaluate.record`: ``dflash2 acceptance-record``
-(any draft), ``dflash2 eval --replay-prompts N`` (from the replay it runs anyway), the end of a fit and the
-quickstart write it; ``dflash2 export-gguf`` copies it beside the GGUF (``<gguf stem>.acceptance.json``). Small
-(a few kB for the default 8 prompts x 64 tokens), written atomically. The format string changes when a field changes meaning; readers refuse other formats.
+This module is the file: its fields, writing (atomically), reading and checking it, and whether it describes a
+draft's weights. Making one (the replay) is :mod:`dflash2_lightning.evaluate.record`; comparing a running engine
+with it is :mod:`dflash2_lightning.engines.check_serving`. Who writes one and what it holds: docs/serving-check.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """``dflash2 check-serving``: is a running engine getting the acceptance this drafter earns?
 
-The draft's acceptance record (:mod:`dflash2_lightning.engines.acceptance_record`) holds held-out
-prompts as token ids, the target's greedy continuation and the accepted drafts per verify step the
-draft earns at T=0, with the expected τ and its 95% interval over prompts. This sends the same prompts
-(greedy, ``max_tokens`` = the record's budget, one request at a time) to the engine's OpenAI-compatible
-``/v1/completions``, reads the engine's own counters (:mod:`dflash2_lightning.engines.counters`)
-and checks, in this order:
+It sends the prompts of the draft's acceptance record (:mod:`dflash2_lightning.engines.acceptance_record`:
+token ids, the target's greedy continuation, the accepted drafts per verify step at T=0, the expected τ and its
+95% interval) greedily, one at a time, to the engine's OpenAI-compatible ``/v1/completions``, reads the engine's
+own counters (:mod:`dflash2_lightning.engines.counters`) and checks, in this order: **drafts** (it speculates at
+all), **outputs** (lossless: equal to a reference engine's without the draft, ``--reference-url``, or else to the
+record's continuation), **width** (``block_size - 1`` drafts per verify step) and **τ** (within the expected
+interval, its lower end extended by the final truncated step per prompt that engines count and the record
+leaves out: ``1 + (lo - 1) * steps / (steps + prompts)``).
 
-1. **drafts**: the engine speculates at all (it drafted tokens);
-2. **outputs** (losslessness): with a reference (``--reference-url``: the same engine serving the same target
-   without the draft), every output served with the draft equals the reference's, and the record's
-   continuation is compared as information only (an engine's quantised kernels pick otherwise than the
-   project's forward pass at near ties); without one, every served output equals the record's greedy
-   continuation (token ids where the engine returns them, else text); if not, the engine serves another
-   target (model, revision, dtype or quantisation), another tokenizer, or does not decode greedily;
-3. **width**: the engine drafts ``block_size - 1`` tokens per verify step (vLLM
-   ``num_speculative_tokens``, SGLang draft tokens - 1, llama.cpp ``--spec-draft-n-max``);
-4. **τ**: the served τ = 1 + accepted / verify steps lies within the expected 95% interval of the same
-   prompts. Engines also count each prompt's final, truncated verify step, which the record leaves out
-   (its length is cut by the token budget, not by the draft), so the interval's lower end is extended
-   by that one step per prompt: ``1 + (lo - 1) * steps / (steps + prompts)``.
-
-Agreement on all four: exit 0. Otherwise the verdict names the first failed check and prints, for
-that engine, the likely causes and the exact serving command SERVING.md recommends: exit 1. When the
-check cannot run (no record, nothing answers, an unknown engine, no counters): one
-``dflash2: error:`` line, exit 2.
+Exit 0 when all four agree; 1 with a verdict naming the first failed check, the likely causes for that engine and
+SERVING.md's command; 2 (one ``dflash2: error:`` line) when the check cannot run. The checks, references and
+verdicts in full: docs/serving-check.md.
 """
 
 from __future__ import annotations

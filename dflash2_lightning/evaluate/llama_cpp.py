@@ -1,23 +1,17 @@
 """τ and speed measured in llama.cpp: the held-out prompts through ``llama-server`` with and without the draft.
 
-``dflash2 eval --engine llama.cpp`` adds this to the project's own report. The draft checkpoint is
-exported with :func:`~dflash2_lightning.engines.draft_gguf.export_gguf` (vocabulary from the target GGUF the
-server runs), then for every prompt, greedy, one request at a time (``-np 1``):
+``dflash2 eval --engine llama.cpp`` adds this to the project's own report. The draft is exported as a GGUF
+(:func:`~dflash2_lightning.engines.draft_gguf.export_gguf`, vocabulary from the target GGUF the server runs), then
+every prompt goes, greedy, one request at a time (``-np 1``), to ``llama-server -m target.gguf`` (the target alone:
+tokens and tokens/s from the server's ``timings``) and to ``llama-server -m target.gguf -md draft.gguf
+--spec-type draft-dflash --metrics`` (drafted and accepted counts from ``timings``, verify steps and
+accepted-per-position from the Prometheus counters read before and after each request).
 
-1. ``llama-server -m target.gguf``: the target alone (tokens and tokens/s, from the server's own
-   ``timings``);
-2. ``llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash --metrics``: speculative
-   decoding with llama.cpp's DFlash2 runtime (selector walk for DFlash2, argmax for DFlash). Drafted and
-   accepted counts per prompt come from ``timings``, verify steps and accepted-per-position from the
-   Prometheus counters (``spec_decode_num_drafts_total``, ``..._accepted_tokens_per_pos_total``), read
-   before and after each request.
-
-The prompts are the project's token ids (the target tokenizer's chat template, rendered here) sent as
-a token array, so both engines decode from the same tokens. τ = 1 + accepted / verify steps and
-``accept[k-1]`` = P(the first k drafts of a step accepted), the definitions of the project's loop.
-
-Target GGUF: ``f32`` (llama.cpp's converter on the very HF weights the project runs: the exactness
-check) or ``shipped`` (the target's own GGUF, e.g. SmolLM2 Q4_1: what a llama.cpp user runs).
+The prompts are the project's token ids (the target tokenizer's chat template, rendered here) sent as a token
+array, so both engines decode from the same tokens; τ and ``accept[k-1]`` have the project loop's definitions.
+Target GGUF: ``f32`` (llama.cpp's converter on the very HF weights the project runs: the exactness check) or
+``shipped`` (the target's own GGUF, e.g. SmolLM2 Q4_1: what a llama.cpp user runs).
+What users see and what was measured: docs/llama-cpp.md ("τ and speed in llama.cpp").
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
 """Served τ while training: every N validations, the draft as it is then, served by ``llama-server``, and the
 engine's own τ logged beside the project's replay τ.
 
-:class:`ServedTau` is a Lightning callback named in a config (``trainer.callbacks``, ``class_path:
-dflash2_lightning.evaluate.served_tau.ServedTau``). On each chosen validation (rank 0; the other ranks wait for its
-figures and log the same), in a temporary directory:
+:class:`ServedTau` is a Lightning callback named in a config (``trainer.callbacks``). On each chosen validation
+(rank 0; the other ranks wait for its figures and log the same), in a temporary directory: the current weights
+as an HF checkpoint (:meth:`DFlash2Module.draft_from_state`) with their acceptance record
+(:func:`~dflash2_lightning.evaluate.record.make_record`), the draft as a GGUF
+(:func:`~dflash2_lightning.engines.draft_gguf.export_gguf`), then ``llama-server`` on 127.0.0.1 serving it,
+the record's prompts sent and the engine's counters read as ``dflash2 check-serving`` reads them
+(:func:`~dflash2_lightning.engines.check_serving.check_serving`); the server is stopped afterwards, also on an
+error. It logs ``val/served_tau`` and its counts (and ``val/served_replay_tau`` at the trained block) and keeps
+``<run dir>/served_tau/step-<N>/``.
 
-1. the draft's current weights as an HF checkpoint (float32, :meth:`DFlash2Module.draft_from_state`, as the
-   end-of-fit export writes it) and its acceptance record: the T=0 replay of that draft on the first ``prompts``
-   shipped held-out evaluation prompts, ``max_new_tokens`` each (:func:`~dflash2_lightning.evaluate.record.make_record`);
-2. the draft as a llama.cpp GGUF (:func:`~dflash2_lightning.engines.draft_gguf.export_gguf`, vocabulary from the
-   target GGUF the server runs);
-3. ``llama-server -m TARGET.gguf -md DRAFT.gguf --spec-type draft-dflash --metrics --spec-draft-n-max W`` on
-   127.0.0.1 (``W = served_block_size - 1``), the record's prompts sent greedily one at a time and the engine's
-   counters read as ``dflash2 check-serving`` reads them
-   (:func:`~dflash2_lightning.engines.check_serving.check_serving`); the server is stopped afterwards, also on
-   an error.
-
-Logged (``metrics.csv`` and TensorBoard, at the validation's step, beside ``val/tau``): ``val/served_tau`` (the
-engine's 1 + accepted / verify steps), ``val/served_drafted``, ``val/served_accepted``, ``val/served_steps`` (its
-counts over the prompts) and, served at the trained block, ``val/served_replay_tau`` (the replay's τ on the same
-prompts: the project's figure for what the engine measured). ``<run dir>/served_tau/step-<N>/`` keeps the server's
-log and ``served_tau.json`` (the figures, the full check-serving verdict and the server's settings).
-
-What cannot work is refused when the fit starts, before any step, as one ``dflash2: error:`` line: no built
-``llama-server``, no GGUF of the target (``target_gguf`` ``f32`` / ``shipped`` need a GGUF target, ``path``:
-any target), a sharded target, a draft llama.cpp cannot load, prompts that do not fit the context. A measurement
-that fails later (the server crashes, a port is taken) is a warning; the training goes on.
+What cannot work is refused when the fit starts, before any step, as one ``dflash2: error:`` line; a measurement
+that fails later is a warning and the training goes on. Settings, metrics and refusals in full:
+docs/llama-cpp.md ("Served τ while training").
 """
 
 from __future__ import annotations

@@ -1,42 +1,18 @@
 """The trainer's estimate of τ on the target's own continuations, and the loop's cycles replayed from it.
 
-For a prompt and the target's continuation, the draft's *training* forward runs with an anchor at
-every continuation position (:func:`teacher_forced`). Two figures come from it:
+For a prompt and the target's continuation, the draft's *training* forward runs with an anchor at every
+continuation position (:func:`teacher_forced`). Two figures come from it: ``estimated``, the trainer's own
+estimator (:class:`~dflash2_lightning.train.objective.DraftObjective` and
+:class:`~dflash2_lightning.train.metrics.BlockAcceptance`: an anchor wherever a whole block fits, ``accept_k`` =
+P(offsets 1..k all right), ``τ = 1 + Σ_k accept_k``), and ``replayed``, the same per-anchor acceptance read only
+where the loop starts a cycle (``a_0`` = first generated token, ``a_{i+1} = a_i + accepted_i + 1``), which equals
+the measured τ up to floating-point ties. At T=0 the report adds the **top-k oracle** (a slot counts when the
+target's token is anywhere among the draft's top-k candidates: the τ of a selector that always picked right) and,
+with ``replay_prompts``, the **T=0 replay** (:func:`~dflash2_lightning.evaluate.replay.replay_eval`: the loop's τ
+exactly on many more held-out prompts).
 
-``estimated``
-    the trainer's estimator, computed by the trainer's own objective and metric
-    (:class:`~dflash2_lightning.train.objective.DraftObjective`, :class:`~dflash2_lightning.train.metrics.BlockAcceptance`):
-    an anchor at every continuation position where a whole block fits (``a <= S - bs``, the positions
-    the trainer samples anchors from), the block sees the context strictly before it,
-    ``accept_k`` = P(offsets 1..k all right), ``τ = 1 + Σ_k accept_k``;
-``replayed``
-    the same teacher-forced per-anchor acceptance, read only at the anchors where the loop starts a
-    cycle (``a_0`` = first generated token, ``a_{i+1} = a_i + accepted_i + 1``). Up to floating-point
-    ties it equals the measured τ exactly, which shows the draft computes the same thing in both.
-
-At T=0 the report also gives the **top-k oracle** (``oracle``): the same replay where a slot counts when
-the target's token is anywhere among the draft's top-k candidates (``k`` = the selector's ``top_k``; 8
-for a DFlash draft unless ``oracle_top_k`` says otherwise). It is the τ of a selector that always
-picked right among the candidates it is given: how much of the gap between the backbone argmax and
-that ceiling the selector walk closes says whether the selector or the candidates limit DFlash2.
-
-With ``replay_prompts`` the report also has the **T=0 replay** (``replay``, :func:`~dflash2_lightning.evaluate.replay.replay_eval`): the target
-decodes more held-out prompts greedily in batches and the loop's cycles are replayed along those outputs,
-which gives the loop's τ exactly on many more tokens than the sequential loop can afford (a narrow interval).
-
-Why the estimate and the measurement differ (and the replay does not):
-
-* anchors: the loop starts a cycle only right after a rejection (or a fully accepted block), the
-  estimator averages over every position. Positions right after a draft mistake are a biased sample
-  (usually harder: the tiny test drafts measure 8-12% below their estimate), and positions inside
-  long easy runs are counted once per position by the estimator but skipped by the loop;
-* blocks near the end: the estimator never anchors in the last ``bs - 1`` positions; the loop does,
-  and drops its final cycle when a stop token or the token budget cut it;
-* numerics: a full forward and the loop's cached verify passes agree up to rounding, which can flip an
-  argmax at a near tie (bf16 much more than float32).
-
-The selector is not a source of difference: the trainer's acceptance follows the same greedy walk,
-seeded with the anchor, as the loop (its teacher-forced ``selector/accuracy`` is another quantity).
+Why the estimate and the measurement differ (anchors, blocks near the end, numerics; never the selector):
+docs/internals.md ("The trainer's estimate against the loop"); the report's figures: docs/measuring-tau.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """`DraftCache`: the draft's context K/V in preallocated buffers, appended to in place.
 
-:class:`~dflash2_lightning.model.ContextKV` concatenates: appending ``k`` tokens copies the whole cache,
-and every draft step concatenates the block's K/V onto it again, so each cycle pays for the whole
-context. A :class:`DraftCache` allocates per layer ``keys``/``values`` of shape
-``[B, num_kv_heads, capacity + block_size, head_dim]`` once and keeps a valid ``length``::
+:class:`~dflash2_lightning.model.ContextKV` concatenates, so every append and every draft step copies the whole
+context. A :class:`DraftCache` allocates per layer ``keys``/``values`` of ``[B, num_kv_heads, capacity +
+block_size, head_dim]`` once and keeps a valid ``length``::
 
     buffer:  [ context 0 .. length-1 | scratch: the block's K/V during a step | unused ]
-              <------- valid ------->
 
-- :meth:`append` writes the new positions at ``length..length+k-1`` (a copy of ``k`` positions: O(k));
-- :meth:`crop` only lowers ``length`` (a rollback costs nothing);
-- a draft step writes the block's own K/V into the scratch slots right after ``length`` and attends to
-  the buffer's first ``length + block`` slots as a view (:class:`CacheSlot`), so it copies no context:
-  its cost depends on the context length only through attention itself.
-
-The valid part reads exactly like a ``ContextKV`` (:attr:`layers`, :attr:`positions`, :attr:`length`),
-so code written against the reference cache (tests, the sliding-window mask) keeps working.
-``ContextKV`` stays as the reference and as the training path (autograd through a concatenation);
-this class is for inference only (no autograd through the in-place writes).
+:meth:`append` writes ``k`` new positions at ``length`` (O(k)); :meth:`crop` only lowers ``length``; a draft step
+writes the block's K/V into the scratch slots and attends to the first ``length + block`` slots as a view
+(:class:`CacheSlot`), so its cost depends on the context only through attention. The valid part reads like a
+``ContextKV`` (:attr:`layers`, :attr:`positions`, :attr:`length`), so code written against the reference keeps
+working. ``ContextKV`` stays the reference and the training path (autograd through a concatenation); this class
+is for inference only. The same layout in the exported graphs: docs/export.md ("The context cache").
 """
 
 from __future__ import annotations

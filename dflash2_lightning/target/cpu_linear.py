@@ -1,33 +1,21 @@
 """Few-row matmuls on a CPU: which kernel the target's linears use for the verify pass and the draft's head.
 
-A speculative cycle multiplies every weight of the target by a handful of rows (the ``block_size``
-tokens of a verify pass, the ``block_size - 1`` drafted slots through the head). With so few rows a CPU
-matmul costs about what reading the weight costs, and which kernel reads it least differs between
-CPUs, so a target's linears choose among three for 2..:data:`SMALL_ROWS` rows::
+A speculative cycle multiplies every weight of the target by a handful of rows (the ``block_size`` tokens of a
+verify pass, the ``block_size - 1`` drafted slots through the head). With so few rows a CPU matmul costs about
+what reading the weight costs, and which kernel reads it least differs between CPUs, so for 2..:data:`SMALL_ROWS`
+rows a target's linears choose among ``stock`` (``F.linear``: BLAS repacks the weight at every call),
+``rows_first`` (``(W @ x.T).T``: streams the weight once) and ``packed`` (MKL's GEMM on a copy packed once for
+exactly the row counts the verify pass declares, :meth:`CpuLinears.declare_rows`). One row and training's
+hundreds always take ``F.linear``.
 
-    stock       F.linear: BLAS packs the weight into its panel layout at every call (a second pass
-                over the weight, and a written copy of it)
-    rows_first  (W @ x.T).T: streams the weight once, split over the threads
-    packed      MKL's GEMM on a copy of the weight packed once for exactly ``rows`` rows
-                (``torch.ops.mkl._mkl_linear``): no packing per call; only for the row counts the
-                verify pass declares (:meth:`CpuLinears.declare_rows`: a packed copy costs the weight's
-                size in memory)
-
-One row (a GEMV either way) and training's hundreds always take ``F.linear``.
-
-The choice is one typed setting, :data:`CpuLinear`, given in the target spec (``cpu_linear``) and on
-the command line (``--cpu-linear``):
-
-- ``auto`` (default): each kernel is timed once per weight shape and row count on this machine, on
-  weights streamed from memory as a forward pass reads them (:func:`streamed_copies`), and the fastest
-  is kept (rows-first must win by :data:`ROWS_FIRST_MARGIN`; packing must beat the unpacked choice);
-- ``stock``, ``rows_first``: that kernel for every few-row product (reproducible kernels);
-- ``packed``: packed weights for the declared row counts, ``F.linear`` for the others.
-
-:func:`install_cpu_linears` replaces a model's plain ``nn.Linear`` modules by :class:`FewRowLinear`
-modules that share their parameters and hold one :class:`CpuLinears` object, where the setting and
-every decision taken under it live. Which kernel wins where, measured on three CPU kinds, is in
-``docs/cpu-linears.md``.
+The choice is one typed setting, :data:`CpuLinear` (``cpu_linear`` in the target spec, ``--cpu-linear``):
+``auto`` (default) times each kernel once per weight shape and row count on weights streamed from memory
+(:func:`streamed_copies`) and keeps the fastest (rows-first must win by :data:`ROWS_FIRST_MARGIN`, packing must
+beat the unpacked choice); ``stock`` and ``rows_first`` take that kernel for every few-row product (reproducible);
+``packed`` packs for the declared row counts and takes ``F.linear`` for the others.
+:func:`install_cpu_linears` replaces a model's plain ``nn.Linear`` modules by :class:`FewRowLinear` modules that
+share their parameters and one :class:`CpuLinears` object, where the setting and every decision taken under it
+live. How ``auto`` decides, and what each kernel measured per CPU kind: docs/cpu-linears.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,20 @@
 """Batched generation with the frozen target, for regenerating training data: greedy or sampled.
 
-Continuous batching over a static K/V cache of ``slots`` rows, each row one response at a time::
+Continuous batching over a static K/V cache of ``slots`` rows, one response per row at a time: the next prompts
+are prefilled (left-padded) into free rows, each row with its own pointer and rotary position; every decode step
+picks each row's next token (greedy, or drawn from the row's own generator after the speculative loop's
+processing, :func:`~dflash2_lightning.model.sampling.draw_rows`) and runs one forward of ``[slots, 1]``; a row
+that emits an eos or hits ``max_new_tokens`` yields ``(prompt index, response ids)``, and once an eighth of the
+rows has ended the next prompts take their places. So the batch stays full while prompts remain, instead of a
+fixed batch decoding until its longest response ends.
 
-    prefill   the next prompts (token ids), left-padded together [k, P] -> their K/V written to the free
-              cache rows' slots 0..P (cache [slots, kv, longest prompt + new, d]), each row's own pointer
-              and rotary position set from its mask
-    decode    per step: logits [slots, V] -> greedy argmax, or temperature / top-k / top-p
-              (the speculative loop's processing, :func:`~dflash2_lightning.model.sampling.probabilities`),
-              one draw per row from that row's own generator (:func:`~dflash2_lightning.model.sampling.draw_rows`;
-              a row without one is greedy) -> next tokens [slots]
-              -> one forward of [slots, 1]: each row's K/V written at its own pointer, attention over its
-                 filled slots; a row that emitted an eos (or hit max_new_tokens) yields its response
-              -> once an eighth of the rows has ended, the next prompts are prefilled into them (or, with
-                 no prompt left, those rows leave the cache)
-    -> (prompt index, response token ids up to and including the first eos), in the order they end
-
-The batch stays full while prompts remain: with fixed batches a batch decodes until its longest response
-ends, its last steps running a few rows, and the batches of a regeneration average well below the full
-batch's rate (``benchmarks/bench_regen.py --mix``).
-
-Why not ``transformers.generate``: every row samples from its own seeded generator, so a response
-depends only on (prompt, seed) and not on which prompts happened to share its batch (a resumed
-regeneration reproduces an uninterrupted one exactly); finished rows stop costing compute.
-
-Why a loop of its own over the model's modules (Llama, Qwen2, Qwen3): transformers' growing cache
-copies every layer's K/V at every step, and its attention with padding masks runs PyTorch's slow
-reference kernel on CPU. The static loop calls the model's own norms, projections, rotary embedding
-and MLPs, and replaces only the cache and the attention call (its speed against the transformers-cache
-loop, float32 and bfloat16: ``benchmarks/bench_regen.py``, docs/benchmarks.md). Other architectures decode through transformers' cache
-(:func:`_decode_transformers`), with eager attention when the target is bfloat16 on CPU.
+Why not ``transformers.generate``: every row samples from its own seeded generator, so a response depends only on
+(prompt, seed), never on its batch neighbours (a resumed regeneration reproduces an uninterrupted one), and
+finished rows stop costing compute. Why a loop of its own over the model's modules (Llama, Qwen2, Qwen3):
+transformers' growing cache copies every layer's K/V at every step and its padded attention takes a slow
+reference kernel on CPU; this loop calls the model's own norms, projections, rotary embedding and MLPs and
+replaces only the cache and the attention call. Other architectures decode through transformers' cache
+(:func:`_decode_transformers`). The step in detail: docs/internals.md ("Generation"); speeds: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """`DraftFSDPStrategy`: Lightning's FSDP with what the draft needs, selected in YAML by its ``class_path``.
 
-Lightning 2.6.6's own ``FSDPStrategy`` trains this draft wrongly or not at all:
-
-- its precision plugin refuses norm clipping (the recipes clip at 1.0), because plain
-  ``torch.nn.utils.clip_grad_norm_`` over shards computes each rank's norm alone;
-- under ``bf16-mixed`` it gathers parameters *and buffers* in bf16: the draft's RoPE ``inv_freq`` (a
-  buffer) would be rounded to bf16, which serving never does, and the residual stream would run in bf16;
-- it has no wrap policy: the whole module is one FSDP unit, gathered in full for every step.
+Lightning 2.6.6's own ``FSDPStrategy`` trains this draft wrongly or not at all: its precision plugin refuses norm
+clipping (the recipes clip at 1.0), under ``bf16-mixed`` it gathers buffers in bf16 (the draft's RoPE
+``inv_freq``, which serving never rounds) and it wraps the whole module as one unit.
 
 This strategy wraps one FSDP unit per draft layer (:class:`~dflash2_lightning.model.backbone.DraftLayer`), the
-rest of the draft (``fc``, norms, the selector) in the root unit; the frozen target is a plain attribute of
-the module, so FSDP never sees it (never wrapped, sharded or cast). Mixed precision is FSDP's with every
-dtype float32: parameters are gathered and gradients reduced in float32 and buffers stay float32, while
-Lightning's autocast computes in bf16 exactly as under DDP, so FSDP trains the numbers DDP trains (gathers
-cost twice the bytes of bf16 ones; the draft is ~1B parameters, small beside the step's activations). Norm
-clipping goes through the root's :meth:`FullyShardedDataParallel.clip_grad_norm_` (the norm over all shards).
-
-Parameter groups need nothing here: :meth:`DFlash2Module.parameter_groups` decides weight decay from
-each parameter's shape recorded before wrapping. The HF export gathers full weights on rank 0 through
-Lightning's ``lightning_module_state_dict`` (``state_dict_type="full"``, the default).
-
-Use it in a config (``trainer: {strategy: {class_path: dflash2_lightning.train.fsdp.DraftFSDPStrategy}}``) or on
-the command line, as a class config (Lightning takes a plain string only for its own registered names)::
-
-    --trainer.strategy '{"class_path": "dflash2_lightning.train.fsdp.DraftFSDPStrategy"}'
+rest of the draft (``fc``, norms, the selector) in the root unit; the frozen target is a plain attribute of the
+module, so FSDP never sees it. FSDP's mixed precision keeps every dtype float32 (gathers, gradient reduction,
+buffers) while Lightning's autocast computes in bf16 exactly as under DDP, so FSDP trains the numbers DDP trains.
+Norm clipping goes through the root's :meth:`FullyShardedDataParallel.clip_grad_norm_` (the norm over all shards);
+weight decay is decided by :meth:`DFlash2Module.parameter_groups` from shapes recorded before wrapping; the HF
+export gathers full weights on rank 0 (``state_dict_type="full"``). Select it as a class config
+(``--trainer.strategy '{"class_path": "dflash2_lightning.train.fsdp.DraftFSDPStrategy"}'``: Lightning takes a
+plain string only for its own registered names). What users see: docs/training.md ("Several GPUs").
 """
 
 from __future__ import annotations

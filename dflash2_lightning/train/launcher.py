@@ -1,27 +1,20 @@
 """The processes of a multi-process fit: a rank that dies is one line naming it, and no process is left behind.
 
-Lightning's DDP launcher (``_SubprocessScriptLauncher``, Lightning 2.6) starts ranks 1..n-1 of a node as child
-processes of rank 0 and watches them from a thread that, when a child exits with an error, SIGKILLs every
-process, rank 0 included, without a word. Before that thread looks (every 5 s), rank 0's next collective fails
-with gloo's ``Connection closed by peer`` (NCCL waits for its 30-minute timeout instead), which the command
-reported as a bug in 92 lines.
-
+Lightning 2.6's DDP launcher (``_SubprocessScriptLauncher``) starts ranks 1..n-1 of a node as children of rank 0
+and, when a child exits with an error, SIGKILLs every process, rank 0 included, without a word; before it notices,
+rank 0's next collective fails (gloo) or waits for its timeout (NCCL) and the command reports a bug.
 :class:`WatchedLauncher` replaces it for the fits of this CLI (same children, same command line):
 
-- on rank 0 (the launcher), a thread polls the child ranks; an error from a collective after a peer died
-  (:func:`is_peer_failure`) becomes :class:`RankDiedError`, one line naming the rank that died and how
-  (``rank 1 (pid 4242) was killed by SIGKILL at step 17 ...``), exit status 2 (a machine fault, like a full disk);
-  if rank 0 is not in a collective (computing, or blocked where no error comes, as NCCL is), the thread reports
-  the same line itself after :data:`DEATH_GRACE_S` and ends the process and the other children;
-- on a child rank, a thread watches the launcher: if it dies, the child stops after :data:`DEATH_GRACE_S` (rank 1
-  reports it) instead of waiting on a collective; a collective error while the launcher lives is left to it
-  to report, so the user reads one line, not one per rank;
-- when the fit fails or is interrupted, rank 0 waits :data:`EXIT_GRACE_S` for its children to end and kills
-  those still running.
+- on rank 0, a thread polls the children; a collective error after a peer died (:func:`is_peer_failure`) becomes
+  :class:`RankDiedError`, one line naming the rank and how it died, exit 2 (a machine fault); if rank 0 is not in a
+  collective, the thread reports the same line itself after :data:`DEATH_GRACE_S` and ends the others;
+- on a child, a thread watches the launcher and stops the child after :data:`DEATH_GRACE_S` if it dies; a
+  collective error while the launcher lives is left to it, so the user reads one line, not one per rank;
+- when the fit fails or is interrupted, rank 0 waits :data:`EXIT_GRACE_S` for its children and kills the rest.
 
-Ranks started by an external launcher (``torchrun``, ``srun``) have no launcher process to watch: each reports a
-lost peer in its own line (``rank 3 lost its connection to another rank ...``), and the external launcher ends
-the job. A child rank that exits after an agreed stop (:mod:`~dflash2_lightning.train.preemption`) is not a death.
+Ranks started by an external launcher (``torchrun``, ``srun``) each report a lost peer in their own line and the
+launcher ends the job. A child that exits after an agreed stop (:mod:`~dflash2_lightning.train.preemption`) is not a
+death. What users see: docs/robustness.md ("Preemption: SIGTERM, SIGUSR1 and dead ranks").
 """
 
 from __future__ import annotations

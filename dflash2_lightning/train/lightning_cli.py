@@ -1,49 +1,22 @@
 """``dflash2 fit`` / ``dflash2 validate``: Lightning's ``LightningCLI`` with what training a draft needs.
 
-``dflash2 fit --config configs/tiny.yaml`` (or ``lightning fit``, ``python -m dflash2_lightning fit``).
-``fit`` / ``validate`` are Lightning's ``LightningCLI`` in subclass mode: configs name classes with
-``class_path`` / ``init_args``, ``--print_config`` prints a complete config that runs as it is, and
-any key can be overridden on the command line (``--model.init_args.optimizer.lr 3e-4``).
+``fit`` / ``validate`` are ``LightningCLI`` in subclass mode (configs name classes with ``class_path`` /
+``init_args``, ``--print_config`` prints a config that runs as it is, any key can be overridden on the command
+line); other actions are routed by :mod:`dflash2_lightning.cli`. What this CLI adds, each checked where cheapest:
 
-What this CLI adds to plain ``LightningCLI``:
+- the target is given once, under the model, and naming a target kind on the command line replaces the config's;
+  the DataModule's ``block_size`` and ``target_layer_ids`` come from the model's draft config;
+- before the target is loaded: settings checkable from the config alone, ``--ckpt_path`` (``best``, a missing
+  file, another target or geometry: :mod:`~dflash2_lightning.train.resume_checks`) and the run's plan
+  (:mod:`~dflash2_lightning.train.plan`; ``--plan.check false`` skips it);
+- run directories: atomic checkpoints and ``last.ckpt`` (:mod:`~dflash2_lightning.train.run_files`), one fit per
+  directory (:mod:`~dflash2_lightning.train.run_lock`), a fresh fit refusing old checkpoints, ``--ckpt_path last``
+  starting fresh when there is none, stale temporaries removed at start and end;
+- preemption and dead ranks (:mod:`~dflash2_lightning.train.preemption`, :mod:`~dflash2_lightning.train.launcher`);
+- the end-of-fit export for configs that name none (the caller hands in a later stage's
+  :data:`~dflash2_lightning.export.callback.FIT_END_CALLBACKS`); a status line at the end, a quieter progress bar.
 
-- the target is given once, under the model, and linked to the data (``model.init_args.target``);
-  the DataModule's ``block_size`` and ``target_layer_ids`` are taken from the instantiated model's
-  draft config, so an offline feature cache is always built for the layers the draft reads;
-- checkpoints are written atomically (:class:`~dflash2_lightning.train.run_files.AtomicCheckpointIO`) and,
-  unless a config decides ``save_last`` itself, the first ``ModelCheckpoint`` keeps ``last.ckpt``, so
-  ``--ckpt_path last`` resumes from the newest *complete* checkpoint of the run directory;
-- a fresh ``fit`` refuses a run directory that already holds checkpoints (resume it with
-  ``--ckpt_path last``, or pick another logger ``version``) instead of silently mixing two runs, and a
-  second fit in a run directory another fit is using is refused (:mod:`~dflash2_lightning.train.run_lock`);
-- ``--ckpt_path`` is checked before anything is set up: ``best`` and a missing file are refused, and a
-  checkpoint trained against another target or draft geometry is refused in one line
-  (:mod:`~dflash2_lightning.train.resume_checks`);
-
-- naming a target kind on the command line (``--model.init_args.target.path X``, ``.gguf``, ``.tiny`` or a
-  whole ``--model.init_args.target '{...}'``) *replaces* the config's target instead of being merged
-  with it (a config's ``tiny: {}`` plus a new ``path`` would name two targets);
-- before the target is loaded or a feature cache is built, ``fit`` makes the run's plan
-  (:mod:`~dflash2_lightning.train.plan`: memory per device and the cache's disk, from the target's config.json
-  alone) and refuses a run that clearly cannot fit; ``--plan.check false`` skips it (``dflash2 plan`` prints it);
-- settings that can be checked from the config alone (data files exist, ``token_loss: kd`` offline
-  needs ``teacher_top_k > 0``) are checked before anything is instantiated, so a mistake never
-  costs a target load or a feature-cache build;
-- ``--ckpt_path last`` with no checkpoint in the run directory says so on stderr and starts a fresh
-  run (so the same command starts and resumes a preemptible job); temporary checkpoint files of
-  killed runs are removed when a fit starts and when it ends;
-- SIGTERM or SIGUSR1 (a scheduler's preemption, SLURM's requeue warning) stops every rank of a fit at the next
-  step boundary with a checkpoint of that step and one line saying how to resume
-  (:mod:`~dflash2_lightning.train.preemption`); a rank that dies is one line naming it, and no rank is left
-  waiting on a collective (:mod:`~dflash2_lightning.train.launcher`);
-- a run whose config does not name a callback of ``fit_end_callbacks`` gets one (the end-of-fit export: the
-  caller, ``dflash2 fit`` or the quickstart, hands in :data:`~dflash2_lightning.export.callback.FIT_END_CALLBACKS`,
-  a later stage than this one), so an older config exports as before;
-- one status line at the end of ``fit`` (step, final train loss, validation τ, where the draft went),
-  a progress bar without the meaningless ``Epoch 0/-2`` and ``v_num``, and without Lightning's
-  advertisement and irrelevant warnings.
-
-The other actions (``quickstart``, ``eval``, ``regen`` ...) are routed by :mod:`dflash2_lightning.cli`.
+What users see: docs/configuration.md ("``fit`` and ``validate``"), docs/training.md, docs/robustness.md.
 """
 
 from __future__ import annotations

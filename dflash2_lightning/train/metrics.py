@@ -1,62 +1,19 @@
 """Acceptance metrics of a draft, from the same forward as the loss (torchmetrics, DDP-safe).
 
-For a drafting path (the backbone's argmax, and for DFlash2 the selector's greedy walk over each
-block's top-k seeded with the anchor) and block offsets ``k = 1 .. bs-1``:
+For a drafting path (the backbone's argmax; for DFlash2 the selector's greedy walk over each block's top-k,
+seeded with the anchor) and block offsets ``k = 1 .. bs-1``: ``acc_k`` = P(the draft token at offset ``k`` is
+right), ``accept_k`` = P(offsets ``1..k`` are all right) and ``tau = 1 + sum_k accept_k``. "Right" is the target's
+greedy token when its logits are at hand (online, or ``target_next`` offline), else the data token. A slot is
+*counted* iff the loss trains on it (a real block, ``a + k < S``, ``loss_mask`` set), so a truncated block is
+neither a rejection nor an acceptance; an offset no block reached reports 0. Selector ``coverage`` and
+``accuracy``, and :class:`SelectorHealth` (``recall_k``, ``picked_k``, ``passed_over_k`` over the blocks that
+reached offset ``k``), complete the greedy picture.
 
-``acc_k``
-    P(the draft token at offset ``k`` is right), over the *counted* slots at offset ``k``.
-``accept_k``
-    P(offsets ``1..k`` are all right), over the blocks whose offsets ``1..k`` are *all* counted: the
-    acceptance curve under greedy verification.
-``tau = 1 + sum_k accept_k``
-    The expected tokens per verify step (accepted drafts + the target's own token).
-
-"Right" means equal to the target's greedy token at that position (its argmax at ``a + k - 1``) when
-the target's logits are at hand (online, or ``target_next`` from the offline cache), else the data
-token. A slot is *counted* iff its block is a real (not padded) block, ``a + k < S`` and the position
-``a + k`` is supervised (``loss_mask``): exactly the slots the loss trains on. Positions beyond the
-supervised region (the prompt, padding, the next packed document) are therefore never counted, and a
-block whose supervised region ends after ``m`` offsets contributes to ``accept_1..accept_m`` only, so
-a truncated block neither counts as a rejection nor as an acceptance. An offset no block reached
-reports 0 (no evidence of acceptance).
-
-Selector ``coverage`` is P(the right token is among the draft's top-k) and ``accuracy`` P(the selector,
-scoring the top-k with the teacher-forced predecessor, picks the right token), both over counted slots.
-
-Selector health (:class:`SelectorHealth`, DFlash2 only), per offset ``k``, over the blocks that *reached*
-offset ``k`` (offsets ``1..k-1`` all right and counted, offset ``k`` counted: a verify step would look at it):
-
-``recall_k``
-    P(the right token is among the selector's top-k candidates at ``k``);
-``picked_k``
-    P(the selector's greedy walk drafted it), i.e. the acceptance at ``k`` given offsets ``1..k-1`` accepted;
-``passed_over_k``
-    P(it was among the candidates but the walk drafted another token).
-
-``picked_k + passed_over_k = recall_k`` (the walk drafts only candidates), and ``picked_1 = accept_1``.
-``dflash2 eval`` counts the same three over the loop's cycles (the T=0 replay), so its figures and these
-differ only in which anchors they average over.
-
-Every state is an integer count with ``sum`` reduction, so DDP ranks add up exactly; ratios are
-formed in ``compute``.
-
-Under sampling (:class:`SampledAcceptance`, logged as ``val/t<T>/...`` when the module is given a
-``val_temperature``), a slot is not right or wrong: the speculative-sampling rule accepts the draft
-at offset ``k`` with probability ``alpha_k = sum_v min(p_k(v), q_k(v))``, where ``p_k`` is the target's
-and ``q_k`` the draft's distribution at that slot, both processed by the same sampling settings
-(:func:`dflash2_lightning.model.sampling.probabilities`). ``q_k`` is the backbone's processed softmax, or
-for the selector the processed softmax of its scores over the top-k after the teacher-forced
-predecessor. The estimate is ``accept_k = E[prod_{j <= k} alpha_j]`` over blocks and
-``tau = 1 + sum_k accept_k``. It can differ from the τ measured by sampled speculative decoding at
-that temperature because (besides the anchors, as for greedy):
-
-* it conditions every offset on the teacher-forced prefix (the data, or the target's greedy text),
-  while the loop conditions offset ``k`` on the drafts it accepted before, a sample; the product of
-  per-offset expectations is not the expectation of the product when ``p_k`` or ``q_k`` depends on
-  that prefix (the selector's ``q`` always does);
-* offline, ``p_k`` is the renormalised cached top-k of the target, missing the mass outside it.
-
-Its states are float sums (``sum`` reduction): DDP adds them up to rounding.
+:class:`SampledAcceptance` (``val/t<T>/...``) estimates the acceptance under speculative sampling,
+``accept_k = E[prod_{j <= k} alpha_j]`` with ``alpha_k = sum_v min(p_k(v), q_k(v))``.
+Greedy states are integer counts with ``sum`` reduction (DDP adds them up exactly), sampled ones float sums;
+ratios are formed in ``compute``. The definitions in full, and why the sampled estimate can differ from the
+loop's τ: docs/internals.md ("The trainer's metrics"); what users read: docs/measuring-tau.md.
 """
 
 from __future__ import annotations

@@ -8,26 +8,15 @@ One training step::
     DraftObjective: anchors -> blocks -> one draft forward -> token loss (+ selector loss)
     AdamW, linear warmup then cosine to ``min_lr_ratio * lr``, stepped every optimizer step
 
-The draft's geometry comes from the target (``Target.draft_config``): hidden size, vocabulary, heads,
-RoPE base and default feature layers are never typed twice; the init arguments only override.
-
-The target is *not* a registered child module: it never appears in ``state_dict`` (so Lightning
-checkpoints hold the draft alone), never gets gradients and is not wrapped by DDP/FSDP. It is loaded
-through the memoised :func:`~dflash2_lightning.target.load.load_target`, so the DataModule shares the
-same instance, and moved to the module's device on first use (offline: only its embedding and head).
-
-Anchors are drawn from a generator seeded by ``(anchor_seed, global_step, batch_idx, rank)``: no RNG
-state to save, and a resumed run draws exactly the anchors the uninterrupted run would have drawn.
-Validation anchors are seeded by each sample's content, so validation metrics do not depend on the
-step, the batch composition or the number of DDP ranks.
-
-Checkpoints record the target the draft was trained against and whether a validation was due after the
-step they cover; a resume against another target is refused, and a due validation runs after the resume
-(:mod:`~dflash2_lightning.train.resume_checks`, :mod:`~dflash2_lightning.train.due_validation`).
-
-At the end of ``fit`` the callback :class:`~dflash2_lightning.export.callback.ExportOnFitEnd` writes the draft
-(:meth:`DFlash2Module.draft_from_state`) as an HF checkpoint to ``export.dir`` (default ``<run dir>/hf``), in the
-target's dtype, with ``SERVING.md`` and the acceptance record beside it; the ``export`` group holds its settings.
+The draft's geometry comes from the target (``Target.draft_config``); the init arguments only override. The
+target is *not* a registered child module: it never appears in ``state_dict``, never gets gradients and is never
+wrapped by DDP/FSDP; it is loaded through the memoised :func:`~dflash2_lightning.target.load.load_target` (the
+DataModule shares it). Anchors are drawn from a generator seeded by ``(anchor_seed, global_step, batch_idx,
+rank)`` (no RNG state to save; a resume draws the same anchors), validation anchors by each sample's content.
+Checkpoints record the target and a due validation (:mod:`~dflash2_lightning.train.resume_checks`,
+:mod:`~dflash2_lightning.train.due_validation`); at the end of ``fit``
+:class:`~dflash2_lightning.export.callback.ExportOnFitEnd` writes the HF checkpoint, ``SERVING.md`` and the
+acceptance record (the ``export`` group holds its settings).
 """
 
 from __future__ import annotations

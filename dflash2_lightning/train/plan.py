@@ -5,34 +5,13 @@ target or builds a feature cache and refuses a run that clearly cannot fit (``--
 Nothing is loaded: the target's geometry comes from its ``config.json`` (a GGUF's metadata, a tiny target's
 settings) and its parameters are counted on the meta device; the draft is built on the meta device too.
 
-Per device, for one training step (``B`` samples of ``S`` tokens, ``N`` anchors of ``bs`` tokens: ``R = B*N*bs``
-block rows, ``C = B*S`` context rows; ``s`` bytes of a parameter, ``a`` of the compute dtype)::
-
-    draft weights, gradients      P*s each (divided across devices under FSDP; DDP adds a gradient bucket copy
-                                  unless gradient_as_bucket_view)
-    AdamW m, v                    2*P*s (the fp32 master weights are the weights: mixed precision keeps them)
-    frozen target                 online: all its weights in its dtype; offline: its embedding and head only;
-                                  target.shard fsdp: 1/devices of its weights, whole copies of its embedding and
-                                  head, and its largest decoder layer twice (the running one and the next, gathered)
-    target forward (online)       the feature layers (captured by hooks), a layer's input, output and MLP, the
-                                  final hidden state, the logits when they are read (kd), under no_grad, before
-                                  the draft's step
-    draft activations             the context path (fc, hidden_norm, per-layer K/V of C rows), per layer the
-                                  norms, q/k/v with their norms and RoPE, K/V over context + block, the attention
-                                  output, the MLP's four I-wide tensors, the block convolutions' deltas and outputs
-    logits and loss               the head's logits, their float32 copy, log-softmax and its gradient, for all
-                                  B*N*(bs-1) slots or one chunk of LOGITS_CHUNK_ELEMENTS (objective.py)
-    autocast weight copies        mixed precision: every draft weight in the compute dtype, saved for backward
-    FSDP gathered unit            the largest layer unsharded, twice (float32 under DraftFSDPStrategy)
-
-Peak = the persistent part + the largest of the target's forward, the draft's step and the optimiser step (the
-for-each AdamW's temporaries on a CPU; CUDA's fused AdamW updates in place).
-A mixture-of-experts target holds every expert's weights (the frozen target's memory) but a token's forward reads
-only ``num_experts_per_tok`` of each layer's routed experts (:mod:`dflash2_lightning.target.experts`): the compute
-line (the target forward's FLOPs, online per step, offline per sample of the cache build) counts those, and the
-forward's MLP transient is their width.
+Peak per device = the persistent part (draft weights, gradients, AdamW state, the frozen target) plus the largest
+of the target's forward, the draft's step (activations saved for backward, logits and loss, autocast weight
+copies, FSDP's gathered unit) and the optimiser step. A mixture-of-experts target holds every expert's weights but
+a token's forward reads only ``num_experts_per_tok`` routed experts (:mod:`dflash2_lightning.target.experts`).
 It is an estimate of what is saved for backward, not a trace: ``tests/train/test_plan.py`` checks it against the
-measured peak of CPU fits (within 20%) and the offline cache against the bytes a real build writes.
+measured peak of CPU fits and the offline cache against the bytes a real build writes. Each term, with its
+formula: docs/internals.md ("The plan's memory model"); what users see: docs/training.md ("Will it fit?").
 """
 
 from __future__ import annotations

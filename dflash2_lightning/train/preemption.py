@@ -1,45 +1,21 @@
 """Preemption: SIGTERM or SIGUSR1 stops a fit at the next step boundary, with a checkpoint of that step, on every rank.
 
-What the user sees (``docs/robustness.md``, "Preemption")::
+The user sees one line (the step reached, its checkpoint, the command that resumes) and exit status ``128 +
+signal`` (143 SIGTERM, 138 SIGUSR1): a scheduler tells a preemption from bad input (2) or a bug (1). Whichever
+rank gets the signal, the handler (:class:`StopRequest`) only records it; at every optimizer-step boundary
+(:class:`StopAtStepBoundary`) the ranks agree with one all-reduce of it, so all stop at the same step and none
+waits in a collective for a peer that left. Every rank then takes part in ``trainer.save_checkpoint`` of that step
+(atomic, to the ``last.ckpt`` that ``--ckpt_path last`` resumes, where ``ModelCheckpoint`` takes its step
+checkpoints: the resume is exact) and raises :class:`FitInterrupted` (rank 0) or a quiet
+:class:`~dflash2_lightning.errors.ReportedByAnotherRank`, which :func:`~dflash2_lightning.reporting.run_command`
+turns into the line. Why not Lightning 2.6's handling: it runs a ``broadcast`` inside the signal handler, a
+collective no other rank is in; :class:`PreemptionSignalConnector` replaces its signal connector for ``fit``.
 
-    dflash2: error: fit interrupted by SIGTERM at step 34 of 40: checkpoint of step 34 saved to
-    runs/tiny/default/checkpoints/last.ckpt; resume with: dflash2 fit --config configs/tiny.yaml --ckpt_path last
-
-(one line) and exit status ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1), as a shell reports a process
-that the signal ended: a scheduler or wrapper sees an unfinished run, and can tell it from a bad input (2) or a
-bug (1).
-
-How. A scheduler sends SIGTERM to one process or to all of them (SLURM and Kubernetes signal every task;
-``kill`` signals one); SLURM sends SIGUSR1 ahead of a time limit (``#SBATCH --signal=USR1@90``). Whichever rank
-gets it, the handler (:class:`StopRequest`) only records the signal. At every optimizer-step boundary
-(:class:`StopAtStepBoundary`, ``on_train_batch_end``) the ranks agree with one all-reduce of the recorded signal
-(max over ranks), so they all stop at the same step and no rank is left waiting in a collective for a peer that
-has left. Every rank then takes part in ``trainer.save_checkpoint`` of that step (written atomically, rank 0
-writing, to the file ``--ckpt_path last`` resumes: the first ``ModelCheckpoint``'s ``last.ckpt``) and raises
-:class:`FitInterrupted` (rank 0) or a quiet :class:`~dflash2_lightning.errors.ReportedByAnotherRank` (the
-others), which :func:`~dflash2_lightning.reporting.run_command` turns into the one line and the exit status.
-The checkpoint is taken where ``ModelCheckpoint`` takes its step checkpoints, so the resume is exact (a
-validation that was due after that step runs after the resume: :mod:`~dflash2_lightning.train.due_validation`).
-
-Why not Lightning's own handling (2.6): its SIGTERM handler forwards the signal to the child ranks and runs a
-``broadcast`` *inside the signal handler*, a collective no other rank is in, so a DDP fit hangs until the
-collective timeout (30 minutes), and a single-process fit ends with status 0 and no checkpoint of the step it
-reached. :class:`PreemptionSignalConnector` replaces Lightning's signal connector for ``fit``:
-``trainer.received_sigterm`` stays False, so Lightning's loops never stop on their own, unagreed.
-
-Phases. Before training starts (parsing, loading the target, building a feature cache, setting up) a signal
-stops the process at once (there is nothing to save): :class:`FitInterrupted` is raised from the handler.
-From Lightning's ``register_signal_handlers`` on, the signal is only recorded; the ranks agree when training
-starts (a signal during the sanity check: no step is taken, the checkpoint resumed from is unchanged) and at
-every step boundary after. A signal during a validation takes effect after it, at the end of the next step
-(a checkpoint in the middle of a validation would not resume exactly). After the last step the fit finishes
-(validation, export) and exits normally. A second signal (SIGTERM, SIGUSR1) ends the process at once,
-without a checkpoint of the step (the last complete checkpoint is kept); SIGINT keeps Python's and
-Lightning's meaning (KeyboardInterrupt: stop now).
-
-SLURM. Under SLURM with Lightning's auto-requeue (``SLURMEnvironment``, on by default), the requeue signal
-(SIGUSR1) also requeues the job (``scontrol requeue``, rank 0, after the checkpoint is written), as
-Lightning's handler does; the requeued job resumes when its command has ``--ckpt_path last``.
+Phases: before training starts a signal stops the process at once (nothing to save); from Lightning's
+``register_signal_handlers`` on it is only recorded, and the ranks agree when training starts and at every step
+boundary (a signal during a validation takes effect at the end of the next step); after the last step the fit
+finishes normally. A second signal ends the process at once; SIGINT keeps its meaning. Under SLURM the requeue
+signal also requeues the job, as Lightning's handler does. Each case for users: docs/robustness.md ("Preemption").
 """
 
 from __future__ import annotations

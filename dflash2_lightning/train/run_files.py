@@ -1,29 +1,18 @@
 """Run files that survive crashes and resumes: atomic checkpoints and a metrics.csv that is kept.
 
-Checkpoints
-    Lightning 2.6 saves through ``fsspec``'s transaction (``_atomic_save``): the bytes go to a temporary
-    file from ``tempfile.mkstemp()`` — in the system temp directory, not beside the checkpoint — and
-    the commit ``shutil.move``s it into place. When the temp directory and the run directory are on
-    different filesystems (a tmpfs ``/tmp``, a network or bucket-mounted run directory) that move is a
-    *copy into the final path*, so a run killed mid-copy leaves a truncated ``last.ckpt`` that
-    ``--ckpt_path last`` then picks. Nothing is fsynced either.
+:class:`AtomicCheckpointIO`: Lightning 2.6 saves through ``fsspec``'s transaction, whose temporary file is made by
+``tempfile.mkstemp()`` in the system temp directory and ``shutil.move``d into place, a *copy into the final path*
+when the run directory is on another filesystem (so a kill mid-copy leaves a truncated ``last.ckpt`` that
+``--ckpt_path last`` picks), and nothing is fsynced. Here local checkpoints go to a temporary in the checkpoint's
+own directory (named as :mod:`dflash2_lightning.files` names them, which Lightning's ``last*.ckpt`` discovery never
+matches), fsynced and ``os.replace``d, the directory fsynced. Remote paths (``s3://`` ...) keep Lightning's writer;
+an unreadable checkpoint is a :class:`CheckpointError` naming the file.
 
-    :class:`AtomicCheckpointIO` writes local checkpoints to a temporary file *in the checkpoint's own
-    directory*, fsyncs it, ``os.replace``s it onto the final name (atomic on POSIX) and fsyncs the
-    directory. A kill at any moment leaves either the previous complete file or the new complete one.
-    Temporary files are named ``.<name>.<host>-<pid>.<random>.tmp`` (:mod:`dflash2_lightning.files`),
-    which Lightning's ``last*.ckpt`` discovery never matches; the CLI removes those of killed runs when a
-    fit starts and when it ends. Remote paths (``s3://`` ...) keep Lightning's own writer. A checkpoint
-    that cannot be read (truncated, not a checkpoint) is a :class:`CheckpointError` naming the file.
-
-Metrics
-    Lightning 2.6's ``CSVLogger`` *deletes* an existing ``metrics.csv`` when it opens a run directory
-    that is not empty, so resuming a run (same directory, ``--ckpt_path last``) wipes the loss curve
-    so far. :class:`ResumableCSVLogger` appends to it instead, and on resume drops the rows logged
-    after the checkpoint the run restarts from (they are logged again), so the file reads as one run.
-    Lightning's writer also rewrites the whole file in place when a new column appears, and appends rows
-    that a full disk can tear: here a rewrite is atomic and a failed append is cut back off, so
-    ``metrics.csv`` always holds exactly the rows written before the failure.
+:class:`ResumableCSVLogger`: Lightning 2.6's ``CSVLogger`` *deletes* an existing ``metrics.csv`` when it opens a
+run directory that is not empty, so a resume would wipe the loss curve. This one appends instead and, on resume,
+drops the rows logged after the checkpoint the run restarts from (they are logged again), so the file reads as one
+run; a rewrite for a new column is atomic and an append a full disk tore is cut back off.
+What users see: docs/robustness.md ("Training runs").
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """Warm start: begin the draft as a copy of the target layers that follow its last feature layer.
 
-The draft has the target's geometry, so its layers can start as the target's own instead of random
-ones. With features from target layer ``l`` (HF ``hidden_states[l + 1]``, the input of layer ``l + 1``)::
+The draft has the target's geometry, so its layers can start as the target's own instead of random ones. With
+features from target layer ``l`` (HF ``hidden_states[l + 1]``): draft layer ``i`` <- target layer ``l + 1 + i``,
+``hidden_norm`` <- layer ``l + 1``'s ``input_layernorm``, ``fc`` <- identity on the last feature layer's columns,
+``norm`` <- the target's final norm. At step 0 the draft's context K/V are then what target layer ``l + 1``
+computes from its input (up to the per-head k_norm a Llama target lacks), and its output is read by the head as
+the target's last hidden state is; the block convolution and the selector keep their no-op init. What is left to
+learn is running those layers on the block's tokens instead of the target's residual stream.
 
-    draft layer i        <- target layer l + 1 + i   (norms, q/k/v/o, MLP; q_norm/k_norm stay 1 when
-                                                      the target has none, e.g. Llama)
-    hidden_norm          <- target layer l + 1's input_layernorm
-    fc                   <- identity on the last feature layer's columns, 0 elsewhere
-    norm                 <- the target's final norm
-
-so at step 0 the draft's context keys/values are exactly what target layer ``l + 1`` computes from
-its input (up to the per-head k_norm a Llama target lacks), and its output is read by the head the
-way the target's last hidden state is. The block convolution and the selector keep their no-op init.
-What the draft still has to learn is to run those layers on the block's tokens (the anchor and mask
-embeddings) instead of the target's deep residual stream, which is far less than learning them from
-random weights on a few thousand sequences.
-
-The candidate selector can start from the target's token embedding (:func:`init_selector_from_embedding`):
-its codebooks hold one row per vocabulary token, and a batch trains only the rows of the tokens in it, so
-on a CPU budget most rows never move from their random init. Starting both codebooks at each token's
-coordinates on the embedding's top-``r`` principal directions gives a rarely seen token the vector of
-the tokens it resembles, and what the selector learns about one token carries over to its neighbours.
+:func:`init_selector_from_embedding` starts both selector codebooks at each token's coordinates on the target
+embedding's top-``r`` principal directions: a batch trains only the rows of its tokens, so on a small budget most
+rows would never leave their random init; this way a rarely seen token starts at the vector of tokens it
+resembles. Both are ``experimental`` options; what they measured: docs/recipe.md.
 """
 
 from __future__ import annotations

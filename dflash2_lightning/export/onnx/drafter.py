@@ -8,18 +8,12 @@ It duck-types what the speculative loop uses of a draft (``dflash2_lightning.dec
     cache.crop(n)                                            # a rollback: only the valid length moves
     tokens = drafter.draft_block(anchor [B], cache, embed, head, start)      # -> [B, bs-1] int64
 
-The cache is the torch :class:`~dflash2_lightning.model.DraftCache`; its buffers are handed to
-``draft_step`` as numpy views of the same memory (no copy per step), with the valid ``length``. A
-reference :class:`~dflash2_lightning.model.ContextKV` works too (its tensors are the buffers, all
-valid). ``embed`` and ``head`` are accepted for interface compatibility and ignored: the target's
-embedding and head are baked into ``draft_step``.
-
-Greedy only: ``draft_step`` returns the walked tokens, not the candidates, scores and distributions
-a sampled proposal needs, so the loop refuses ``temperature > 0`` with this drafter.
-
-Sessions run with onnxruntime's intra-op thread pool *not spinning* between calls by default: in
-the speculative loop the target's torch forward runs right after every draft step, and spinning
-onnxruntime workers would take the cores torch's threads need.
+The cache is the torch :class:`~dflash2_lightning.model.DraftCache` (a reference
+:class:`~dflash2_lightning.model.ContextKV` works too); its buffers go to ``draft_step`` as numpy views of the
+same memory with the valid ``length``, no copy per step. ``embed`` and ``head`` are ignored: the target's are
+baked into ``draft_step``. Greedy only (``draft_step`` returns walked tokens, not the distributions a sampled
+proposal needs). Sessions do not spin their thread pools between calls by default: in the loop the target's
+torch forward runs right after every draft step and needs the cores. More: docs/export.md.
 """
 
 from __future__ import annotations

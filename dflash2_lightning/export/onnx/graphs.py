@@ -1,31 +1,18 @@
 """The two drafting graphs as torch modules, in the exact form they are exported.
 
-A server drafts in two calls, over a context cache it preallocates once (per layer ``k_i``, ``v_i`` of
-``[B, num_kv_heads, N, head_dim]``, ``N`` = its capacity) and owns:
+A server drafts in two calls over a context cache it preallocates once and owns (per layer ``k_i``, ``v_i`` of
+``[B, num_kv_heads, N, head_dim]``, ``N`` = capacity): ``context`` maps the ``C`` newly verified target features
+(``features [B, C, n_t*H]``, ``positions [B, C]``) to their K/V (:meth:`DraftModel.context_kv`), which the caller
+writes at ``length..length+C-1`` (appending costs O(new tokens)); ``draft_step`` maps the cache buffers,
+``length [B]`` (slots ``>= length`` ignored, whatever they hold), ``anchor [B]``, ``start [B]`` (and with a
+sliding window ``context_positions [B, N]``) to ``tokens [B, bs-1]`` and the final-norm ``hidden [B, bs-1, H]``,
+through the baked embedding, the draft layers, the baked head and argmax (DFlash) or the lattice walk (DFlash2).
 
-``context``
-    ``features [B, C, n_t*H]``, ``positions [B, C]`` -> ``k_0, v_0, ..., k_{L-1}, v_{L-1}``, each
-    ``[B, num_kv_heads, C, head_dim]``: the K/V of the ``C`` newly verified target features
-    (:meth:`DraftModel.context_kv`). The caller writes them into its buffers at ``length..length+C-1``
-    (a copy of ``C`` positions: appending costs O(new tokens), never O(context)).
-
-``draft_step``
-    ``k_0, v_0, ..., k_{L-1}, v_{L-1}`` (the cache buffers, ``N`` = capacity), ``length [B]`` (valid
-    positions per row: slots ``>= length`` are ignored, whatever they hold), ``anchor [B]``, ``start [B]``
-    (the anchor's position) and, only with a sliding window, ``context_positions [B, N]`` ->
-    ``tokens [B, bs-1]`` and ``hidden [B, bs-1, H]`` (the final-norm hidden states the head reads; kept
-    for tolerance checks and optional to export). Inside: the target's embedding (baked), the draft
-    layers with their block convolutions, the final norm, the target's head (baked), then argmax
-    (DFlash) or top-k + ``hidden_projection`` (a plain MatMul) + the lattice walk (DFlash2).
-
-The step reads the buffers and never writes or copies them: each layer scores the block against the
-cache and against the block's own K/V separately and normalises both together (:class:`BufferedKV`),
-so no graph concatenates the context, and the query heads of a KV head are grouped instead of K/V
-being repeated per head. The buffers are plain inputs, so the same device memory can be bound to
-every call (onnxruntime IO binding, TensorRT ``set_tensor_address``) with nothing aliased.
-
-``B`` (``"batch"``), ``C`` (``"context"``) and ``N`` (``"capacity"``) are dynamic. Names are the public
-interface of the exported files; K/V layouts are the same as the torch draft's.
+Why this shape: the step reads the buffers and never writes or copies them (each layer scores the block against
+the cache and against its own K/V separately and normalises both together, :class:`BufferedKV`; grouped query
+heads instead of repeated K/V), so nothing is aliased and the same device memory can be bound to every call
+(onnxruntime IO binding, TensorRT ``set_tensor_address``). ``B`` (``"batch"``), ``C`` (``"context"``) and ``N``
+(``"capacity"``) are dynamic; the names are the exported files' public interface (docs/export.md).
 """
 
 from __future__ import annotations

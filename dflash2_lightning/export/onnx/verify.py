@@ -1,23 +1,16 @@
 """Check an exported drafter against the torch draft with onnxruntime.
 
-For each (batch, context) case: random target features and per-row position offsets go through
-``context`` (K/V compared with :meth:`DraftModel.context_kv`); onnxruntime's K/V are then written into a
-preallocated cache (:class:`~dflash2_lightning.model.DraftCache`) whose capacity exceeds the context and
-whose unused slots hold garbage, and ``draft_step`` runs over those buffers with the valid ``length``
-(hidden compared with the torch block, tokens with :meth:`DraftModel.draft_block`): a step that read a
-slot past ``length`` would fail here.
+For each (batch, context) case: random target features and per-row position offsets go through ``context``
+(K/V compared with :meth:`DraftModel.context_kv`); onnxruntime's K/V are then written into a preallocated
+:class:`~dflash2_lightning.model.DraftCache` whose capacity exceeds the context and whose unused slots hold
+garbage, and ``draft_step`` runs over those buffers with the valid ``length`` (hidden compared with the torch
+block, tokens with :meth:`DraftModel.draft_block`): a step that read a slot past ``length`` would fail here.
 
-Tolerances (:data:`TOLERANCES`):
-
-- float32: the runtimes differ only in summation order (~1e-6), so K/V and hidden must agree within
-  ``1e-4 + 1e-4 * |torch|`` elementwise and the tokens must be identical.
-- float16: both runtimes round differently inside every matmul, and neither is "the" answer. Both
-  are measured against torch in float32: onnxruntime's worst error may be at most twice torch
-  float16's own worst error, plus ``1e-2``. Tokens (onnxruntime vs torch float16) may flip where
-  torch's two best choices are within ``0.05 + 0.01 * |best|`` of each other, so each row is
-  compared up to its first such near-tie (after it the walk continues from another predecessor).
-- bfloat16 graphs cannot run on onnxruntime's CPU provider (no bf16 kernels for MatMul, Add, ...);
-  they are checked for structure only (checker, shape inference, custom nodes).
+Tolerances (:data:`TOLERANCES`): float32 differs only in summation order, so values agree within
+``1e-4 + 1e-4 * |torch|`` and tokens exactly; float16 is judged against torch float32 (onnxruntime's worst error
+at most twice torch float16's plus ``1e-2``), tokens compared up to each row's first near-tie; bfloat16 graphs are
+checked for structure only (onnxruntime's CPU provider has no bf16 kernels). The reasoning: docs/internals.md
+("ONNX verification").
 """
 
 from __future__ import annotations

@@ -4,23 +4,17 @@
                             [--graph draft_step] [--batch 1,1,16] [--context 1,256,4096]
                             [--dim NAME=min,opt,max ...] [--timing-cache FILE] [--no-compare]
 
-For every graph (``<name>.onnx`` in the directory; the ``<name>.trt.onnx`` copy without function
-bodies is parsed when present, so the ``dflash`` nodes cannot fall back to their reference bodies)
-it registers the plugins of :mod:`dflash2_lightning.ops.tensorrt_plugins` (ahead-of-time Triton kernels: the engine runs
-without Python), parses the graph (with ``aot=1`` added to each ``dflash`` node, the ONNX parser's
-switch to a plugin's AOT implementation), gives every dynamic dimension an optimisation-profile range
-(dimensions named like ``batch`` take ``--batch``, those named like ``context``/``capacity``/``past``/
-``seq``/``len``/``tokens`` take ``--context``, any other needs ``--dim``; ``draft_step``'s cache buffers
-have the ``capacity`` axis: give it ``--dim capacity=...`` to size the preallocated cache a server
-binds, e.g. its maximum sequence length plus the block), builds with a persistent timing
-cache, writes the engine, and runs engine and onnxruntime (on the copy *with* bodies) on the same
-random inputs at the profile's min and opt shapes: token outputs must agree exactly in float32
-graphs, floats within a tolerance set by the output dtype.
+For every graph it registers the plugins of :mod:`dflash2_lightning.ops.tensorrt_plugins` (ahead-of-time Triton
+kernels: the engine runs without Python), parses the ``<name>.trt.onnx`` copy without function bodies when
+present (so ``dflash`` nodes cannot fall back to their reference bodies; ``aot=1`` is added to each), gives every
+dynamic dimension an optimisation-profile range (``batch``-like names take ``--batch``; ``context``,
+``capacity``, ``past``, ``seq``, ``len``, ``tokens``-like names ``--context``; others need ``--dim``), builds with
+a persistent timing cache, and runs engine and onnxruntime on the same random inputs at the profile's min and opt
+shapes (tokens exact in float32 graphs, floats within a tolerance set by the output dtype).
 
-TensorRT and an NVIDIA GPU are required. Without either the script stops at once (exit code 2) and
-says which is missing and how to install it: TensorRT's libraries come from NVIDIA's package index,
-not from PyPI. Exit codes: 0 ok, 2 missing requirement or bad arguments, 3 build failed, 4 engine
-and onnxruntime disagree.
+TensorRT and an NVIDIA GPU are required; without either it stops at once and says which is missing and how to
+install it. Exit codes: 0 ok, 2 missing requirement or bad arguments, 3 build failed, 4 engine and onnxruntime
+disagree. Serving a preallocated cache (``--dim capacity=...``): docs/export.md.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class TargetOutput(NamedTuple):
 def _weight_of(module: nn.Module, what: str) -> torch.Tensor:
     """``module.weight`` of the target's ``what`` (its embedding or head), refused in one line where it is not a
     tensor (a module whose computation is more than a weight matrix)."""
-    weight = module.weight
+    weight = getattr(module, "weight", None)  # not module.weight: an AttributeError in a property reads as no property
     if not isinstance(weight, torch.Tensor):
         raise TargetError(
             f"the target's {what} ({type(module).__name__}) has no weight tensor: "

@@ -185,7 +185,7 @@ class DraftConfig:
             f"num_attention_heads={self.num_attention_heads}",
             verb="divide",
         )
-        check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "an even number (RoPE rotates pairs)")
+        check(self.resolved("head_dim") % 2 == 0, "head_dim", self.head_dim, "an even number (RoPE rotates pairs)")
         check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
         check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
         check(self.hidden_act == "silu", "hidden_act", self.hidden_act, "'silu' (the Qwen3 MLP)")
@@ -269,6 +269,15 @@ class DraftConfig:
     @property
     def conv_num_groups(self) -> int:
         return self.hidden_size // self.conv_group_size
+
+    def resolved(self, name: Literal["head_dim", "intermediate_size"]) -> int:
+        """``head_dim`` or ``intermediate_size`` as an int. The fields are Optional only so that the constructor
+        can derive them: ``__post_init__`` sets them and :meth:`validate` checks them, so a built config holds
+        ints; a field cleared afterwards is refused here, naming it."""
+        value = self.head_dim if name == "head_dim" else self.intermediate_size
+        if value is None:
+            raise ConfigError(f"{name}=None is invalid: must be an integer >= 1 (set it, or leave it to DraftConfig)")
+        return value
 
     def replace(self, **changes: Any) -> DraftConfig:
         """A validated copy with some fields changed."""

@@ -41,7 +41,7 @@ def percentile_bounds(x: np.ndarray, level: float = LEVEL) -> list[float | None]
 
 
 def bootstrap_intervals(
-    histograms: Sequence[Sequence[int]],
+    histograms: Sequence[Sequence[int] | np.ndarray],
     tokens: Sequence[float] | None = None,
     seconds: Sequence[float] | None = None,
     base_tokens: Sequence[float] | None = None,
@@ -213,7 +213,7 @@ def replay_summary(
     accept = [float(pooled[k:].sum() / cycles) if cycles else None for k in range(1, block_size)]
     iv = bootstrap_intervals(hist, resamples=resamples, seed=seed)
     return {
-        "tau": 1.0 + sum(accept) if cycles else None,
+        "tau": 1.0 + sum(a for a in accept if a is not None) if cycles else None,  # with cycles, none is None
         "interval": iv["tau"],
         "accept": accept,
         "accept_interval": iv["accept"],

@@ -54,6 +54,14 @@ def test_replace_revalidates(tiny_draft_config):
         tiny_draft_config().replace(conv_kernel_size=9)
 
 
+def test_resolved_reads_the_derived_sizes_and_refuses_a_cleared_one(tiny_draft_config):
+    cfg = tiny_draft_config(head_dim=None, intermediate_size=None)  # derived: hidden 32 / 4 heads, 3 x hidden
+    assert (cfg.resolved("head_dim"), cfg.resolved("intermediate_size")) == (8, 96)
+    cfg.intermediate_size = None  # cleared after the config was built: no module can be sized from it
+    with pytest.raises(ConfigError, match=r"intermediate_size=None is invalid"):
+        cfg.resolved("intermediate_size")
+
+
 def test_baseline_ignores_dflash2_fields(tiny_draft_config):
     # The conv/selector bounds only apply to DFlash2; the baseline has neither part.
     cfg = tiny_draft_config(projector_type="dflash", conv_kernel_size=0, selector_top_k=0)

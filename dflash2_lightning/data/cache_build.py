@@ -26,6 +26,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -291,7 +292,7 @@ class RowWriter:
             valid = values[0].nbytes if len(values) else 0
             zeros = bytes(row - valid)  # positions past the batch's longest sample are zero
             for i, r in enumerate(range(batch.start, batch.stop)):
-                _pwrite_all(fd, memoryview(np.ascontiguousarray(values[i])).cast("B"), offset + r * row)
+                _pwrite_all(fd, np.ascontiguousarray(values[i]).data.cast("B"), offset + r * row)
                 if zeros:
                     _pwrite_all(fd, zeros, offset + r * row + valid)
             touched.append(fd)
@@ -353,7 +354,7 @@ def compute_shard(tgt: Target, build: Path, batches: list[Batch], spec: FeatureS
         ranks.agree(start)
         progress = tqdm(range(steps), desc=f"target features (rank {ranks.rank} of {ranks.world})", unit="batch")
         for i in progress:
-            ranks.agree(lambda i=i: step(i))  # called before the next i: bound for clarity
+            ranks.agree(partial(step, i))
         ranks.agree(stop)
     finally:
         if writer is not None and writer.thread.is_alive():
@@ -396,14 +397,17 @@ def _compute(
     am = torch.from_numpy(np.array(attn[:, :length])).to(device)
     with _target_autocast(spec, device):
         res = tgt.features(ids.to(device), am, spec.layer_ids)
+    logits = res.logits
+    if logits is None:  # features() returns them unless asked not to
+        raise RuntimeError("the target's features came without logits: the feature cache needs them")
     # Converted on the device, so the host only copies and writes. Multiplying by the mask (not masked_fill)
     # keeps the one-process build's bytes, signed zeros included.
     out = {
         "features": (res.features * am.unsqueeze(-1)).to(getattr(torch, spec.feature_dtype)),
-        "target_next": (res.logits.max(-1).indices * am).to(torch.int32),
+        "target_next": (logits.max(-1).indices * am).to(torch.int32),
     }  # = argmax (first max), faster on CPU
     if spec.teacher_top_k:
-        values, indices = res.logits.float().topk(spec.teacher_top_k, dim=-1)
+        values, indices = logits.float().topk(spec.teacher_top_k, dim=-1)
         out["teacher_topk_values"], out["teacher_topk_indices"] = values, indices.to(torch.int32)
     out["finite"] = torch.isfinite(out["features"]).all()
     low, high = torch.aminmax(res.features)  # for the overflow message; no |x| copy of the features
@@ -471,6 +475,8 @@ def build_feature_cache(
 
     try:
         plan = ranks.agree(lambda: prepare() if ranks.rank == 0 else None, share=True)
+        if plan is None:  # share=True: every rank gets rank 0's plan, and prepare() always makes one
+            raise RuntimeError("the feature cache build got no plan from rank 0")
         if plan["complete"]:
             return False
         build = build_dir_of(path)

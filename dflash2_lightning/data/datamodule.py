@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,7 +37,7 @@ from dflash2_lightning.data.encode import encode_split
 from dflash2_lightning.data.feature_cache import CACHE_FORMAT, cache_bytes, read_manifest, verify_cache
 from dflash2_lightning.data.options import OfflineOptions
 from dflash2_lightning.data.order import ResumableLoader, ResumableOrder
-from dflash2_lightning.data.records import SPLIT_RULE, DataError, read_jsonl, validation_split
+from dflash2_lightning.data.records import SPLIT_RULE, DataError, Split, read_jsonl, validation_split
 from dflash2_lightning.data.workers import fork_deadlock_risk
 from dflash2_lightning.errors import check
 from dflash2_lightning.target.corpus import builtin_corpus, builtin_fingerprint
@@ -53,7 +54,7 @@ class ArrayDataset(Dataset):
     LONG = ("input_ids", "target_next", "teacher_topk_indices")
     BOOL = ("loss_mask", "attention_mask")
 
-    def __init__(self, arrays: dict[str, np.ndarray | Path], feature_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, arrays: Mapping[str, np.ndarray | Path], feature_dtype: torch.dtype = torch.float32) -> None:
         self.sources = arrays
         self.feature_dtype = feature_dtype
         self._open: dict[str, np.ndarray] = {}
@@ -187,7 +188,9 @@ class DraftDataModule(pl.LightningDataModule):
         self.skipped_samples = 0
         self.cut_samples = 0
         self.total_records = 0
-        self.split = None  # the validation split of the last read (records.Split), when it holds out by prompt
+        self.split: Split | None = (
+            None  # the validation split of the last read (records.Split), when it holds out by prompt
+        )
         self.split_records: dict[str, tuple[int, int]] = {}  # split -> (records, skipped) of the last encode
         self.train_dataset: ArrayDataset | None = None
         self.val_dataset: ArrayDataset | None = None
@@ -483,9 +486,11 @@ class DraftDataModule(pl.LightningDataModule):
         if trainer is None:
             return {}
         loop = trainer.fit_loop
+        # Lightning's typing: _Progress.current is declared a _ReadyCompletedTracker, but these progresses hold
+        # the _ProcessedTracker subclass (Lightning's own loops read .processed from them too).
         return {
-            "epoch": loop.epoch_progress.current.processed,
-            "batches": loop.epoch_loop.batch_progress.current.processed,
+            "epoch": loop.epoch_progress.current.processed,  # type: ignore[attr-defined]
+            "batches": loop.epoch_loop.batch_progress.current.processed,  # type: ignore[attr-defined]
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:

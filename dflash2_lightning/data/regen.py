@@ -105,7 +105,7 @@ def regen(
     sampled: int = 0,
     sampling: Any = None,
     seed: int = 0,
-    prompt_overflow: str = "refuse",
+    prompt_overflow: PromptOverflow = "refuse",
 ) -> Path:
     """Generate the target's responses to every prompt and write them as chat jsonl to ``out_file``.
 
@@ -151,7 +151,7 @@ def regen(
     if sampled and sampling.greedy:
         raise ConfigError("sampled responses need a temperature > 0 (temperature=0 would repeat the greedy one)")
     per_prompt = 1 + sampled
-    out, log, finished = output_paths(out_file, overwrite)
+    out, log, finished = output_paths(Path(out_file), overwrite)
     if finished:
         return out
 

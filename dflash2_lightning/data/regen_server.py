@@ -23,6 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from dflash2_lightning.data.prompts import PromptOverflow
 from dflash2_lightning.data.regen_log import LOG_FORMAT, append_lines, open_log, output_paths, prompt_hash
 from dflash2_lightning.engines.openai_client import ServerError, complete, served_model
 from dflash2_lightning.errors import check
@@ -60,7 +61,7 @@ def regen_server(
     overwrite: bool = False,
     progress: bool = True,
     timeout: float = 600.0,
-    prompt_overflow: str = "refuse",
+    prompt_overflow: PromptOverflow = "refuse",
 ) -> Path:
     """Generate every prompt's response through an OpenAI-compatible server; chat jsonl to ``out_file``.
 
@@ -88,7 +89,7 @@ def regen_server(
     check(temperature >= 0, "temperature", temperature, ">= 0")
     check(0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
     check(0 < timeout < float("inf"), "timeout", timeout, "a finite number of seconds > 0")
-    out, log, finished = output_paths(out_file, overwrite)
+    out, log, finished = output_paths(Path(out_file), overwrite)
     if finished:
         return out
 
@@ -155,13 +156,13 @@ def regen_server(
         pending: set[Future] = {pool.submit(one, i) for i in todo}
         while pending:
             # As each response arrives (not when all have): every finished one is durable at once.
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            error = keep(finished)
+            ready, pending = wait(pending, return_when=FIRST_COMPLETED)
+            error = keep(ready)
             if error is not None:
                 for f in pending:
                     f.cancel()  # not started yet: never sent
-                finished, _ = wait(pending)  # already sent: their answers are kept too
-                keep(finished)
+                ready, _ = wait(pending)  # already sent: their answers are kept too
+                keep(ready)
                 raise ServerError(
                     f"{error}; {len(done)} of {len(chats)} responses are kept in {log}: rerun the "
                     "same command once the server is back to resume"

@@ -23,10 +23,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dflash2_lightning.decode.drafter import Drafter, DraftPath, Head, as_drafter
 from dflash2_lightning.model.draft import DraftModel
@@ -34,13 +34,16 @@ from dflash2_lightning.model.sampling import Sampling, draw, probabilities, veri
 from dflash2_lightning.target.cpu_linear import declare_rows
 from dflash2_lightning.target.hf_cache import with_cache
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 # ----------------------------------------------------------------------------- the target side
 @dataclass
 class TargetHandles:
     """The pieces of the target the loop uses: the HF causal LM, its embedding and its head."""
 
-    hf: nn.Module
+    hf: PreTrainedModel
     embed: Head
     head: Head
 
@@ -63,7 +66,7 @@ def prepare_verification(target: Any, block_size: int) -> None:
         declare_rows(target_handles(target).hf, block_size, block_size - 1)
 
 
-def _new_cache(hf: nn.Module) -> Any:
+def _new_cache(hf: PreTrainedModel) -> Any:
     from transformers import DynamicCache
 
     return DynamicCache(config=hf.config)
@@ -76,7 +79,7 @@ def _crop(cache: Any, length: int) -> None:
         cache.crop(-extra)
 
 
-def _forward(hf: nn.Module, ids: Tensor, start: int, cache: Any, hidden: bool, last_only: bool = False) -> Any:
+def _forward(hf: PreTrainedModel, ids: Tensor, start: int, cache: Any, hidden: bool, last_only: bool = False) -> Any:
     """One cached target forward of ``ids`` at positions ``start..``; ``last_only`` keeps only the last logits."""
     positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
     return hf(
@@ -339,8 +342,10 @@ def speculative_generate(
     prepare_verification(target, bs)
 
     gen = None
+    # The drafter's sampled proposal (optional in the Drafter protocol); None: greedy drafting.
+    sample_block = None if sampling.greedy else getattr(drafter, "sample_block", None)
     if not sampling.greedy:
-        if not callable(getattr(drafter, "sample_block", None)):
+        if not callable(sample_block):
             raise ValueError(
                 f"temperature={temperature} is invalid for {type(drafter).__name__}: it drafts "
                 "greedily only (no sample_block: it returns tokens, not the distributions a lossless "
@@ -363,10 +368,10 @@ def speculative_generate(
     while not done:
         start = prompt_len + len(tokens) - 1  # the anchor's position; everything before it is in both caches
         block[0, 0] = anchor
-        if sampling.greedy:
+        if sample_block is None:
             drafts = drafter.draft_block(block[:, 0], context, t.embed, t.head, start)
         else:
-            proposal = drafter.sample_block(block[:, 0], context, t.embed, t.head, start, sampling, gen)
+            proposal = sample_block(block[:, 0], context, t.embed, t.head, start, sampling, gen)
             drafts = proposal.tokens
         block[:, 1:] = drafts
         out = _forward(t.hf, block, start, cache, hidden=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2_lightning.action_options import option, parse_options
+from dflash2_lightning.data.prompts import PromptOverflow
 from dflash2_lightning.engines.acceptance_record import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPTS,
@@ -114,7 +115,7 @@ def make_record(
     resamples: int | None = None,
     seed: int = 0,
     progress: bool = False,
-    prompt_overflow: str = "refuse",
+    prompt_overflow: PromptOverflow = "refuse",
     budget: str = "--max-new-tokens",
 ) -> dict[str, Any]:
     """Run the T=0 replay of the draft in ``draft_dir`` on the first ``num_prompts`` prompts of

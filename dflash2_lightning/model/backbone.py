@@ -13,7 +13,7 @@ checkpoint computes the same numbers here, in the z-lab reference and in the ser
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,8 @@ class RotaryEmbedding(nn.Module):
     """Default RoPE with the target's base. ``inv_freq`` is a non-persistent buffer (never saved), float32 whatever
     the module is cast to: ``model.to(torch.bfloat16)`` would otherwise round it to 8 bits of mantissa, an angle
     error of up to ~3.5 rad at position 3000, which no engine makes (they all compute RoPE in float32)."""
+
+    inv_freq: Tensor  # the buffer registered in __init__
 
     def __init__(self, head_dim: int, base: float) -> None:
         super().__init__()
@@ -158,6 +160,17 @@ class ContextStates:
     positions: Tensor
 
 
+class Seam(Protocol):
+    """A sublayer seam: :meth:`prepare` transforms the sublayer's input and returns it with a state, which
+    :meth:`finish` takes with the sublayer's output. The state is the seam's own (None for :class:`IdentitySeam`,
+    the output side's kernel for DFlash2's :class:`~dflash2_lightning.model.conv.DFlashGroupedConv`), so it is
+    typed Any here."""
+
+    def prepare(self, x: Tensor) -> tuple[Tensor, Any]: ...
+
+    def finish(self, y: Tensor, state: Any) -> Tensor: ...
+
+
 class IdentitySeam(nn.Module):
     """The no-op sublayer seam of DFlash: ``prepare(x) = (x, None)``, ``finish(y, _) = y``; no parameters."""
 
@@ -173,7 +186,7 @@ class DraftAttention(nn.Module):
 
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
-        hd = cfg.head_dim
+        hd = cfg.resolved("head_dim")
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * hd, bias=False)
@@ -239,9 +252,10 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.resolved("intermediate_size")
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -256,8 +270,8 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.attention_conv: nn.Module = IdentitySeam()
-        self.mlp_conv: nn.Module = IdentitySeam()
+        self.attention_conv: Seam = IdentitySeam()
+        self.mlp_conv: Seam = IdentitySeam()
 
     def forward(
         self,

@@ -16,10 +16,15 @@ is for inference only. The same layout in the exported graphs: docs/export.md ("
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from dflash2_lightning.model.backbone import CacheSlot, ContextKV, LayerKV
+
+if TYPE_CHECKING:  # draft.py imports this module
+    from dflash2_lightning.model.draft import DraftModel
 
 
 class DraftCache:
@@ -60,7 +65,7 @@ class DraftCache:
         self.capacity, self.block_size, self.length = capacity, block_size, 0
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, batch: int, capacity: int) -> DraftCache:
+    def for_model(cls, model: DraftModel, batch: int, capacity: int) -> DraftCache:
         """An empty cache for a :class:`~dflash2_lightning.model.DraftModel` (its dtype and device)."""
         cfg = model.config
         p = next(model.parameters())
@@ -68,7 +73,7 @@ class DraftCache:
             cfg.num_hidden_layers,
             batch,
             cfg.num_key_value_heads,
-            cfg.head_dim,
+            cfg.resolved("head_dim"),
             capacity,
             cfg.block_size,
             p.dtype,

@@ -34,7 +34,7 @@ class CheckpointError(UserError, ValueError):
 
 def expected_tensors(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the contract with its shape, for ``cfg``."""
-    h, v, hd, inter = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
+    h, v, hd, inter = cfg.hidden_size, cfg.vocab_size, cfg.resolved("head_dim"), cfg.resolved("intermediate_size")
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     shapes: dict[str, tuple[int, ...]] = {
         "fc.weight": (h, cfg.num_target_features * h),

@@ -12,16 +12,19 @@ The state dict is exactly the served checkpoint: no embedding, no head, no rotar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
 from dflash2_lightning.config import DraftConfig
 from dflash2_lightning.model.backbone import (
+    CacheSlot,
     ContextKV,
     ContextStates,
     DraftLayer,
+    LayerKV,
     RMSNorm,
     RotaryEmbedding,
     sliding_window_mask,
@@ -44,7 +47,7 @@ class DraftModel(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.resolved("head_dim"), config.rope_theta)
         self.apply(self._init_linear)
         if config.is_dflash2:
             for layer in self.layers:
@@ -54,7 +57,7 @@ class DraftModel(nn.Module):
                 layer.mlp_conv = DFlashGroupedConv(
                     h, config.block_size, config.conv_kernel_size, config.conv_group_size
                 )
-            self.candidate_selector = CandidateSelector(
+            self.candidate_selector: CandidateSelector | None = CandidateSelector(
                 h, config.vocab_size, config.selector_rank, config.selector_top_k, config.initializer_range
             )
             nn.init.normal_(self.candidate_selector.hidden_projection.weight, std=config.initializer_range)
@@ -76,8 +79,10 @@ class DraftModel(nn.Module):
     def context_kv(self, target_features: Tensor, positions: Tensor) -> ContextKV:
         """Per-layer K/V of target features ``[B, C, n_t*H]`` at absolute ``positions [B, C]``."""
         states = self.context_states(target_features, positions)
+        # nn.ModuleList types its items as Module; every one is a DraftLayer (built in __init__).
+        layers = cast(Iterable[DraftLayer], self.layers)
         return ContextKV(
-            [layer.self_attn.project_kv(states.hidden, states.cos, states.sin) for layer in self.layers], positions
+            [layer.self_attn.project_kv(states.hidden, states.cos, states.sin) for layer in layers], positions
         )
 
     # ------------------------------------------------------------------ block
@@ -106,6 +111,7 @@ class DraftModel(nn.Module):
             attention_mask = sliding_window_mask(positions, keys, self.config.sliding_window)
         cos, sin = self.rotary(positions, noise_embeds.dtype)
         h = noise_embeds
+        kvs: Sequence[LayerKV | CacheSlot | ContextStates]
         if isinstance(context, ContextStates):
             kvs = [context] * len(self.layers)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from onnx import AttributeProto, TensorProto, helper
+from onnx import AttributeProto, NodeProto, TensorProto, helper
 from onnx.defs import OpSchema
 
 __all__ = [
@@ -61,7 +61,8 @@ class FunctionBuilder:
     """A tiny builder for function bodies: ``op(...)`` appends a node and returns its output name(s)."""
 
     def __init__(self, prefix: str) -> None:
-        self.prefix, self.nodes, self._count = prefix, [], 0
+        self.prefix, self._count = prefix, 0
+        self.nodes: list[NodeProto] = []
 
     def _name(self, hint: str) -> str:
         self._count += 1

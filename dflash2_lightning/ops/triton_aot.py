@@ -92,6 +92,8 @@ def _drop_unused_params(ptx: str, name: str, keep: int) -> str:
     if len(params) == keep:
         return ptx
     match = re.search(r"(\.entry\s+" + re.escape(name) + r"\s*\()(.*?)(\))", ptx, re.S)
+    if match is None:  # ptx_entry_params found it with the same pattern
+        raise ValueError(f"kernel entry {name!r} not found in the PTX")
     kept = ",\n".join("\t" + p for p in params[:keep])
     return ptx[: match.start(2)] + "\n" + kept + "\n" + ptx[match.end(2) :]
 

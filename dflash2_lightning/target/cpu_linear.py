@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -176,8 +177,8 @@ class CpuLinears:
                 copies = streamed_copies(weight, self.cache_bytes)
                 best = fastest(
                     {
-                        "stock": [lambda w=w: torch.nn.functional.linear(x, w) for w in copies],
-                        "rows_first": [lambda w=w: rows_first_linear(x, w) for w in copies],
+                        "stock": [partial(torch.nn.functional.linear, x, w) for w in copies],
+                        "rows_first": [partial(rows_first_linear, x, w) for w in copies],
                     }
                 )
             self.rows_first_choices[key] = best["rows_first"] * ROWS_FIRST_MARGIN < best["stock"]
@@ -197,10 +198,9 @@ class CpuLinears:
                 best = fastest(
                     {
                         "packed": [
-                            lambda w=w, p=p: torch.ops.mkl._mkl_linear(x, p, w, None, rows)
-                            for w, p in zip(copies, packs)
+                            partial(torch.ops.mkl._mkl_linear, x, p, w, None, rows) for w, p in zip(copies, packs)
                         ],
-                        "unpacked": [lambda w=w: unpacked(x, w) for w in copies],
+                        "unpacked": [partial(unpacked, x, w) for w in copies],
                     }
                 )
             self.packing_choices[key] = best["packed"] < best["unpacked"]
@@ -331,7 +331,8 @@ def declare_rows(model: nn.Module, rows: int, head_rows: int | None = None) -> i
             module.packed_rows = module.packed_rows | wanted
             module.kernels.declared_rows = module.kernels.declared_rows | wanted
             count += 1
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)  # an HF model's; a bare module has no head
+    head = output_embeddings() if callable(output_embeddings) else None
     if isinstance(head, FewRowLinear) and head_rows is not None and 1 < head_rows <= SMALL_ROWS:
         head.packed_rows = head.packed_rows | {head_rows}
         head.kernels.declared_head_rows = head.kernels.declared_head_rows | {head_rows}

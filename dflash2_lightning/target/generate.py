@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,9 @@ from torch import Tensor
 
 from dflash2_lightning.model.sampling import Sampling, draw_rows
 from dflash2_lightning.target.hf_cache import with_cache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _next_tokens(logits: Tensor, sampling: Sampling, generators: Sequence[torch.Generator | None]) -> Tensor:
@@ -42,28 +45,23 @@ def _next_tokens(logits: Tensor, sampling: Sampling, generators: Sequence[torch.
 
 
 @contextlib.contextmanager
-def _decode_attention(hf: torch.nn.Module) -> Iterator[None]:
+def _decode_attention(hf: PreTrainedModel) -> Iterator[None]:
     """Eager attention while a bfloat16 model decodes on CPU (same math, a faster kernel there)."""
     dtype, device = next(hf.parameters()).dtype, next(hf.parameters()).device
     before = getattr(hf.config, "_attn_implementation", None)
     switch = dtype == torch.bfloat16 and device.type == "cpu" and before not in (None, "eager")
-    if switch:
+    restore = before if switch else None  # the implementation to put back; None: nothing switched
+    if restore is not None:
         hf.set_attn_implementation("eager")
     try:
         yield
     finally:
-        if switch:
-            hf.set_attn_implementation(before)
-
-
-def _select_rows(cache: object, rows: Tensor) -> None:
-    """Keep only ``rows`` of a transformers cache (every layer), in place."""
-    for layer in cache.layers:
-        layer.batch_select_indices(rows)
+        if restore is not None:
+            hf.set_attn_implementation(restore)
 
 
 def generate(
-    hf: torch.nn.Module,
+    hf: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     eos_ids: Sequence[int],
@@ -106,7 +104,7 @@ def generate(
 
 @torch.no_grad()
 def generate_stream(
-    hf: torch.nn.Module,
+    hf: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     eos_ids: Sequence[int],
@@ -167,7 +165,7 @@ STATIC_FAMILIES = ("llama", "qwen2", "qwen3")
 DROP_SHARE = 0.125
 
 
-def static_cache_supported(hf: torch.nn.Module) -> bool:
+def static_cache_supported(hf: PreTrainedModel) -> bool:
     """Whether :func:`generate` can decode ``hf`` with its own static KV cache (else transformers' cache)."""
     cfg, body = hf.config, getattr(hf, "model", None)
     if getattr(cfg, "model_type", None) not in STATIC_FAMILIES or body is None:
@@ -199,7 +197,7 @@ def _rope_fn(attn: torch.nn.Module) -> Any:
 
 
 def _forward_static(
-    hf: torch.nn.Module,
+    hf: PreTrainedModel,
     ids: Tensor,
     positions: Tensor,
     cache: _StaticKV,
@@ -258,7 +256,7 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.de
 
 
 def _decode_static(
-    hf: torch.nn.Module,
+    hf: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     eos: Tensor,
@@ -356,7 +354,7 @@ def _decode_static(
 
 # ----------------------------------------------------------------------------- the transformers-cache loop
 def _decode_transformers(
-    hf: torch.nn.Module,
+    hf: PreTrainedModel,
     ids: Tensor,
     mask: Tensor,
     max_new_tokens: int,
@@ -389,7 +387,7 @@ def _decode_transformers(
             break
         if bool(done.any()):  # finished rows leave the batch: no more compute spent on them
             keep = (~done).nonzero().squeeze(-1)
-            _select_rows(cache, keep.to(device))
+            cache.batch_select_indices(keep.to(device))  # every layer keeps only these rows, in place
             live, nxt, mask, last_pos = live[keep.cpu()], nxt[keep], mask[keep], last_pos[keep]
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
         last_pos = last_pos + 1

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 
 @functools.cache
-def _cache_keyword(forward_owner: type) -> str:
-    parameters = inspect.signature(forward_owner.forward).parameters
+def _cache_keyword(forward: Callable[..., Any]) -> str:
+    # Keyed on the class's forward function (what the answer depends on), not the class: mypy does not see a
+    # class object as Hashable.
+    parameters = inspect.signature(forward).parameters
     for name in ("cache", "past_key_values"):
         if name in parameters:
             return name
     raise TypeError(
-        f"{forward_owner.__name__}.forward takes neither `cache` nor `past_key_values`: this transformers "
+        f"{forward.__qualname__} takes neither `cache` nor `past_key_values`: this transformers "
         "model cannot decode with a KV cache"
     )
 
@@ -31,4 +34,4 @@ def _cache_keyword(forward_owner: type) -> str:
 def with_cache(hf: nn.Module, cache: Any) -> dict[str, Any]:
     """The keyword arguments that pass ``cache`` to ``hf``'s forward: ``{"cache": cache}`` or
     ``{"past_key_values": cache}``, whichever this model's transformers version takes."""
-    return {_cache_keyword(type(hf)): cache}
+    return {_cache_keyword(type(hf).forward): cache}

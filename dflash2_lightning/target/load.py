@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from dflash2_lightning.target.gguf import convert_gguf, resolve_gguf
 from dflash2_lightning.target.hf_config import check_config_sizes, target_config
@@ -29,6 +28,9 @@ from dflash2_lightning.target.shard import load_sharded_hf
 from dflash2_lightning.target.spec import DTYPES, TargetError, TargetSpec
 from dflash2_lightning.target.target import Target
 from dflash2_lightning.target.tiny import TINY_DEFAULTS, build_tiny
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _TARGETS: dict[str, Target] = {}
 
@@ -73,7 +75,9 @@ def build_target(spec: TargetSpec) -> Target:
     if spec.tiny is not None:
         check_config_sizes({**TINY_DEFAULTS, **spec.tiny}, "TargetSpec.tiny", "change that setting")
         hf, tok = build_tiny(spec.tiny, spec.seed)
-        hf = hf.to(dtype)
+        # transformers' typing: PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), so mypy reads
+        # the unbound signature (self first) and takes the dtype for self.
+        hf = hf.to(dtype)  # type: ignore[arg-type]
     else:
         directory = hf_dir_of(spec)
         hf, tok = _load_hf_dir(directory, dtype, sharded=spec.shard == "fsdp", shard_size=spec.shard_size)
@@ -95,7 +99,7 @@ def hf_dir_of(spec: TargetSpec) -> Path:
 
 def _load_hf_dir(
     directory: Path, dtype: torch.dtype, sharded: bool, shard_size: int | None = None
-) -> tuple[nn.Module, Any]:
+) -> tuple[PreTrainedModel, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = target_config(directory)  # a broken config.json is refused before any layer is built

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from torch import nn
 
 from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.target.spec import TargetError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Module names of the final norm and the head in transformers' decoder-only families (Llama, Qwen, Mistral and
 # their mixture-of-experts variants): each its own unit, resharded after use.
@@ -103,7 +106,7 @@ def shard_groups(world: int, shard_size: int | None) -> tuple[int, int]:
     return size, world // size
 
 
-def load_sharded_hf(directory: Path, config: Any, dtype: torch.dtype, shard_size: int | None = None) -> nn.Module:
+def load_sharded_hf(directory: Path, config: Any, dtype: torch.dtype, shard_size: int | None = None) -> PreTrainedModel:
     """The causal LM of ``directory``, each decoder layer sharded over ``shard_size`` processes (FSDP2; every
     process of the job when None) and replicated across the groups of them (HSDP), each process reading only its
     own slices; frozen. A collective: every process of the job calls it."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from dflash2_lightning.target.capture import capture_features
 from dflash2_lightning.target.cpu_linear import CpuLinears, declare_rows, install_cpu_linears
 from dflash2_lightning.target.shard import full_tensor, whole_copy
 from dflash2_lightning.target.spec import TargetError, TargetSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Logits elements computed at once by :meth:`Target.greedy_at` (2**26: 128 MiB in bf16, 256 MiB in float32).
 GREEDY_CHUNK_ELEMENTS = 2**26
@@ -34,6 +37,18 @@ class TargetOutput(NamedTuple):
     features: torch.Tensor
     logits: torch.Tensor | None
     last_hidden: torch.Tensor | None = None
+
+
+def _weight_of(module: nn.Module, what: str) -> torch.Tensor:
+    """``module.weight`` of the target's ``what`` (its embedding or head), refused in one line where it is not a
+    tensor (a module whose computation is more than a weight matrix)."""
+    weight = getattr(module, "weight", None)  # not module.weight: an AttributeError in a property reads as no property
+    if not isinstance(weight, torch.Tensor):
+        raise TargetError(
+            f"the target's {what} ({type(module).__name__}) has no weight tensor: "
+            "use a target whose embedding and head are plain weight matrices"
+        )
+    return weight
 
 
 class Target(nn.Module):
@@ -51,7 +66,7 @@ class Target(nn.Module):
     linears keep the stock kernels (the few-row ones would replace modules the shards belong to).
     """
 
-    def __init__(self, hf: nn.Module, tokenizer: Any, spec: TargetSpec | None = None) -> None:
+    def __init__(self, hf: PreTrainedModel, tokenizer: Any, spec: TargetSpec | None = None) -> None:
         super().__init__()
         self.hf = hf
         self.tokenizer = tokenizer
@@ -83,7 +98,7 @@ class Target(nn.Module):
         head and embedding as two parameters with equal values: the tie is one tensor only in the whole model.)"""
         if self.whole_embedding is None or not getattr(self.config.get_text_config(), "tie_word_embeddings", False):
             return None
-        return self.whole_embedding.weight
+        return _weight_of(self.whole_embedding, "embedding")
 
     def input_embeddings(self) -> nn.Module:
         """The target's token embedding as the draft calls it: whole on every process, also when sharded."""
@@ -109,7 +124,7 @@ class Target(nn.Module):
     @property
     def vocab_size(self) -> int:
         """Rows of the embedding matrix (may exceed the tokenizer's vocabulary)."""
-        return int(self.input_embeddings().weight.shape[0])
+        return int(_weight_of(self.input_embeddings(), "embedding").shape[0])
 
     @property
     def context_length(self) -> int | None:
@@ -126,11 +141,11 @@ class Target(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.input_embeddings().weight.dtype
+        return _weight_of(self.input_embeddings(), "embedding").dtype
 
     @property
     def device(self) -> torch.device:
-        return self.input_embeddings().weight.device
+        return _weight_of(self.input_embeddings(), "embedding").device
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -257,6 +272,8 @@ class Target(nn.Module):
         ``logits.max(-1).indices``), are the full head's. Only for a target with :attr:`greedy_from_hidden`.
         """
         head = self.output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise TypeError(f"greedy_at needs a plain linear head (greedy_from_hidden), not {type(head).__name__}")
         b, s, h = last_hidden.shape
         flat = last_hidden.reshape(b * s, h)
         greedy = torch.full((b * s,), -1, dtype=torch.long, device=last_hidden.device)

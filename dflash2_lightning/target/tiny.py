@@ -6,12 +6,14 @@ built in a second with nothing downloaded.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from dflash2_lightning.target.spec import TargetError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Geometry of the tiny random target (Qwen3); ``TargetSpec.tiny`` entries override these.
 TINY_DEFAULTS: dict[str, Any] = dict(
@@ -76,7 +78,7 @@ def tiny_tokenizer(vocab_size: int = 512) -> Any:
     return _TOKENIZERS[vocab_size]
 
 
-def build_tiny(overrides: dict[str, Any], seed: int) -> tuple[nn.Module, Any]:
+def build_tiny(overrides: dict[str, Any], seed: int) -> tuple[PreTrainedModel, Any]:
     """The tiny model (``TINY_DEFAULTS`` with ``overrides``, weights seeded with ``seed``) and its tokenizer."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -125,6 +125,12 @@ def test_block_conv_rejects_partial_blocks():
         block_conv(x, base[:, :4], delta, 4)
 
 
+def test_block_conv_without_taps_is_refused():
+    x, base, delta = conv_inputs(blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="at least one tap"):  # was an AttributeError on None
+        block_conv(x, base[:0], delta[:, :, :0], 4)
+
+
 def test_block_conv_backward_equals_autograd_of_reference():
     x, base, delta = (
         t.requires_grad_() for t in conv_inputs(batch=2, blocks=2, block_size=4, hidden=4, taps=3, groups=2)

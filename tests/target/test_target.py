@@ -161,6 +161,17 @@ def test_draft_config_takes_the_target_geometry():
     assert tgt.draft_config(mask_token_id=7, target_layer_ids=[4]).target_layer_ids == [4]
 
 
+def test_an_embedding_without_a_weight_matrix_is_refused_in_one_line():
+    class ComputedEmbedding(torch.nn.Module):  # no weight tensor: the vocabulary cannot be read off it
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(*ids.shape, 64)
+
+    tgt = build_target(TargetSpec(tiny={}))
+    tgt.hf.set_input_embeddings(ComputedEmbedding())
+    with pytest.raises(TargetError, match=r"the target's embedding \(ComputedEmbedding\) has no weight tensor"):
+        _ = tgt.vocab_size
+
+
 def test_hf_directory_round_trip(tiny, tmp_path):
     tiny.hf.save_pretrained(tmp_path)
     tiny.tokenizer.save_pretrained(tmp_path)

@@ -145,7 +145,7 @@ def record_prompts(
     prompts_file: str | os.PathLike | None = None,
     num_prompts: int = DEFAULT_PROMPTS,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    prompt_overflow: str = "refuse",
+    prompt_overflow: PromptOverflow = "refuse",
     budget: str = "--max-new-tokens",
 ) -> Any:
     """The acceptance record's prompts as token ids (:class:`FittedPrompts`): the first

@@ -73,6 +73,8 @@ def block_conv_reference(x: Tensor, base: Tensor, delta: Tensor, block_size: int
         # base * x + delta * x, never a dense [.., T, H] coefficient tensor held for backward.
         term = base[tap].reshape(groups, group) * shifted + delta[:, :, tap, :, None] * shifted
         out = term if out is None else out + term
+    if out is None:
+        raise ValueError(f"block_conv needs at least one tap: delta {tuple(delta.shape)} has none (delta [B,S,T,G])")
     return out.reshape(b, s, h)
 
 

@@ -85,9 +85,13 @@ class TorchDrafter:
         return DraftCache.for_model(self.model, batch, capacity)
 
     def _block_hidden(
-        self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head, start: int
+        self, anchor: Tensor, context: ContextCache, embed: Head, head: Head, start: int
     ) -> tuple[Tensor, Head]:
         """The draft hidden of the block's mask slots ``[B, bs-1, H]`` and the head to apply to it."""
+        if not isinstance(context, (ContextKV, DraftCache)):
+            raise TypeError(
+                f"TorchDrafter drafts from the caches it makes (ContextKV or DraftCache), not {type(context).__name__}"
+            )
         cfg = self.model.config
         tokens = torch.full(
             (anchor.shape[0], cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=anchor.device
@@ -100,9 +104,7 @@ class TorchDrafter:
         return hidden, lambda h: head(h.to(embeds.dtype))
 
     @torch.inference_mode()
-    def draft_block(
-        self, anchor: Tensor, context: ContextKV | DraftCache, embed: Head, head: Head, start: int
-    ) -> Tensor:
+    def draft_block(self, anchor: Tensor, context: ContextCache, embed: Head, head: Head, start: int) -> Tensor:
         hidden, target_head = self._block_hidden(anchor, context, embed, head, start)
         if self.path == "selector":
             return self.model.propose(hidden, anchor, target_head)
@@ -112,7 +114,7 @@ class TorchDrafter:
     def sample_block(
         self,
         anchor: Tensor,
-        context: ContextKV | DraftCache,
+        context: ContextCache,
         embed: Head,
         head: Head,
         start: int,
@@ -123,7 +125,10 @@ class TorchDrafter:
         hidden, target_head = self._block_hidden(anchor, context, embed, head, start)
         logits = target_head(hidden.contiguous())
         if self.path == "selector":
-            return sample_selector_walk(self.model.candidate_selector, logits, hidden, anchor, sampling, generator)
+            selector = self.model.candidate_selector
+            if selector is None:  # refused by __init__: only a model changed since then gets here
+                raise ValueError("path='selector' needs the draft's candidate selector, which this draft has not")
+            return sample_selector_walk(selector, logits, hidden, anchor, sampling, generator)
         return sample_backbone(logits, sampling, generator)
 
 
@@ -155,6 +160,7 @@ def as_drafter(draft: DraftModel | Drafter, path: DraftPath | None = None) -> Dr
     """Wrap a :class:`DraftModel` in a :class:`TorchDrafter`; pass any other drafter through unchanged."""
     if isinstance(draft, DraftModel):
         return TorchDrafter(draft, path)
-    if path is not None and getattr(draft, "path", path) != path:
-        raise ValueError(f"path={path!r} was requested but the drafter decodes with path={draft.path!r}")
+    drafted = getattr(draft, "path", path)  # a drafter need not have a path (only a choice of paths has one)
+    if path is not None and drafted != path:
+        raise ValueError(f"path={path!r} was requested but the drafter decodes with path={drafted!r}")
     return draft

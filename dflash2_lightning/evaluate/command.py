@@ -20,84 +20,73 @@ import torch
 
 from dflash2_lightning.action_options import REQUIRED, option, parse_options
 from dflash2_lightning.data.prompts.standard import PROMPT_SETS
-from dflash2_lightning.decode.drafter import DraftPath
 from dflash2_lightning.errors import bounded
 from dflash2_lightning.evaluate.llama_cpp import EngineOptions
 from dflash2_lightning.evaluate.loop import check_block_sizes, evaluate_block_sizes, evaluate_draft
 from dflash2_lightning.evaluate.options import DraftOptions, LoopOptions
 from dflash2_lightning.evaluate.replay import replay_block_sizes, replay_report, run_replay
 from dflash2_lightning.evaluate.report import plot_eval, summary_lines
-from dflash2_lightning.evaluate.teacher_forced import ORACLE_TOP_K, PATHS
-from dflash2_lightning.intervals import RESAMPLES
+from dflash2_lightning.evaluate.teacher_forced import ORACLE_TOP_K
 from dflash2_lightning.target.arguments import TargetOptions
 
 
 def run_eval(
-    draft_dir: str | os.PathLike,
+    draft_dir: str | os.PathLike[str],
     target_spec: Any,
-    prompts_file: str | os.PathLike | None,
-    out_dir: str | os.PathLike,
-    max_new_tokens: int = 128,
-    paths: Sequence[DraftPath] = PATHS,
-    max_prompts: int | None = None,
+    out_dir: str | os.PathLike[str],
+    loop: LoopOptions | None = None,
+    *,
     estimate: bool = True,
-    progress: bool = True,
-    temperatures: Sequence[float] = (0.0,),
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    samples: int = 1,
-    resamples: int = RESAMPLES,
+    oracle_top_k: int | None = None,
+    acceptance_record: bool = True,
+    served_block_sizes: Sequence[int] | None = None,
     llama_cpp: dict[str, Any] | None = None,
     own_load: float = 0.0,
-    oracle_top_k: int | None = None,
-    replay_prompts: int = 0,
-    replay_max_new_tokens: int | None = None,
-    draft_vocab: str | os.PathLike | None = "auto",
-    acceptance_record: bool = True,
-    prompt_overflow: str = "refuse",
-    served_block_sizes: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """``dflash2 eval``: load the draft checkpoint and the target, evaluate, write the report and the plot.
 
     Args:
         draft_dir: a draft checkpoint directory (``config.json`` + ``model.safetensors``).
         target_spec: a :class:`~dflash2_lightning.target.target.TargetSpec`, its dict, or a loaded ``Target``.
-        prompts_file: chat jsonl of held-out prompts (``None``: the shipped evaluation prompts), or the name of a
-            standard set (:data:`~dflash2_lightning.data.prompts.standard.PROMPT_SETS`; an existing path wins): its
-            turns are measured (:mod:`~dflash2_lightning.evaluate.prompt_turns`), and the report gains
-            ``prompt_set`` and, per temperature and in the replay, ``categories``.
         out_dir: where ``eval.json`` and ``acceptance.png`` are written (atomically).
-        max_new_tokens: generation budget per prompt; paths: decoding paths to measure.
-        max_prompts: use only the first ``max_prompts`` prompts; estimate: also compute the
-            trainer's teacher-forced estimate on the target's continuations.
-        temperatures, top_p, top_k: the sampling settings measured (0 = greedy); seed: seeds every
-            sampled generation and the bootstrap; samples: generations per prompt at temperature > 0;
-            resamples: bootstrap draws for the intervals.
-        llama_cpp: also measure in llama.cpp (keyword arguments of
-            :func:`~dflash2_lightning.evaluate.llama_cpp.evaluate_llama_cpp`, e.g. ``{"target_gguf": "f32"}``);
-            the report gains a ``"llama.cpp"`` section.
-        own_load: how much of the load average at the start is this process's own earlier work (the
-            quickstart's training step; :func:`~dflash2_lightning.threads.own_load`), not other processes'.
+        loop: what is measured and how (:class:`~dflash2_lightning.evaluate.options.LoopOptions`, ``dflash2 eval``'s
+            flags of the same names; default: their defaults), handed down whole to the loop
+            (:func:`~dflash2_lightning.evaluate.loop.evaluate_draft`):
+
+            - the prompts: ``prompts``, a chat jsonl of held-out prompts (``None``: the shipped evaluation prompts)
+              or the name of a standard set (:data:`~dflash2_lightning.data.prompts.standard.PROMPT_SETS`; an
+              existing path wins): its turns are measured (:mod:`~dflash2_lightning.evaluate.prompt_turns`), and the
+              report gains ``prompt_set`` and, per temperature and in the replay, ``categories``; ``max_prompts``:
+              use only the first ones; ``max_new_tokens``: the generation budget per prompt; ``prompt_overflow``: a
+              prompt that does not fit the target's context with ``max_new_tokens`` is refused (``"refuse"``,
+              before anything is decoded) or cut to its last tokens (``"truncate"``; the report's ``prompts_cut``
+              counts them; :func:`~dflash2_lightning.data.prompts.fit_to_context`);
+            - the sampling: ``temperatures`` (0 = greedy), ``top_p``, ``top_k``; ``samples`` generations per prompt
+              at temperature > 0; ``seed`` seeds every sampled generation and the bootstrap;
+            - the measuring: the decoding ``paths``; ``resamples``: bootstrap draws for the intervals;
+              ``progress`` bars; ``replay_prompts``: also replay the loop at T=0 on the first ``replay_prompts``
+              prompts (:func:`~dflash2_lightning.evaluate.replay.replay_eval`: τ with a narrow interval at a
+              fraction of the loop's cost), up to ``replay_max_new_tokens`` tokens each (default
+              ``max_new_tokens``); the report gains ``replay``; ``draft_vocab``: the loop drafts through a
+              :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`: ``"auto"`` with
+              ``draft_dir/draft_vocab.json`` when it exists, a path for that file, ``"off"`` never; the report's
+              ``draft_vocab`` names the file and its size. (``threads`` is the command line's: set before the call.)
+        estimate: also compute the trainer's teacher-forced estimate on the target's continuations.
         oracle_top_k: candidates of the T=0 top-k oracle (see :func:`~dflash2_lightning.evaluate.loop.evaluate_draft`).
-        replay_prompts: also replay the loop at T=0 on the first ``replay_prompts`` prompts of the file
-            (:func:`~dflash2_lightning.evaluate.replay.replay_eval`: τ with a narrow interval at a fraction of the loop's cost), up to
-            ``replay_max_new_tokens`` tokens each (default ``max_new_tokens``); the report gains ``replay``.
         acceptance_record: with a replay, also write the draft's acceptance record from it into
             ``draft_dir/acceptance.json`` (:mod:`~dflash2_lightning.engines.acceptance_record`; what
             ``dflash2 check-serving`` compares an engine with); the report's ``acceptance_record`` names it.
-        draft_vocab: the loop drafts through a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`:
-            ``"auto"`` (default) with ``draft_dir/draft_vocab.json`` when it exists, a path for that file,
-            ``None`` or ``"off"`` never. The report's ``draft_vocab`` names the file and its size.
-        prompt_overflow: a prompt that does not fit the target's context with ``max_new_tokens`` is refused
-            (``"refuse"``, before anything is decoded) or cut to its last tokens (``"truncate"``; the report's
-            ``prompts_cut`` counts them); see :func:`~dflash2_lightning.data.prompts.fit_to_context`.
         served_block_sizes: also measure the draft served at these block sizes (each from 2 up to the trained
             ``block_size``; checked once the draft's config is read, before the target is loaded): τ and tokens/s
             per size, path and temperature in the loop
             (:func:`~dflash2_lightning.evaluate.loop.evaluate_block_sizes`) and, with a replay, τ per size in the
             replay (:func:`~dflash2_lightning.evaluate.replay.replay_block_sizes`); the report gains
             ``served_block_sizes`` with the ``fastest`` size and each engine's flag that serves it.
+        llama_cpp: also measure in llama.cpp (keyword arguments of
+            :func:`~dflash2_lightning.evaluate.llama_cpp.evaluate_llama_cpp`, e.g. ``{"target_gguf": "f32"}``);
+            the report gains a ``"llama.cpp"`` section.
+        own_load: how much of the load average at the start is this process's own earlier work (the
+            quickstart's training step; :func:`~dflash2_lightning.threads.own_load`), not other processes'.
 
     Returns the report dict (also written to ``out_dir/eval.json``). Its ``machine`` entry records the
     torch threads, the cores and the load average before and after; when other processes' load and
@@ -115,18 +104,13 @@ def run_eval(
     from dflash2_lightning.target.load import load_target
     from dflash2_lightning.threads import load_average, timing_warning
 
+    loop = loop if loop is not None else LoopOptions()
     # Every setting that can be checked alone is checked before the draft, the target or a prompt is loaded.
-    check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1")
-    check(resamples >= 1, "resamples", resamples, ">= 1 (bootstrap draws of the intervals)")
-    check(samples >= 1, "samples", samples, ">= 1 (generations per prompt at temperature > 0)")
+    loop.validate()
     check(oracle_top_k is None or oracle_top_k >= 1, "oracle_top_k", oracle_top_k, "None or >= 1")
     check_writable(out_dir, directory=True)
-    if replay_prompts < 0:
-        raise ConfigError(f"replay_prompts={replay_prompts} is invalid: must be >= 0 (0 = no replay)")
-    replay_tokens = max_new_tokens if replay_max_new_tokens is None else replay_max_new_tokens
-    if replay_prompts and replay_tokens < 1:
-        raise ConfigError(f"replay_max_new_tokens={replay_tokens} is invalid: must be >= 1")
-    prompts_file = prompts_file or EVAL_PROMPTS
+    max_new_tokens, replay_prompts, replay_tokens = loop.max_new_tokens, loop.replay_prompts, loop.replay_max_tokens
+    prompts_file: str | os.PathLike[str] = loop.prompts or EVAL_PROMPTS
     # Before the draft and the target: a bad file, or a named set whose package is missing, fails at once.
     prompt_set = named_set(prompts_file)
     if prompt_set is not None:
@@ -143,30 +127,28 @@ def run_eval(
         available = len(all_chats)
     if replay_prompts > available:
         raise ConfigError(f"replay_prompts={replay_prompts} is invalid: {prompts_file} holds only {available} prompts")
-    if max_prompts is not None and max_prompts < 1:
-        raise ConfigError(f"max_prompts={max_prompts} is invalid: must be >= 1 (or None for all prompts)")
     draft = load_draft(draft_dir)  # before the target: a bad checkpoint path fails in a second
     if served_block_sizes is not None:
         check_block_sizes(served_block_sizes, draft.config)
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
-    measured = min(available, max_prompts or available)
+    measured = min(available, loop.max_prompts or available)
     categories: list[str] | None = None
     if prompt_set is not None:  # the turns measured or replayed, later turns after the target's own answers
         turns = turns[: max(measured, replay_prompts)]
-        all_chats = turn_chats(turns, target, max_new_tokens, prompt_overflow, prompt_set.name)
+        all_chats = turn_chats(turns, target, max_new_tokens, loop.prompt_overflow, prompt_set.name)
         categories = [t.record.category for t in turns]
     chats = all_chats[:measured]
     context = getattr(target, "context_length", None)
     fitted = fit_to_context(
-        [encode_prompt(target.tokenizer, m) for m in chats], context, max_new_tokens, prompt_overflow, prompts_file
+        [encode_prompt(target.tokenizer, m) for m in chats], context, max_new_tokens, loop.prompt_overflow, prompts_file
     )
     prompts = fitted.prompts
     vocab_file = (
         find_draft_vocab(draft_dir)
-        if draft_vocab == "auto"
+        if loop.draft_vocab == "auto"
         else None
-        if draft_vocab in (None, "off")
-        else Path(draft_vocab)
+        if loop.draft_vocab == "off"
+        else Path(loop.draft_vocab)
     )
     draft_head = draft_vocab_head(target, vocab_file) if vocab_file is not None else None
     load_start = load_average()
@@ -175,15 +157,9 @@ def run_eval(
         target,
         prompts,
         max_new_tokens,
-        paths,
+        sampling=loop,  # a LoopOptions is both groups: the one settings object, handed down
+        measure=loop,
         estimate=estimate,
-        progress=progress,
-        temperatures=temperatures,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        samples=samples,
-        resamples=resamples,
         oracle_top_k=oracle_top_k,
         draft_head=draft_head,
         categories=categories[:measured] if categories is not None else None,
@@ -209,19 +185,23 @@ def run_eval(
             [encode_prompt(target.tokenizer, m) for m in all_chats[:replay_prompts]],
             context,
             replay_tokens,
-            prompt_overflow,
+            loop.prompt_overflow,
             prompts_file,
         )
-        run = run_replay(draft, target, replayed.prompts, replay_tokens, oracle_top_k=oracle_top_k, progress=progress)
+        run = run_replay(
+            draft, target, replayed.prompts, replay_tokens, oracle_top_k=oracle_top_k, progress=loop.progress
+        )
         report["replay"] = replay_report(
             run,
             draft.config.block_size,
-            resamples,
-            seed,
+            loop.resamples,
+            loop.seed,
             categories[:replay_prompts] if categories is not None else None,
         )
         if acceptance_record:
-            report["acceptance_record"] = _write_record(run, draft_dir, target, prompts_file, resamples, seed, report)
+            report["acceptance_record"] = _write_record(
+                run, draft_dir, target, prompts_file, loop.resamples, loop.seed, report
+            )
     if served_block_sizes is not None:
         sweep = evaluate_block_sizes(
             draft,
@@ -229,18 +209,14 @@ def run_eval(
             prompts,
             max_new_tokens,
             served_block_sizes,
-            paths,
-            progress=progress,
-            temperatures=temperatures,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            samples=samples,
-            resamples=resamples,
+            sampling=loop,
+            measure=loop,
             draft_head=draft_head,
         )
         if replay_prompts:
-            sweep["replay"] = replay_block_sizes(draft, target, run, served_block_sizes, resamples, seed, progress)
+            sweep["replay"] = replay_block_sizes(
+                draft, target, run, served_block_sizes, loop.resamples, loop.seed, loop.progress
+            )
         report["served_block_sizes"] = sweep
     report = {"draft": str(draft_dir), "target": _describe(target), "prompts_file": str(prompts_file), **report}
     if prompt_set is not None:
@@ -343,13 +319,13 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
     report = run_eval(
         opts.draft,
         opts.target_spec(),
-        out_dir=opts.out,
+        opts.out,
+        opts,
         estimate=opts.estimate,
-        llama_cpp=opts.llama_cpp_options(),
         oracle_top_k=opts.oracle_top_k,
         acceptance_record=opts.acceptance_record,
         served_block_sizes=opts.served_block_sizes or None,
-        **opts.run_eval_arguments(),
+        llama_cpp=opts.llama_cpp_options(),
     )
     print("\n".join(summary_lines(report)))
     if report.get("acceptance_record"):

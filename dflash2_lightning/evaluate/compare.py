@@ -177,34 +177,33 @@ def compare_reports(
 
 
 def run_compare(
-    draft_a: str | os.PathLike,
-    draft_b: str | os.PathLike,
+    draft_a: str | os.PathLike[str],
+    draft_b: str | os.PathLike[str],
     target_spec: Any,
-    out_dir: str | os.PathLike,
-    **eval_settings: Any,
+    out_dir: str | os.PathLike[str],
+    loop: LoopOptions | None = None,
 ) -> dict[str, Any]:
     """``dflash2 compare``: measure draft A, then draft B, against one loaded target with ``dflash2 eval``'s
-    machinery (``eval_settings``: :func:`~dflash2_lightning.evaluate.command.run_eval`'s keyword arguments, the
-    same for both, the bootstrap's ``resamples`` and ``seed`` included; no teacher-forced estimate, no acceptance
-    record written into the drafts), write
-    ``out_dir/a/eval.json``, ``out_dir/b/eval.json`` and ``out_dir/compare.json``; returns the comparison."""
-    from dflash2_lightning.errors import ConfigError
+    machinery (:func:`~dflash2_lightning.evaluate.command.run_eval` with ``loop``, the same settings for both, the
+    bootstrap's ``resamples`` and ``seed`` included; default: ``dflash2 compare``'s defaults; no teacher-forced
+    estimate, no acceptance record written into the drafts), write ``out_dir/a/eval.json``, ``out_dir/b/eval.json``
+    and ``out_dir/compare.json``; returns the comparison."""
     from dflash2_lightning.evaluate.command import run_eval
     from dflash2_lightning.evaluate.record import served_path
     from dflash2_lightning.files import atomic_write_text, check_writable
-    from dflash2_lightning.intervals import RESAMPLES
     from dflash2_lightning.model.checkpoint import load_config
     from dflash2_lightning.target.load import load_target
 
-    resamples, seed = eval_settings.get("resamples", RESAMPLES), eval_settings.get("seed", 0)
-    if resamples < 1:
-        raise ConfigError(f"resamples={resamples} is invalid: must be >= 1 (bootstrap draws of the intervals)")
+    loop = loop if loop is not None else LoopOptions()
+    loop.validate()
     check_writable(out_dir, directory=True)
     served = [served_path(load_config(d).is_dflash2) for d in (draft_a, draft_b)]  # both checkpoints, before work
     target = target_spec if hasattr(target_spec, "hf") else load_target(target_spec)
     out = Path(out_dir)
-    settings = {**eval_settings, "estimate": False, "acceptance_record": False}
-    reports = [run_eval(d, target, out_dir=out / side, **settings) for d, side in ((draft_a, "a"), (draft_b, "b"))]
+    reports = [
+        run_eval(d, target, out / side, loop, estimate=False, acceptance_record=False)
+        for d, side in ((draft_a, "a"), (draft_b, "b"))
+    ]
     result: dict[str, Any] = {
         "format": FORMAT,
         "ratio": "B over A, paired by prompt (one bootstrap resample of the prompts for both drafters)",
@@ -216,7 +215,7 @@ def run_compare(
         "max_new_tokens": reports[0]["max_new_tokens"],
         "sampling": reports[0]["sampling"],
         "evals": {"a": str(out / "a" / "eval.json"), "b": str(out / "b" / "eval.json")},
-        **compare_reports(reports[0], reports[1], served[0], served[1], resamples, seed),
+        **compare_reports(reports[0], reports[1], served[0], served[1], loop.resamples, loop.seed),
         "machine": {side: r["machine"] for side, r in zip("ab", reports)},
         "notes": [
             "the drafters run one after the other (A, then B) in one process against the same loaded target: "
@@ -282,7 +281,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 compare --draft-a A --draft-b B --target T --out DIR``: print the table, write ``compare.json``."""
     opts = parse_options(CompareOptions, argv, prog="dflash2 compare", description=COMPARE_DESCRIPTION)
     opts.set_threads()
-    result = run_compare(opts.draft_a, opts.draft_b, opts.target_spec(), opts.out, **opts.run_eval_arguments())
+    result = run_compare(opts.draft_a, opts.draft_b, opts.target_spec(), opts.out, opts)
     print("\n".join(compare_lines(result)))
     print(f"report: {Path(opts.out) / COMPARE_FILE}")
     return 0

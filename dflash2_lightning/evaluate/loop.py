@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -34,8 +34,15 @@ from dflash2_lightning.decode.speculative import (
     target_handles,
     target_sample,
 )
-from dflash2_lightning.evaluate.teacher_forced import PATHS, EstimateStats, default_oracle_top_k, teacher_forced
-from dflash2_lightning.intervals import RESAMPLES, bootstrap_intervals
+from dflash2_lightning.evaluate.options import MeasureOptions, SamplingOptions
+from dflash2_lightning.evaluate.teacher_forced import (
+    EstimateStats,
+    default_oracle_top_k,
+    target_device,
+    teacher_forced,
+    usable_paths,
+)
+from dflash2_lightning.intervals import bootstrap_intervals
 from dflash2_lightning.model.draft import DraftModel
 from dflash2_lightning.model.sampling import Sampling
 
@@ -59,75 +66,69 @@ def evaluate_draft(
     target: Any,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    paths: Sequence[DraftPath] = PATHS,
-    stop_token_ids: Sequence[int] | None = None,
+    sampling: SamplingOptions | None = None,
+    measure: MeasureOptions | None = None,
+    *,
     estimate: bool = True,
-    warmup: bool = True,
-    progress: bool = True,
-    temperatures: Sequence[float] = (0.0,),
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    samples: int = 1,
-    resamples: int = RESAMPLES,
     oracle_top_k: int | None = None,
     draft_head: Head | None = None,
     categories: Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    warmup: bool = True,
 ) -> dict[str, Any]:
     """Measure ``draft`` against ``target`` on tokenised ``prompts``; the report as a dict (see :func:`~dflash2_lightning.evaluate.command.run_eval`).
 
-    ``paths`` not available to the draft (the selector of a DFlash baseline) are skipped and noted.
-    ``stop_token_ids`` default to the target's eos ids. Every temperature in ``temperatures`` is
-    measured (``0`` greedy, checked token for token against the target; ``> 0`` sampled with
-    ``top_p``/``top_k``, ``samples`` generations per prompt, each seeded from ``seed``, the prompt and
-    the sample). The top-level ``paths``/``tau``/``target_only`` are those of the first temperature;
-    ``temperatures`` holds every one. Intervals: bootstrap over prompts (:mod:`~dflash2_lightning.intervals`).
-    ``oracle_top_k``: candidates of the T=0 top-k oracle (default: the selector's ``top_k``, or
-    :data:`~dflash2_lightning.evaluate.teacher_forced.ORACLE_TOP_K` for a DFlash draft). ``draft_head``: the loop drafts through this head instead of
-    the target's (e.g. a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`; the target still verifies
-    with its own); the teacher-forced estimates keep the target's head. ``categories``: one name per prompt (e.g.
-    a named set's, :mod:`~dflash2_lightning.data.prompts.standard`); each temperature's block then gains
-    ``categories``, per category its prompts and per path the same measured figures and intervals over its prompts.
+    ``sampling`` (default: greedy only): every temperature of ``sampling.temperatures`` is measured (``0`` greedy,
+    checked token for token against the target; ``> 0`` sampled with its ``top_p``/``top_k``, ``samples``
+    generations per prompt, each seeded from ``seed``, the prompt and the sample; ``seed`` also seeds the
+    bootstrap). ``measure`` (default: :class:`~dflash2_lightning.evaluate.options.MeasureOptions`' defaults): the
+    ``paths`` measured (those not available to the draft, the selector of a DFlash baseline, are skipped and
+    noted), the bootstrap's ``resamples`` and the ``progress`` bar; its replay, threads and drafting-vocabulary
+    fields are :func:`~dflash2_lightning.evaluate.command.run_eval`'s. The top-level ``paths``/``tau``/``target_only``
+    are those of the first temperature; ``temperatures`` holds every one. Intervals: bootstrap over prompts
+    (:mod:`~dflash2_lightning.intervals`).
+
+    ``estimate``: also the trainer's teacher-forced estimate on the target's continuations (and, at T=0, the
+    top-k oracle). ``oracle_top_k``: candidates of the T=0 top-k oracle (default: the selector's ``top_k``, or
+    :data:`~dflash2_lightning.evaluate.teacher_forced.ORACLE_TOP_K` for a DFlash draft). ``draft_head``: the loop
+    drafts through this head instead of the target's (e.g. a :class:`~dflash2_lightning.decode.draft_vocab.DraftVocabHead`;
+    the target still verifies with its own); the teacher-forced estimates keep the target's head. ``categories``:
+    one name per prompt (e.g. a named set's, :mod:`~dflash2_lightning.data.prompts.standard`); each temperature's
+    block then gains ``categories``, per category its prompts and per path the same measured figures and intervals
+    over its prompts. ``stop_token_ids`` default to the target's eos ids; ``warmup``: run a few tokens of every run
+    kind first, untimed.
     """
     from dflash2_lightning.errors import ConfigError
 
-    check_inputs(prompts, max_new_tokens, oracle_top_k, "evaluate", resamples)
+    sampling = sampling if sampling is not None else SamplingOptions()
+    measure = measure if measure is not None else MeasureOptions()
+    check_inputs(prompts, max_new_tokens, oracle_top_k, "evaluate", measure.resamples)
     if categories is not None and len(categories) != len(prompts):
         raise ConfigError(f"categories has {len(categories)} names for {len(prompts)} prompts: give one per prompt")
-    settings = sampling_settings(temperatures, top_p, top_k, samples)
+    settings = sampling.settings()
     if hasattr(target, "check_fits"):
         target.check_fits(draft.config, "the draft")
-    hf = target_handles(target).hf
-    draft = draft.to(hf.device).eval()
+    device = target_device(target)
+    draft = draft.to(device).eval()
     stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
-    usable = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
-    notes = [f"path {x!r} skipped: a DFlash baseline draft has no candidate selector" for x in paths if x not in usable]
+    usable = usable_paths(measure.paths, draft)
+    notes = [
+        f"path {x!r} skipped: a DFlash baseline draft has no candidate selector"
+        for x in measure.paths
+        if x not in usable
+    ]
     drafters = {x: TorchDrafter(draft, x, head=draft_head) for x in usable}
     if warmup:
-        _warm_up(target, drafters.values(), prompts[0], max_new_tokens, stop, settings, seed)
+        _warm_up(target, drafters.values(), prompts[0], max_new_tokens, stop, settings, sampling.seed)
     if any(not st.greedy for st in settings):
         notes.append(SAMPLED_NOTE)
 
-    if oracle_top_k is None:
-        oracle_top_k = default_oracle_top_k(draft)
+    oracle_k = oracle_top_k if oracle_top_k is not None else default_oracle_top_k(draft)
     blocks = {}
     for ti, st in enumerate(settings):
+        gen = Generations(target, max_new_tokens, stop, st, ti, sampling.seed, sampling.samples_at(st))
         blocks[_temperature_key(st.temperature)] = _evaluate_at(
-            draft,
-            drafters,
-            target,
-            prompts,
-            max_new_tokens,
-            stop,
-            estimate,
-            progress,
-            st,
-            seed,
-            ti,
-            samples if not st.greedy else 1,
-            resamples,
-            oracle_top_k,
-            categories,
+            draft, drafters, prompts, gen, measure, estimate, oracle_k, categories
         )
     first = next(iter(blocks.values()))
     report: dict[str, Any] = {
@@ -139,18 +140,18 @@ def evaluate_draft(
         "stopped_at_eos": first["stopped_at_eos"],
         "target_only": first["target_only"],
         "machine": {
-            "device": str(hf.device),
+            "device": str(device),
             "torch_threads": torch.get_num_threads(),
-            "target_dtype": str(next(hf.parameters()).dtype).replace("torch.", ""),
+            "target_dtype": str(next(target_handles(target).hf.parameters()).dtype).replace("torch.", ""),
             "draft_dtype": str(next(draft.parameters()).dtype).replace("torch.", ""),
         },
         "sampling": {
             "temperatures": [st.temperature for st in settings],
-            "top_p": top_p,
-            "top_k": top_k,
-            "seed": seed,
-            "samples_per_prompt": samples,
-            "bootstrap_resamples": resamples,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "seed": sampling.seed,
+            "samples_per_prompt": sampling.samples,
+            "bootstrap_resamples": measure.resamples,
         },
         "paths": first["paths"],
         "tau": first["tau"],
@@ -173,17 +174,12 @@ def evaluate_block_sizes(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     block_sizes: Sequence[int],
-    paths: Sequence[DraftPath] = PATHS,
+    sampling: SamplingOptions | None = None,
+    measure: MeasureOptions | None = None,
+    *,
+    draft_head: Head | None = None,
     stop_token_ids: Sequence[int] | None = None,
     warmup: bool = True,
-    progress: bool = True,
-    temperatures: Sequence[float] = (0.0,),
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    samples: int = 1,
-    resamples: int = RESAMPLES,
-    draft_head: Head | None = None,
 ) -> dict[str, Any]:
     """τ and tokens/s of ``draft`` served at each of ``block_sizes`` (the loop's part of an eval report's
     ``served_block_sizes``).
@@ -191,8 +187,9 @@ def evaluate_block_sizes(
     At block ``b`` the draft runs as an engine serving it at ``b`` runs it (:meth:`~dflash2_lightning.model.draft.DraftModel.at_block_size`):
     ``[anchor, MASK x (b-1)]``, ``b - 1`` drafts per cycle, the target verifying ``b`` tokens. Every size is
     measured on every prompt right after the target alone decoded it (sizes and paths interleaved, so a change in
-    the machine's load falls on all of them alike), with the seeds :func:`evaluate_draft` uses, and checked token
-    for token at T=0. Per temperature: the target alone, per size and path the measured figures with intervals
+    the machine's load falls on all of them alike), with the settings and seeds :func:`evaluate_draft` takes and
+    uses (``sampling``, ``measure``, ``draft_head``, ``stop_token_ids``, ``warmup``), and checked token for token
+    at T=0. Per temperature: the target alone, per size and path the measured figures with intervals
     (:func:`measured_figures`), ``lossless``, and ``fastest``: per path the size with the most tokens/s and its
     speed over the runner-up (paired over prompts). The top-level ``fastest`` is the fastest size and path at the
     first temperature, with each engine's flag that serves it (:func:`~dflash2_lightning.engines.rules.served_block_flags`).
@@ -201,14 +198,16 @@ def evaluate_block_sizes(
 
     from dflash2_lightning.engines.rules import served_block_flags
 
-    check_inputs(prompts, max_new_tokens, None, "evaluate", resamples)
+    sampling = sampling if sampling is not None else SamplingOptions()
+    measure = measure if measure is not None else MeasureOptions()
+    check_inputs(prompts, max_new_tokens, None, "evaluate", measure.resamples)
     sizes = check_block_sizes(block_sizes, draft.config)
-    settings = sampling_settings(temperatures, top_p, top_k, samples)
+    settings = sampling.settings()
     if hasattr(target, "check_fits"):
         target.check_fits(draft.config, "the draft")
-    draft = draft.to(target_handles(target).hf.device).eval()
+    draft = draft.to(target_device(target)).eval()
     stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
-    usable = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
+    usable = usable_paths(measure.paths, draft)
     drafters = {
         b: {x: TorchDrafter(served, x, head=draft_head) for x in usable}
         for b in sizes
@@ -222,30 +221,24 @@ def evaluate_block_sizes(
             max_new_tokens,
             stop,
             settings,
-            seed,
+            sampling.seed,
         )
+    resamples, seed = measure.resamples, sampling.seed
     blocks: dict[str, Any] = {}
     for ti, st in enumerate(settings):
+        gen = Generations(target, max_new_tokens, stop, st, ti, seed, sampling.samples_at(st))
         references: list[list[GreedyResult]] = []
         runs = {(b, x): PathRun([], None, []) for b in sizes for x in usable}
         desc = "block sizes" + ("" if st.greedy else f" T={st.temperature:g}")
-        for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
+        for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not measure.progress)):
             references.append([])
             for run in runs.values():
                 run.by_prompt.append([])
-            for j in range(samples if not st.greedy else 1):
-                ref = _target_run(target, prompt, max_new_tokens, stop, st, _run_seed(seed, ti, i, j, 0))
+            for j in range(gen.samples):
+                ref = gen.reference(prompt, i, j)
                 references[-1].append(ref)
                 for (b, x), run in runs.items():
-                    r = _speculative_run(
-                        target,
-                        drafters[b][x],
-                        prompt,
-                        max_new_tokens,
-                        stop,
-                        st,
-                        _run_seed(seed, ti, i, j, 1 + usable.index(x)),
-                    )
+                    r = gen.speculative(drafters[b][x], prompt, i, j, 1 + usable.index(x))
                     run.by_prompt[-1].append(r)
                     if st.greedy and r.tokens != ref.tokens:
                         run.mismatched.append(i)
@@ -266,7 +259,7 @@ def evaluate_block_sizes(
             "temperature": st.temperature,
             "top_p": st.top_p,
             "top_k": st.top_k,
-            "samples_per_prompt": samples if not st.greedy else 1,
+            "samples_per_prompt": gen.samples,
             "target_only": target_only(references),
             "sizes": per_size,
             "fastest": {x: _fastest_size({b: runs[b, x].by_prompt for b in sizes}, resamples, seed) for x in usable},
@@ -354,18 +347,6 @@ def check_block_sizes(block_sizes: Sequence[int], config: DraftConfig) -> list[i
     return sorted(sizes)
 
 
-def sampling_settings(temperatures: Sequence[float], top_p: float, top_k: int, samples: int) -> list[Sampling]:
-    """The sampling settings of a measurement, each validated before any work (and ``samples`` >= 1)."""
-    from dflash2_lightning.errors import ConfigError
-
-    if samples < 1:
-        raise ConfigError(f"samples={samples} is invalid: must be >= 1 (generations per prompt)")
-    temps = [float(t) for t in temperatures]
-    if not temps or len(set(temps)) != len(temps):
-        raise ConfigError(f"temperatures={temps} is invalid: need at least one, without repeats")
-    return [Sampling(t, top_p, top_k) for t in temps]
-
-
 def _warm_up(
     target: Any,
     drafters: Iterable[TorchDrafter],
@@ -411,59 +392,71 @@ def _run_seed(seed: int, *parts: int) -> int:
     return int(np.random.SeedSequence([seed, *parts]).generate_state(1)[0])
 
 
-def _target_run(
-    target: Any, prompt: Sequence[int], max_new_tokens: int, stop: list[int], st: Sampling, seed: int
-) -> GreedyResult:
-    """The target alone on one prompt: greedy, or sampled at ``st`` from ``seed`` (the reference and the baseline)."""
-    if st.greedy:
-        return target_greedy(target, prompt, max_new_tokens, stop)
-    return target_sample(
-        target, prompt, max_new_tokens, stop, temperature=st.temperature, top_p=st.top_p, top_k=st.top_k, seed=seed
-    )
+@dataclass(frozen=True)
+class Generations:
+    """The generations of one measured sampling setting: the target alone on a prompt (the reference and the
+    tokens/s baseline) and the speculative loop, each seeded from the run's ``seed``, the setting's ``index``, the
+    prompt, the sample and the stream (0 the target alone, ``1 + i`` the ``i``-th path), so a measurement with the
+    same settings draws the same tokens."""
+
+    target: Any
+    max_new_tokens: int
+    stop: list[int]
+    setting: Sampling
+    index: int
+    seed: int
+    samples: int  # generations per prompt
+
+    def reference(self, prompt: Sequence[int], i: int, j: int) -> GreedyResult:
+        """The target alone on prompt ``i``, its sample ``j``: greedy, or sampled at the setting."""
+        if self.setting.greedy:
+            return target_greedy(self.target, prompt, self.max_new_tokens, self.stop)
+        return target_sample(self.target, prompt, self.max_new_tokens, self.stop, **self._sampled(i, j, 0))
+
+    def speculative(self, drafter: TorchDrafter, prompt: Sequence[int], i: int, j: int, stream: int) -> SpecResult:
+        """One speculative generation of prompt ``i``, its sample ``j``, by ``drafter`` (seed stream ``stream``),
+        without its draft cache."""
+        sampled = {} if self.setting.greedy else self._sampled(i, j, stream)
+        result = speculative_generate(self.target, drafter, prompt, self.max_new_tokens, self.stop, **sampled)
+        result.context = None  # drop the cache: the report keeps only numbers
+        return result
+
+    def _sampled(self, i: int, j: int, stream: int) -> SampledRun:
+        st = self.setting
+        seed = _run_seed(self.seed, self.index, i, j, stream)
+        return {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k, "seed": seed}
 
 
-def _speculative_run(
-    target: Any,
-    drafter: TorchDrafter,
-    prompt: Sequence[int],
-    max_new_tokens: int,
-    stop: list[int],
-    st: Sampling,
-    seed: int,
-) -> SpecResult:
-    """One speculative generation of one prompt at ``st`` (sampled from ``seed``), without its draft cache."""
-    sampled = {} if st.greedy else {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k, "seed": seed}
-    result = speculative_generate(target, drafter, prompt, max_new_tokens, stop, **sampled)
-    result.context = None  # drop the cache: the report keeps only numbers
-    return result
+class SampledRun(TypedDict, total=False):
+    """The keywords of one sampled generation (:func:`~dflash2_lightning.decode.speculative.target_sample`,
+    :func:`~dflash2_lightning.decode.speculative.speculative_generate`); none: greedy."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
 
 
 def _evaluate_at(
     draft: DraftModel,
     drafters: dict[DraftPath, TorchDrafter],
-    target: Any,
     prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    stop: list[int],
+    gen: Generations,
+    measure: MeasureOptions,
     estimate: bool,
-    progress: bool,
-    st: Sampling,
-    seed: int,
-    ti: int,
-    samples: int,
-    resamples: int,
     oracle_top_k: int,
     categories: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """One temperature: target-only and speculative runs of every prompt, the per-path figures and intervals (and
-    per category, with ``categories``: one name per prompt)."""
+    """One sampling setting (``gen``): target-only and speculative runs of every prompt, the per-path figures and
+    intervals (and per category, with ``categories``: one name per prompt)."""
     from tqdm.auto import tqdm
 
     from dflash2_lightning.train.metrics import SelectorHealth
 
+    st, resamples, seed = gen.setting, measure.resamples, gen.seed
     usable = list(drafters)
     references: list[list[GreedyResult]] = []
-    runs = {
+    runs: dict[str, PathRun] = {
         x: PathRun([], EstimateStats.empty(draft.config.block_size, not st.greedy) if estimate else None, [])
         for x in usable
     }
@@ -471,17 +464,15 @@ def _evaluate_at(
     # Selector health of the loop's cycles (replayed, teacher-forced: equal to the loop's at T=0).
     health = SelectorHealth(draft.config.block_size) if oracle is not None and "selector" in usable else None
     desc = "eval" if st.greedy else f"eval T={st.temperature:g}"
-    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not measure.progress)):
         refs = []
         for x in usable:
             runs[x].by_prompt.append([])
-        for j in range(samples):
-            ref = _target_run(target, prompt, max_new_tokens, stop, st, _run_seed(seed, ti, i, j, 0))
+        for j in range(gen.samples):
+            ref = gen.reference(prompt, i, j)
             refs.append(ref)
             for xi, x in enumerate(usable):
-                r = _speculative_run(
-                    target, drafters[x], prompt, max_new_tokens, stop, st, _run_seed(seed, ti, i, j, 1 + xi)
-                )
+                r = gen.speculative(drafters[x], prompt, i, j, 1 + xi)
                 runs[x].results.append(r)
                 runs[x].by_prompt[-1].append(r)
                 if st.greedy and r.tokens != ref.tokens:
@@ -489,11 +480,13 @@ def _evaluate_at(
         references.append(refs)
         if estimate:
             # At temperature > 0 on the target's first sampled continuation, with the sampled estimate.
-            for x, tf in teacher_forced(
-                draft, target, prompt, refs[0].tokens, usable, sampling=st, oracle_top_k=oracle_top_k
+            for path, tf in teacher_forced(
+                draft, gen.target, prompt, refs[0].tokens, usable, sampling=st, oracle_top_k=oracle_top_k
             ).items():
-                (oracle if x == "oracle" else runs[x].estimate).add(tf)
-                if x == "selector" and health is not None:
+                stats = oracle if path == "oracle" else runs[path].estimate
+                assert stats is not None  # estimate: every path's, and at T=0 (the oracle's only) the oracle's
+                stats.add(tf)
+                if path == "selector" and health is not None:
                     tf.cycle_health(health)
 
     flat = [r for refs in references for r in refs]
@@ -501,13 +494,13 @@ def _evaluate_at(
         "temperature": st.temperature,
         "top_p": st.top_p,
         "top_k": st.top_k,
-        "samples_per_prompt": samples,
+        "samples_per_prompt": gen.samples,
         "stopped_at_eos": sum(r.stopped for r in flat),
         "target_only": target_only(references),
         "paths": {},
     }
-    for x, run in runs.items():
-        block["paths"][x] = {
+    for path, run in runs.items():
+        block["paths"][path] = {
             **measured_figures(run.by_prompt, references, resamples, seed),
             "estimated": run.estimate.summary() if run.estimate is not None else None,
             "lossless": not run.mismatched if st.greedy else None,

@@ -13,7 +13,7 @@ from typing import Any
 
 from dflash2_lightning.decode.speculative import target_handles
 from dflash2_lightning.evaluate.loop import category_rows, check_inputs, health_report
-from dflash2_lightning.evaluate.teacher_forced import default_oracle_top_k, teacher_forced
+from dflash2_lightning.evaluate.teacher_forced import default_oracle_top_k, target_device, teacher_forced
 from dflash2_lightning.intervals import RESAMPLES, replay_summary
 from dflash2_lightning.model.draft import DraftModel
 
@@ -98,7 +98,7 @@ def run_replay(
     check_inputs(prompts, max_new_tokens, oracle_top_k, "replay")
     if batch_size < 1:
         raise ConfigError(f"replay batch_size={batch_size} is invalid: must be >= 1")
-    draft = draft.to(target_handles(target).hf.device).eval()
+    draft = draft.to(target_device(target)).eval()
     stop = list(stop_token_ids if stop_token_ids is not None else getattr(target, "eos_token_ids", []))
     start = time.perf_counter()
     outputs = greedy_outputs(target, prompts, max_new_tokens, stop, batch_size)

@@ -70,7 +70,9 @@ def plot_eval(report: dict[str, Any], path: str | os.PathLike) -> None:
     names = list(blocks[0]["paths"])
     width = 0.8 / max(len(names), 1)
     for j, name in enumerate(names):
-        ts, taus, err = [], [], [[], []]
+        ts: list[float] = []
+        taus: list[float] = []
+        err: list[list[float]] = [[], []]
         for ti, blk in enumerate(blocks):
             res = blk["paths"].get(name)
             if res is None:
@@ -183,7 +185,9 @@ def plot_categories(
         series += [(f"{path} T=0 replay", path, "D", replay["categories"]) for path in replay["paths"]]
     width = 0.8 / len(series)
     for j, (label, path, marker, categories) in enumerate(series):
-        xs, taus, err = [], [], [[], []]
+        xs: list[float] = []
+        taus: list[float] = []
+        err: list[list[float]] = [[], []]
         for i, name in enumerate(names):
             tau, iv, _, _ = category_figures(categories[name]["paths"][path]) if name in categories else (None,) * 4
             if tau is None:

@@ -38,6 +38,17 @@ def default_oracle_top_k(draft: DraftModel) -> int:
     return draft.config.selector_top_k if draft.candidate_selector is not None else ORACLE_TOP_K
 
 
+def target_device(target: Any) -> torch.device:
+    """The device ``target`` (a project ``Target`` or a bare HF model) computes on, as HF's ``model.device`` reads
+    it (its first parameter's): where the draft and the inputs go."""
+    return next(target_handles(target).hf.parameters()).device
+
+
+def usable_paths(paths: Sequence[DraftPath], draft: DraftModel) -> list[DraftPath]:
+    """The ``paths`` the draft can run: all of them but the selector's for a DFlash baseline (no selector)."""
+    return [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
+
+
 @dataclass
 class TeacherForced:
     """Per-anchor results of the draft's training forward on one sequence, for one decoding path.
@@ -116,12 +127,15 @@ def teacher_forced(
     the target's token is among the draft's top ``oracle_top_k`` logits. Greedy, the selector path's result
     also has ``covered``: the target's token among the selector's own top-k candidates (selector health).
     """
+    from transformers import PreTrainedModel
+
     from dflash2_lightning.train.metrics import sampled_alpha
     from dflash2_lightning.train.objective import DraftObjective, Teacher
 
     t = target_handles(target)
+    assert isinstance(t.hf, PreTrainedModel)  # a project Target's HF causal LM, or a bare one (target_handles)
     cfg, dtype = draft.config, next(draft.parameters()).dtype
-    bs, device = cfg.block_size, t.hf.device
+    bs, device = cfg.block_size, target_device(target)
     ids = torch.tensor([list(prompt) + list(continuation)], dtype=torch.long, device=device)
     p, s = len(prompt), ids.shape[1]
     out = t.hf(input_ids=ids, use_cache=False, output_hidden_states=True)
@@ -133,12 +147,12 @@ def teacher_forced(
     head_dtype = t.hf.get_output_embeddings().weight.dtype
     head = lambda h: t.head(h.to(head_dtype))
     objective = DraftObjective(token_loss="ce", selector_loss_alpha=0.0)
-    want = [x for x in paths if x == "backbone" or draft.candidate_selector is not None]
-    oracle = bool(oracle_top_k) and not sampled
-    rights: dict[str, list[Tensor]] = {x: [] for x in want + (["oracle"] if oracle else [])}
+    want = usable_paths(paths, draft)
+    oracle_k = oracle_top_k if oracle_top_k and not sampled else None
+    rights: dict[str, list[Tensor]] = {x: [] for x in [*want, *(["oracle"] if oracle_k is not None else [])]}
     alphas: dict[str, list[Tensor]] = {x: [] for x in want}
     covers: list[Tensor] = []
-    valids = []
+    valids: list[Tensor] = []
     anchors = torch.arange(p, s, device=device)
     for lo in range(0, anchors.shape[0], chunk):
         a = anchors[lo : lo + chunk][None]
@@ -152,21 +166,25 @@ def teacher_forced(
             teacher,
             anchors=(a, torch.ones_like(a, dtype=torch.bool)),
             walk="selector" in want,
-            keep_logits=oracle or sampled,
+            keep_logits=oracle_k is not None or sampled,
         )  # the oracle's top-k and sampled_alpha read res.logits
         valids.append(res.blocks.valid[0])
         for x in want:
             tokens = res.draft_tokens if x == "backbone" else res.selector_tokens
+            assert tokens is not None  # walk=True: the selector's walk whenever the draft has a selector
             rights[x].append((tokens == res.reference)[0])
         if res.covered is not None and not sampled:
             covers.append(res.covered[0])
-        if oracle:
-            top = res.logits.topk(min(oracle_top_k, res.logits.shape[-1]), dim=-1).indices
+        if oracle_k is not None:
+            assert res.logits is not None  # keep_logits=True
+            top = res.logits.topk(min(oracle_k, res.logits.shape[-1]), dim=-1).indices
             rights["oracle"].append((top == res.reference[..., None]).any(-1)[0])
         if sampled:
-            for x, alpha in sampled_alpha(res, sampling).items():
-                if x in alphas:
-                    alphas[x].append(alpha[0])
+            sampled_alphas = sampled_alpha(res, sampling)
+            assert sampled_alphas is not None  # the teacher's logits are given when sampled
+            for path, alpha in sampled_alphas.items():
+                if path in alphas:
+                    alphas[path].append(alpha[0])
     valid = torch.cat(valids) if valids else torch.zeros(0, bs - 1, dtype=torch.bool)
     return {
         x: TeacherForced(

@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash2_lightning.action_options import config_entries, option, parse_options
 from dflash2_lightning.quickstart.config import QuickstartError
+
+if TYPE_CHECKING:
+    from dflash2_lightning.evaluate.options import LoopOptions
 
 DEFAULT_OUT = "runs/quickstart"
 
@@ -134,19 +137,30 @@ class QuickstartOptions:
             raise QuickstartError(f"sample_temperature={self.sample_temperature} is invalid: must be > 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise QuickstartError(f"max_steps={self.max_steps} is invalid: must be >= 1")
-        from dflash2_lightning.model.sampling import Sampling
-
-        if not self.eval_temperatures or len(set(self.eval_temperatures)) != len(self.eval_temperatures):
-            raise QuickstartError(
-                f"eval_temperatures={self.eval_temperatures} is invalid: need at least one, without repeats"
-            )
-        for t in self.eval_temperatures:  # checked now, not after training
-            try:
-                Sampling(t, self.eval_top_p, self.eval_top_k)
-            except ValueError as err:
-                raise QuickstartError(f"eval_{err}") from None
+        try:
+            self.eval_loop()  # the evaluation's settings, checked now, not after training
+        except ValueError as err:  # a ConfigError naming the field: temperatures=..., top_p=...
+            raise QuickstartError(f"eval_{err}") from None
         if self.threads is not None and self.threads < 1:
             raise QuickstartError(f"threads={self.threads} is invalid: must be >= 1 (or None for automatic)")
+
+    def eval_loop(self) -> LoopOptions:
+        """The evaluation step's settings (``dflash2 eval``'s, from the ``eval_*`` options): the first
+        ``eval_prompts`` shipped held-out prompts, the sampling measured and the T=0 replay."""
+        from dflash2_lightning.evaluate.options import LoopOptions
+
+        return LoopOptions(
+            max_new_tokens=self.eval_max_new_tokens,
+            max_prompts=self.eval_prompts,
+            temperatures=list(self.eval_temperatures),
+            top_p=self.eval_top_p,
+            top_k=self.eval_top_k,
+            samples=self.eval_samples,
+            seed=self.eval_seed,
+            replay_prompts=self.eval_replay_prompts,
+            replay_max_new_tokens=self.eval_replay_max_new_tokens,
+            progress=self.progress,
+        )
 
 
 DESCRIPTION = (

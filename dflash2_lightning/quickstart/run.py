@@ -301,24 +301,7 @@ def step_eval(
         step.done(f"report found in {report_path}", reused=True)
         return report, eval_dir
     stamps.clear("eval")
-    report = run_eval(
-        hf_dir,
-        target,
-        EVAL_PROMPTS,
-        eval_dir,
-        max_new_tokens=opts.eval_max_new_tokens,
-        max_prompts=opts.eval_prompts,
-        progress=opts.progress,
-        temperatures=opts.eval_temperatures,
-        top_p=opts.eval_top_p,
-        top_k=opts.eval_top_k,
-        samples=opts.eval_samples,
-        seed=opts.eval_seed,
-        llama_cpp=llama_cpp,
-        own_load=rep.own_load,
-        replay_prompts=opts.eval_replay_prompts,
-        replay_max_new_tokens=opts.eval_replay_max_new_tokens,
-    )
+    report = run_eval(hf_dir, target, eval_dir, opts.eval_loop(), llama_cpp=llama_cpp, own_load=rep.own_load)
     stamps.write("eval", settings)
     taus = "; ".join(
         f"T={t} " + ", ".join(f"{k} {v:.2f}" for k, v in blk["tau"].items())

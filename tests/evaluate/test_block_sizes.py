@@ -13,16 +13,18 @@ from dflash2_lightning.decode.speculative import speculative_generate
 from dflash2_lightning.engines.rules import served_block_flags
 from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.evaluate.loop import check_block_sizes, evaluate_block_sizes, evaluate_draft
+from dflash2_lightning.evaluate.options import MeasureOptions, SamplingOptions
 from dflash2_lightning.evaluate.replay import replay_block_sizes, run_replay
 from dflash2_lightning.evaluate.report import block_size_lines
 
 SIZES = [2, 3, 4]
+QUIET = MeasureOptions(progress=False)
 
 
 @pytest.fixture(scope="module")
 def sweep() -> dict:
     target, draft = tiny_target(), trained_draft("dflash2")
-    return evaluate_block_sizes(draft, target, prompts()[:4], NEW_TOKENS, [4, 2, 3], progress=False, warmup=False)
+    return evaluate_block_sizes(draft, target, prompts()[:4], NEW_TOKENS, [4, 2, 3], measure=QUIET, warmup=False)
 
 
 def test_a_draft_served_at_block_b_drafts_b_minus_1_tokens_per_cycle() -> None:
@@ -62,7 +64,7 @@ def test_every_size_is_lossless_with_its_own_tau_and_speed(sweep: dict) -> None:
 
 def test_the_trained_size_measures_what_the_plain_evaluation_measures(sweep: dict) -> None:
     target, draft = tiny_target(), trained_draft("dflash2")
-    plain = evaluate_draft(draft, target, prompts()[:4], NEW_TOKENS, estimate=False, progress=False, warmup=False)
+    plain = evaluate_draft(draft, target, prompts()[:4], NEW_TOKENS, measure=QUIET, estimate=False, warmup=False)
     for path, res in sweep["temperatures"]["0"]["sizes"][str(BLOCK_SIZE)]["paths"].items():
         assert res["measured"]["histogram"] == plain["paths"][path]["measured"]["histogram"]
         assert res["measured"]["tau"] == plain["paths"][path]["measured"]["tau"]
@@ -118,11 +120,9 @@ def test_sampled_sizes_are_measured_without_a_token_check() -> None:
         prompts()[:2],
         12,
         [2, 4],
-        ["backbone"],
-        progress=False,
+        SamplingOptions(temperatures=[1.0], seed=3),
+        MeasureOptions(paths=["backbone"], progress=False),
         warmup=False,
-        temperatures=(1.0,),
-        seed=3,
     )
     blk = sampled["temperatures"]["1"]
     assert blk["temperature"] == 1.0 and list(blk["sizes"]) == ["2", "4"]
@@ -134,7 +134,7 @@ def test_sampled_sizes_are_measured_without_a_token_check() -> None:
 
 def test_a_dflash_baseline_is_swept_on_its_backbone() -> None:
     target, draft = tiny_target(), trained_draft("dflash")
-    section = evaluate_block_sizes(draft, target, prompts()[:2], 12, [2, 4], progress=False, warmup=False)
+    section = evaluate_block_sizes(draft, target, prompts()[:2], 12, [2, 4], measure=QUIET, warmup=False)
     for figures in section["temperatures"]["0"]["sizes"].values():
         assert list(figures["paths"]) == ["backbone"] and figures["paths"]["backbone"]["lossless"] is True
 
@@ -159,7 +159,7 @@ def test_a_wide_convolution_sets_the_smallest_size(tiny_draft_config) -> None:
     with pytest.raises(ConfigError, match=r"\[2\] outside 3\.\.6; each must be at least conv_kernel_size=3"):
         check_block_sizes([2, 3], cfg)
     with pytest.raises(ConfigError, match="served_block_sizes"):  # before any decoding
-        evaluate_block_sizes(trained_draft("dflash2"), tiny_target(), prompts()[:1], 4, [5], progress=False)
+        evaluate_block_sizes(trained_draft("dflash2"), tiny_target(), prompts()[:1], 4, [5], measure=QUIET)
 
 
 def test_eval_cli_reports_every_served_size_and_the_fastest(tmp_path, capsys) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from speculative_helpers import BLOCK_SIZE, NEW_TOKENS, TARGET_SPEC, continuatio
 from dflash2_lightning.decode.speculative import AcceptanceStats, speculative_generate
 from dflash2_lightning.evaluate.command import eval_main
 from dflash2_lightning.evaluate.loop import evaluate_draft
+from dflash2_lightning.evaluate.options import LoopOptions, MeasureOptions, SamplingOptions
 from dflash2_lightning.evaluate.replay import replay_eval
 from dflash2_lightning.evaluate.report import summary_lines
 from dflash2_lightning.evaluate.teacher_forced import EstimateStats, TeacherForced, teacher_forced
@@ -84,7 +86,7 @@ def check_health(health: dict, accept: list[float], histogram: list[int] | None 
 def test_selector_health_is_reported_at_t0_with_the_estimate_only() -> None:
     """At T>0 the target's token is a sample: no selector health there; without the estimate none at all."""
     target, draft = tiny_target(), trained_draft("dflash2")
-    kw = dict(progress=False, warmup=False, temperatures=(0.0, 1.0))
+    kw = dict(sampling=SamplingOptions(temperatures=[0.0, 1.0]), measure=MeasureOptions(progress=False), warmup=False)
     report = evaluate_draft(draft, target, prompts()[:2], NEW_TOKENS, **kw)
     greedy = report["temperatures"]["0"]["paths"]["selector"]
     check_health(greedy["selector_health"], greedy["measured"]["accept"], greedy["measured"]["histogram"])
@@ -160,7 +162,7 @@ def test_top_k_oracle_bounds_both_paths() -> None:
         tf = teacher_forced(draft, target, prompt, cont, oracle_top_k=k)
         assert not (tf["selector"].right & ~tf["oracle"].right).any()
         assert not (tf["backbone"].right & ~tf["oracle"].right).any()
-    report = evaluate_draft(draft, target, prompts()[:3], NEW_TOKENS, progress=False)
+    report = evaluate_draft(draft, target, prompts()[:3], NEW_TOKENS, measure=MeasureOptions(progress=False))
     orc = report["temperatures"]["0"]["oracle"]
     assert orc["top_k"] == k
     # Per block (the estimate over every position) the oracle's accepted prefix is at least each path's, so its τ
@@ -171,7 +173,7 @@ def test_top_k_oracle_bounds_both_paths() -> None:
     assert orc["blocks"] == paths["selector"]["estimated"]["blocks"] and orc["replayed_tau"] >= 1.0
     assert any(line.strip().startswith("oracle: tau") for line in summary_lines(report))
     with pytest.raises(Exception, match="oracle_top_k=0 is invalid"):
-        evaluate_draft(draft, target, prompts()[:1], 4, progress=False, oracle_top_k=0)
+        evaluate_draft(draft, target, prompts()[:1], 4, measure=MeasureOptions(progress=False), oracle_top_k=0)
 
 
 @pytest.mark.parametrize("projector", ["dflash2", "dflash"])
@@ -179,7 +181,8 @@ def test_wide_replay_equals_the_measured_tau(projector: str) -> None:
     """The replay decodes the prompts in batches (left-padded, several lengths) and replays the loop along
     them: on the same prompts and budget its τ and per-offset acceptance are the loop's, exactly."""
     target, draft = tiny_target(), trained_draft(projector)
-    measured = evaluate_draft(draft, target, prompts(), NEW_TOKENS, estimate=False, warmup=False, progress=False)
+    quiet = MeasureOptions(progress=False)
+    measured = evaluate_draft(draft, target, prompts(), NEW_TOKENS, measure=quiet, estimate=False, warmup=False)
     replay = replay_eval(draft, target, prompts(), NEW_TOKENS, batch_size=3, progress=False)
     assert replay["prompts"] == len(prompts()) and replay["generated_tokens"] == measured["generated_tokens"]
     assert set(replay["paths"]) == set(measured["paths"])
@@ -212,13 +215,22 @@ def test_replay_options_are_checked_before_any_work(tmp_path) -> None:
     held_out = len(read_prompts(EVAL_PROMPTS))
     missing = tmp_path / "no-draft"  # never loaded: the options fail first
     with pytest.raises(ConfigError, match=f"replay_prompts={held_out + 1} is invalid: .* holds only {held_out}"):
-        run_eval(missing, TARGET_SPEC, None, tmp_path / "out", replay_prompts=held_out + 1)
-    with pytest.raises(ConfigError, match="replay_prompts=-1 is invalid: must be >= 0"):
-        run_eval(missing, TARGET_SPEC, None, tmp_path / "out", replay_prompts=-1)
-    with pytest.raises(ConfigError, match="replay_max_new_tokens=0 is invalid"):
-        run_eval(missing, TARGET_SPEC, None, tmp_path / "out", replay_prompts=2, replay_max_new_tokens=0)
-    with pytest.raises(ConfigError, match="max_prompts=0 is invalid"):
-        run_eval(missing, TARGET_SPEC, None, tmp_path / "out", max_prompts=0)
+        run_eval(missing, TARGET_SPEC, tmp_path / "out", LoopOptions(replay_prompts=held_out + 1))
+    # The settings check themselves when made, and run_eval checks them again (a field changed since) first.
+    for fields, message in [
+        ({"replay_prompts": -1}, "replay_prompts=-1 is invalid: must be >= 0"),
+        ({"replay_prompts": 2, "replay_max_new_tokens": 0}, "replay_max_new_tokens=0 is invalid"),
+        ({"max_prompts": 0}, "max_prompts=0 is invalid"),
+        ({"resamples": 0}, "resamples=0 is invalid"),
+        ({"samples": 0}, "samples=0 is invalid"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            LoopOptions(**fields)
+        changed = LoopOptions()
+        for name, value in fields.items():
+            setattr(changed, name, value)
+        with pytest.raises(ConfigError, match=message):
+            run_eval(missing, TARGET_SPEC, tmp_path / "out", changed)
     with pytest.raises(ConfigError, match="replay batch_size=0 is invalid"):
         replay_eval(trained_draft("dflash2"), tiny_target(), prompts()[:1], 4, batch_size=0)
     assert not (tmp_path / "out").exists()
@@ -226,7 +238,8 @@ def test_replay_options_are_checked_before_any_work(tmp_path) -> None:
 
 def test_dflash_baseline_skips_the_selector_path() -> None:
     target = tiny_target()
-    report = evaluate_draft(trained_draft("dflash"), target, prompts()[:2], 8, estimate=False, progress=False)
+    quiet = MeasureOptions(progress=False)
+    report = evaluate_draft(trained_draft("dflash"), target, prompts()[:2], 8, measure=quiet, estimate=False)
     assert list(report["paths"]) == ["backbone"]
     assert any("selector" in note for note in report["notes"])
     assert report["paths"]["backbone"]["lossless"] and report["paths"]["backbone"]["estimated"] is None
@@ -251,16 +264,9 @@ def test_held_out_prompts_share_none_with_the_seed_prompts() -> None:
 
 def test_eval_at_temperature_reports_every_setting_with_intervals() -> None:
     target, draft = tiny_target(), trained_draft("dflash2")
-    kw = dict(
-        estimate=False,
-        progress=False,
-        temperatures=(0.0, 1.0),
-        top_p=0.9,
-        samples=2,
-        seed=7,
-        resamples=300,
-        stop_token_ids=[],
-    )  # no stop: every generation runs its whole budget
+    sampling = SamplingOptions(temperatures=[0.0, 1.0], top_p=0.9, samples=2, seed=7)
+    measure = MeasureOptions(resamples=300, progress=False)
+    kw = dict(sampling=sampling, measure=measure, estimate=False, stop_token_ids=[])  # no stop: the whole budget
     report = evaluate_draft(draft, target, prompts()[:3], 10, **kw)
     assert list(report["temperatures"]) == ["0", "1"]
     assert report["sampling"] == {
@@ -289,7 +295,9 @@ def test_eval_at_temperature_reports_every_setting_with_intervals() -> None:
             assert iv["speedup"][0] <= blk["paths"][name]["speedup"] <= iv["speedup"][1]
     # seeded: the same settings measure the same cycles, another seed other ones
     again = evaluate_draft(draft, target, prompts()[:3], 10, **kw)
-    other = evaluate_draft(draft, target, prompts()[:3], 10, **{**kw, "seed": 8})
+    other = evaluate_draft(
+        draft, target, prompts()[:3], 10, **{**kw, "sampling": dataclasses.replace(sampling, seed=8)}
+    )
     hist = lambda r: {n: v["measured"]["histogram"] for n, v in r["temperatures"]["1"]["paths"].items()}
     assert hist(again) == hist(report) and hist(other) != hist(report)
     lines = summary_lines(report)
@@ -334,15 +342,22 @@ def test_eval_cli_samples_and_bad_settings(tmp_path) -> None:
     report = json.loads((out / "eval.json").read_text())
     assert report["sampling"]["top_k"] == 50 and list(report["temperatures"]) == ["0", "0.7"]
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    target, draft = tiny_target(), trained_draft("dflash2")
     for kwargs, field in [
-        ({"temperatures": (1.0, 1.0)}, "temperatures"),
+        ({"temperatures": [1.0, 1.0]}, "temperatures"),
+        ({"temperatures": []}, "temperatures"),
         ({"samples": 0}, "samples"),
-        ({"temperatures": (-1.0,)}, "temperature"),
-        ({"top_p": 0.0, "temperatures": (1.0,)}, "top_p"),
+        ({"temperatures": [-1.0]}, "temperature"),
+        ({"top_p": 0.0, "temperatures": [1.0]}, "top_p"),
+        ({"top_k": -1}, "top_k"),
     ]:
         with pytest.raises(ValueError, match=field):
-            evaluate_draft(draft, target, prompts()[:1], 4, progress=False, estimate=False, **kwargs)
+            SamplingOptions(**kwargs)
+    # Changed after it was made, the loop refuses it before any decoding.
+    target, draft = tiny_target(), trained_draft("dflash2")
+    changed = SamplingOptions()
+    changed.temperatures = [1.0, 1.0]
+    with pytest.raises(ValueError, match="temperatures=\\[1.0, 1.0\\] is invalid: need at least one, without repeats"):
+        evaluate_draft(draft, target, prompts()[:1], 4, changed, MeasureOptions(progress=False), estimate=False)
 
 
 # The trainer's expected acceptance under sampling against the τ measured by sampled speculative
@@ -360,12 +375,8 @@ def test_sampled_estimate_agrees_with_the_measured_tau_at_temperature() -> None:
         target,
         prompts(),
         24,
-        temperatures=(0.7,),
-        top_p=0.9,
-        samples=3,
-        seed=1,
-        progress=False,
-        resamples=200,
+        SamplingOptions(temperatures=[0.7], top_p=0.9, samples=3, seed=1),
+        MeasureOptions(resamples=200, progress=False),
         stop_token_ids=[],
     )
     for name, res in report["paths"].items():

@@ -297,9 +297,20 @@ def test_eval_sampling_options_are_checked_before_any_work():
         ({"eval_replay_prompts": -1}, "eval_replay_prompts=-1"),
         ({"check_prompts": 0}, "check_prompts=0"),
         ({"eval_replay_max_new_tokens": 0}, "eval_replay_max_new_tokens=0"),
+        ({"eval_top_k": -1}, "eval_top_k=-1 is invalid"),
     ]:
         with pytest.raises(QuickstartError, match=field):
             QuickstartOptions(**kwargs)
+    # The evaluation step's settings: dflash2 eval's, field for field from the eval_* options.
+    loop = opts.eval_loop()
+    assert (loop.temperatures, loop.samples, loop.top_p, loop.top_k, loop.seed) == ([0.0, 0.7, 1.2], 3, 0.9, 0, 0)
+    assert (loop.max_prompts, loop.max_new_tokens, loop.replay_prompts, loop.replay_max_tokens) == (
+        opts.eval_prompts,
+        opts.eval_max_new_tokens,
+        opts.eval_replay_prompts,
+        opts.eval_replay_max_new_tokens,
+    )
+    assert loop.prompts is None and loop.progress is opts.progress and loop.draft_vocab == "auto"
 
 
 def test_the_serving_check_line_puts_the_served_tau_beside_the_expected():

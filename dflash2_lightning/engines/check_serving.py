@@ -628,7 +628,10 @@ DESCRIPTION = (
 def check_serving_main(argv: Sequence[str] | None = None) -> int:
     """``dflash2 check-serving --server URL --draft DIR``: exit 0 agree, 1 disagree, 2 could not check."""
     opts = parse_options(CheckServingOptions, argv, prog="dflash2 check-serving", description=DESCRIPTION)
-    record = read_record(opts.draft if opts.draft is not None else opts.record)
+    source = opts.draft if opts.draft is not None else opts.record
+    if source is None:  # CheckServingOptions requires one of them
+        raise UsageError("one of the arguments --draft --record is required")
+    record = read_record(source)
     stale = _stale_record_note(record, opts.draft, opts.record, opts.allow_stale_record)
     verdict = check_serving(
         opts.server,

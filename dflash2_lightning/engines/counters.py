@@ -268,14 +268,11 @@ def _vllm_request_metrics(spec: dict[str, Any] | None, url: str = "vLLM") -> Cou
     field = "metrics.speculative_decoding."
     per_pos = _histogram(spec.get("acceptance_histogram"), url, field + "acceptance_histogram")
     width = _number(spec["num_spec_tokens"], url, field + "num_spec_tokens", int) if "num_spec_tokens" in spec else None
-    return Counts(
-        *(
-            _number(spec.get(k, 0), url, field + k, int)
-            for k in ("num_draft_tokens", "num_accepted_draft_tokens", "num_spec_steps")
-        ),
-        width,
-        per_pos,
+    drafted, accepted, steps = (
+        _number(spec.get(k, 0), url, field + k, int)
+        for k in ("num_draft_tokens", "num_accepted_draft_tokens", "num_spec_steps")
     )
+    return Counts(drafted, accepted, steps, width, per_pos)
 
 
 def _sglang_details(details: dict[str, Any] | None, url: str = "SGLang") -> Counts | None:

@@ -172,6 +172,11 @@ def export_gguf(
         raise GGUFExportError(f"target GGUF {target_gguf} does not exist")
     cfg = load_config(draft_dir)
     check_llama_cpp_limits(cfg)
+    head_dim, intermediate_size, layer_ids = cfg.head_dim, cfg.intermediate_size, cfg.target_layer_ids
+    if head_dim is None or intermediate_size is None or layer_ids is None:
+        raise RuntimeError(
+            "the draft's head_dim, intermediate_size or target_layer_ids is unset (DraftConfig sets them)"
+        )
     state = load_file(str(draft_dir / WEIGHTS_NAME))
     check_tensors(cfg, {k: tuple(v.shape) for k, v in state.items()})
     vocab = list(vocab_fields(target_gguf))
@@ -191,14 +196,14 @@ def export_gguf(
         w.add_uint32(key("block_count"), cfg.num_hidden_layers)
         w.add_uint32(key("context_length"), cfg.max_position_embeddings)
         w.add_uint32(key("embedding_length"), cfg.hidden_size)
-        w.add_uint32(key("feed_forward_length"), cfg.intermediate_size)
+        w.add_uint32(key("feed_forward_length"), intermediate_size)
         w.add_uint32(key("attention.head_count"), cfg.num_attention_heads)
         w.add_uint32(key("attention.head_count_kv"), cfg.num_key_value_heads)
         w.add_bool(key("attention.causal"), False)  # non-causal inside the block
         w.add_float32(key("rope.freq_base"), float(cfg.rope_theta))
         w.add_float32(key("attention.layer_norm_rms_epsilon"), float(cfg.rms_norm_eps))
-        w.add_uint32(key("attention.key_length"), cfg.head_dim)
-        w.add_uint32(key("attention.value_length"), cfg.head_dim)
+        w.add_uint32(key("attention.key_length"), head_dim)
+        w.add_uint32(key("attention.value_length"), head_dim)
         w.add_uint32("general.file_type", file_type(outtype))
         w.add_uint32(key("block_size"), cfg.block_size)
         if cfg.is_dflash2:
@@ -207,7 +212,7 @@ def export_gguf(
         # llama.cpp numbers the extracted layers like HF hidden_states (0 = embeddings): id + 1.
         w.add_key_value(
             key("target_layers"),
-            [int(i) + 1 for i in cfg.target_layer_ids],
+            [int(i) + 1 for i in layer_ids],
             gguf.GGUFValueType.ARRAY,
             gguf.GGUFValueType.INT32,
         )

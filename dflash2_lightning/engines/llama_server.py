@@ -125,9 +125,10 @@ def _start(llama: LlamaCpp, args: list[str], port: int, startup_timeout: float, 
         while True:
             code = process.poll()
             if code is not None:
-                error = _Crashed if code in _CRASH_SIGNALS else LlamaCppError
                 message = f"llama-server exited with {code} while starting ({' '.join(cmd)}):\n{_tail(log)}"
-                raise error(message, code) if error is _Crashed else error(message)
+                if code in _CRASH_SIGNALS:
+                    raise _Crashed(message, code)
+                raise LlamaCppError(message)
             try:
                 with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
                     if r.status == 200:

@@ -18,6 +18,7 @@ docs/checkpoint-contract.md ("Serving checks").
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from shlex import quote
@@ -78,7 +79,8 @@ class TargetInfo:
                 f"--target {directory}: no config.json there (give the target's local Hugging Face model directory)"
             )
         data = read_config_json(directory)
-        text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+        nested = data.get("text_config")
+        text: dict[str, Any] = nested if isinstance(nested, dict) else data
         return cls(
             path=str(directory.resolve()),
             dtype=_declared_dtype(data) or _declared_dtype(text),
@@ -390,7 +392,7 @@ def _vocab_id(tokenizer_json: Path, token: str) -> int | None:
 
 
 def serving_commands(
-    block_size: int, dtype: str, draft_dir: str | Path, target: TargetInfo | None = None
+    block_size: int, dtype: str, draft_dir: str | os.PathLike, target: TargetInfo | None = None
 ) -> dict[str, list[str]]:
     """The exact serving command lines SERVING.md recommends for a draft of ``block_size`` stored in ``dtype``,
     per engine (``VLLM``, ``SGLANG``, ``LLAMA_CPP``): ``num_speculative_tokens = block_size - 1`` for vLLM,

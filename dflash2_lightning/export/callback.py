@@ -16,26 +16,28 @@ config does not (an older one) gets it all the same: ``dflash2 fit`` and the qui
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from dflash2_lightning.engines.acceptance_record import remove_stale_record, summary_line, write_record
 from dflash2_lightning.engines.rules import TargetInfo, choose_export_dtype
+from dflash2_lightning.errors import ConfigError
 from dflash2_lightning.export.serving import write_serving
 from dflash2_lightning.model.checkpoint import load_config, save_draft
-from dflash2_lightning.train.module import ACCEPTANCE_TOKENS_OPTION
-
-if TYPE_CHECKING:
-    from dflash2_lightning.train.module import DFlash2Module
+from dflash2_lightning.train.module import ACCEPTANCE_TOKENS_OPTION, DFlash2Module
 
 
 class ExportOnFitEnd(pl.Callback):
     """At the end of ``fit``: the HF checkpoint, ``SERVING.md`` and the acceptance record of the trained draft,
     into the module's ``export.dir`` (default ``<run dir>/hf``). See the module docstring."""
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: DFlash2Module) -> None:
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not isinstance(pl_module, DFlash2Module):
+            raise ConfigError(
+                f"trainer.callbacks: ExportOnFitEnd exports the draft of a DFlash2Module, and the model is a "
+                f"{type(pl_module).__name__}: remove the callback from the config"
+            )
         # A resume from the last step's checkpoint trains nothing (no on_train_start): its validation runs first.
         pl_module.run_due_validation()
         state = trainer.strategy.lightning_module_state_dict()  # full weights also under FSDP

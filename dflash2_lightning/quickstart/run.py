@@ -181,7 +181,10 @@ def step_features(rep: Reporter, fit_yaml: Path) -> tuple[RunInfo, Path | None]:
     step = rep.step("features", "target features of the responses (offline cache, computed once)")
     with _bare_argv():
         cli = build_cli(["--config", str(fit_yaml)], run=False)
-    run_dir = Path(cli.trainer.log_dir)
+    log_dir = cli.trainer.log_dir
+    if log_dir is None:  # a logger without a directory: the run's files would have no home
+        raise QuickstartError(f"{fit_yaml}: the trainer's logger has no directory: give it a save_dir")
+    run_dir = Path(log_dir)
     export = cli.model.hparams.get("export_dir")
     cfg = cli.model.draft_config
     info = RunInfo(

@@ -134,9 +134,9 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
         return f"config file {missing.group(1).strip()} does not exist: check the --config path"
     required = _REQUIRED.search(message)
     if required:
-        keys = re.sub(r"\b(?:fit|validate)\.", "", required.group(1).strip())  # the subcommand's own keys
+        not_given = re.sub(r"\b(?:fit|validate)\.", "", required.group(1).strip())  # the subcommand's own keys
         return (
-            f"{keys} not given (no config?): pass the run's config, `{prog} --config "
+            f"{not_given} not given (no config?): pass the run's config, `{prog} --config "
             f"CONFIG.yaml` (e.g. configs/tiny.yaml), or those settings on the command line; {help_hint}"
         )
     no_value = _NO_VALUE.search(message)
@@ -151,16 +151,16 @@ def explain(message: str, config_files: Sequence[str] = (), prog: str = "dflash2
 
     top = _SUBCOMMAND_OPTION.search(message)
     group_key = _GROUP_OPTION.search(message)
-    if (top or group_key) and not class_path:  # a top-level or trainer key of a config file (jsonargparse names no
-        # file): `fit` reports it for its subcommand, `plan` (no subcommands) for the group it is in
-        key = top.group(2) if top else ".".join(group_key.groups())
-        head, _, rest = key.partition(".")
+    file_key = top.group(2) if top else ".".join(group_key.groups()) if group_key else None
+    if file_key is not None and not class_path:  # a top-level or trainer key of a config file (jsonargparse names
+        # no file): `fit` reports it for its subcommand, `plan` (no subcommands) for the group it is in
+        head, _, rest = file_key.partition(".")
         if head in _top_level_keys():
-            guess = _closest(key, _top_level_keys())
-            shown = key
+            guess = _closest(file_key, _top_level_keys())
+            shown = file_key
         else:
             guess = _closest(head, [k for k in _top_level_keys() if "." not in k])
-            guess, shown = (f"{guess}.{rest}" if guess and rest else guess), key
+            guess, shown = (f"{guess}.{rest}" if guess and rest else guess), file_key
         where = "in config " + ", ".join(config_files) if config_files else "in the config"
         return f"{shown} is not a setting ({where})" + (f"; did you mean {guess}?" if guess else ";") + f" {help_hint}"
 

@@ -63,7 +63,8 @@ class DraftFSDPPrecision(FSDPPrecision):
         super().__init__(precision)  # the scaler set after: Lightning 2.6.6 refuses one before it knows the precision
         if scaler is not None:
             self.scaler = scaler
-        self.root: FullyShardedDataParallel | None = None  # set by DraftFSDPStrategy once the model is wrapped
+        # Set by DraftFSDPStrategy once the model is wrapped: the FSDP root, unless the model came already wrapped.
+        self.root: Module | None = None
 
     def convert_input(self, data: Any) -> Any:
         """The batch as the data module made it. Lightning's plugin casts every floating tensor of the batch to
@@ -75,6 +76,11 @@ class DraftFSDPPrecision(FSDPPrecision):
         """Scale every gradient so that their global 2-norm (all ranks' shards together) is at most ``clip_val``."""
         if self.root is None:
             raise RuntimeError("norm clipping before the model was wrapped: DraftFSDPStrategy sets the FSDP root")
+        if not isinstance(self.root, FullyShardedDataParallel):
+            raise RuntimeError(
+                f"norm clipping needs the FSDP root unit, but the model came to DraftFSDPStrategy already wrapped "
+                f"({type(self.root).__name__})"
+            )
         self.root.clip_grad_norm_(clip_val)
 
 
@@ -119,7 +125,10 @@ class DraftFSDPStrategy(FSDPStrategy):
     def precision_plugin(self) -> DraftFSDPPrecision:
         if self._precision_plugin is None:  # kept, not rebuilt per call: the plugin holds the FSDP root
             self._precision_plugin = DraftFSDPPrecision("32-true")
-        return self._precision_plugin
+        plugin = self._precision_plugin
+        if not isinstance(plugin, DraftFSDPPrecision):  # the setter makes every plugin one
+            raise TypeError(f"DraftFSDPStrategy's precision plugin is {plugin}, not a DraftFSDPPrecision")
+        return plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:

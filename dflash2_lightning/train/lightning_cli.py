@@ -247,9 +247,8 @@ class DFlash2CLI(LightningCLI):
         # stage, passes them; dflash2_lightning.export.callback.FIT_END_CALLBACKS).
         self.fit_end_callbacks = tuple(fit_end_callbacks)
         # Errors come back as exceptions (ArgumentError), explained in one line by the command's handler.
-        parser_kwargs = kwargs.pop("parser_kwargs", None) or {}
-        parser_kwargs.setdefault("exit_on_error", False)
-        super().__init__(*args, parser_kwargs=parser_kwargs, **kwargs)
+        kwargs["parser_kwargs"] = {"exit_on_error": False, **(kwargs.get("parser_kwargs") or {})}
+        super().__init__(*args, **kwargs)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         check_config_files(sys.argv[1:] if args is None else list(args) if isinstance(args, (list, tuple)) else [])
@@ -493,8 +492,9 @@ def run_directory(trainer: Trainer) -> Path:
     Rank-0 code: it reads the loggers' own ``log_dir``, not ``trainer.log_dir`` (a collective under DDP).
     """
     for logger in trainer.loggers:
-        if getattr(logger, "log_dir", None):
-            return Path(logger.log_dir)
+        log_dir = getattr(logger, "log_dir", None)
+        if log_dir:
+            return Path(log_dir)
     dirs = checkpoint_dirs(trainer)
     return Path(dirs[0]).parent if dirs else Path(trainer.default_root_dir)
 
@@ -506,7 +506,7 @@ def written_dirs(trainer: Trainer, model: Any) -> list[Path]:
     Rank-0 code: it reads the loggers' own ``log_dir``, not ``trainer.log_dir`` (a collective under DDP).
     """
     dirs = [Path(d) for d in checkpoint_dirs(trainer)]
-    run_dirs = [Path(logger.log_dir) for logger in trainer.loggers if getattr(logger, "log_dir", None)]
+    run_dirs = [Path(d) for d in (getattr(logger, "log_dir", None) for logger in trainer.loggers) if d]
     dirs += run_dirs
     export_dir = getattr(getattr(model, "hparams", None), "export_dir", None)
     if export_dir:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -28,12 +28,20 @@ from torchmetrics import Metric
 
 from dflash2_lightning.train.objective import ObjectiveOutput
 
+if TYPE_CHECKING:
+    from dflash2_lightning.model.sampling import Sampling
+
 
 class BlockAcceptance(Metric):
     """Per-offset accuracy and acceptance of one drafting path over blocks of ``block_size``."""
 
     full_state_update = False
     higher_is_better = True
+    # The states add_state registers (per offset), declared for the type checker.
+    correct: Tensor
+    counted: Tensor
+    accepted: Tensor
+    blocks: Tensor
 
     def __init__(self, block_size: int, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -71,6 +79,11 @@ class SampledAcceptance(Metric):
 
     full_state_update = False
     higher_is_better = True
+    # The states add_state registers (per offset), declared for the type checker.
+    alpha: Tensor
+    accepted: Tensor
+    counted: Tensor
+    blocks: Tensor
 
     def __init__(self, block_size: int, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -133,6 +146,10 @@ class SelectorAgreement(Metric):
 
     full_state_update = False
     higher_is_better = True
+    # The states add_state registers (0-d counts), declared for the type checker.
+    covered: Tensor
+    correct: Tensor
+    counted: Tensor
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -159,6 +176,10 @@ class SelectorHealth(Metric):
 
     full_state_update = False
     higher_is_better = True
+    # The states add_state registers (per offset), declared for the type checker.
+    reached: Tensor
+    covered: Tensor
+    picked: Tensor
 
     def __init__(self, block_size: int, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -209,14 +230,14 @@ class DraftMetrics(nn.Module):
     Call ``reset()`` after logging.
     """
 
-    def __init__(self, block_size: int, selector: bool, prefix: str = "val", sampling: Any = None) -> None:
+    def __init__(self, block_size: int, selector: bool, prefix: str = "val", sampling: Sampling | None = None) -> None:
         super().__init__()
         self.prefix = prefix
         self.backbone = BlockAcceptance(block_size)
         self.selector = BlockAcceptance(block_size) if selector else None
         self.agreement = SelectorAgreement() if selector else None
         self.health = SelectorHealth(block_size) if selector else None
-        # The expected acceptance under sampling (a dflash2_lightning.model.sampling.Sampling), per path.
+        # The expected acceptance under sampling, per path.
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
         self.sampled = (
             nn.ModuleDict(
@@ -237,9 +258,10 @@ class DraftMetrics(nn.Module):
             self.agreement.update(out.covered, out.selector_correct, valid)
         if self.sampled is not None:
             alphas = sampled_alpha(out, self.sampling) or {}
+            sampled = self.sampled_metrics()
             for path, alpha in alphas.items():
-                if path in self.sampled:
-                    self.sampled[path].update(alpha, valid)
+                if path in sampled:
+                    sampled[path].update(alpha, valid)
 
     def compute(self) -> dict[str, float]:
         """Flat metric values (synchronised across DDP ranks)."""
@@ -265,19 +287,25 @@ class DraftMetrics(nn.Module):
                 for k, share in enumerate(health[name].tolist(), start=1):
                     values[f"{p}/selector/{name}_{k}"] = share
         values[f"{p}/tau"] = values[f"{p}/selector/tau" if self.selector is not None else f"{p}/backbone/tau"]
-        if self.sampled is not None and int(self.sampled["backbone"].blocks[0]) > 0:
+        sampled = self.sampled_metrics()
+        if self.sampling is not None and sampled and int(sampled["backbone"].blocks[0]) > 0:
             t = f"{p}/t{self.sampling.temperature:g}"
-            for path, metric in self.sampled.items():
+            for path, metric in sampled.items():
                 result = metric.compute()
                 for k, (alpha, accept) in enumerate(zip(result["alpha"].tolist(), result["accept"].tolist()), 1):
                     values[f"{t}/{path}/alpha_{k}"] = alpha
                     values[f"{t}/{path}/accept_{k}"] = accept
                 values[f"{t}/{path}/tau"] = float(result["tau"])
-            values[f"{t}/tau"] = values[f"{t}/selector/tau" if "selector" in self.sampled else f"{t}/backbone/tau"]
+            values[f"{t}/tau"] = values[f"{t}/selector/tau" if "selector" in sampled else f"{t}/backbone/tau"]
         return values
 
+    def sampled_metrics(self) -> dict[str, SampledAcceptance]:
+        """The expected acceptance under sampling per path (``{}`` at greedy sampling)."""
+        # The ModuleDict holds only SampledAcceptance metrics; its items are typed as plain modules.
+        return {path: cast(SampledAcceptance, metric) for path, metric in (self.sampled or {}).items()}
+
     def reset(self) -> None:
-        for metric in (self.backbone, self.selector, self.agreement, self.health, *(self.sampled or {}).values()):
+        for metric in (self.backbone, self.selector, self.agreement, self.health, *self.sampled_metrics().values()):
             if metric is not None:
                 metric.reset()
 

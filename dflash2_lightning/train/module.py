@@ -31,6 +31,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
 
 from dflash2_lightning.action_options import as_options
@@ -103,6 +104,10 @@ class DFlash2Module(pl.LightningModule):
 
     Each group also accepts a mapping of its fields (``draft={"block_size": 8}``).
     """
+
+    # Buffers registered only under experimental.normalize_features (hasattr tells), declared for the type checker.
+    feature_scale: Tensor
+    feature_scale_ready: Tensor
 
     def __init__(
         self,
@@ -207,7 +212,7 @@ class DFlash2Module(pl.LightningModule):
             assert self.draft.candidate_selector is not None  # checked when the module was made
             share = init_selector_from_embedding(
                 self.draft.candidate_selector,
-                self.target.input_embeddings().weight.cpu(),
+                _tensor(self.target.input_embeddings().weight, "the target's embedding weight").cpu(),
                 self.draft_config.initializer_range,
             )
             rank_zero_info(
@@ -253,7 +258,7 @@ class DFlash2Module(pl.LightningModule):
         if tgt.sharded:
             return tgt
         device = self.device
-        parts = [tgt.hf] if whole else [tgt.hf.get_input_embeddings(), tgt.hf.get_output_embeddings()]
+        parts = [tgt.hf] if whole else [tgt.input_embeddings(), tgt.output_embeddings()]  # not sharded: the hf ones
         for part in parts:
             if next(part.parameters()).device != device:
                 # Never under inference mode (a validation hook): inference-tensor weights could not be
@@ -274,8 +279,8 @@ class DFlash2Module(pl.LightningModule):
                 return tgt.head(hidden.to(tgt.dtype))
             weight = self._autocast_head_weight(tgt, torch.get_autocast_dtype(device))
             bias = tgt.output_embeddings().bias
-            bias = None if bias is None else bias.to(weight.dtype)
-            return F.linear(hidden.contiguous().to(weight.dtype), weight, bias)
+            cast_bias = None if bias is None else _tensor(bias, "the target's head bias").to(weight.dtype)
+            return F.linear(hidden.contiguous().to(weight.dtype), weight, cast_bias)
 
         return embed, head
 
@@ -285,7 +290,7 @@ class DFlash2Module(pl.LightningModule):
         What autocast would compute (it caches casts only of weights that require grad, so it re-casts the
         frozen 49152 x 576 head at every forward: ~6% of a CPU step); re-cast when the weight moves or changes.
         """
-        weight = tgt.output_embeddings().weight
+        weight = _tensor(tgt.output_embeddings().weight, "the target's head weight")
         if weight.dtype == dtype:
             return weight
         key = (weight.data_ptr(), weight.device, weight._version, dtype)
@@ -355,7 +360,8 @@ class DFlash2Module(pl.LightningModule):
         # device-to-host copy, so no host sync; the same anchors the objective would draw itself.
         mask_cpu = batch.get(LOSS_MASK_CPU, batch["loss_mask"]).cpu()
         anchors_cpu = sample_anchors(mask_cpu, self.draft_config.block_size, self.objective.num_anchors, generator)
-        anchors = tuple(t.to(self.device, non_blocking=True) for t in anchors_cpu)
+        anchor_positions, anchor_keep = anchors_cpu
+        anchors = (anchor_positions.to(self.device, non_blocking=True), anchor_keep.to(self.device, non_blocking=True))
         tgt = self._target_ready(whole=not offline)
         if offline:
             features = batch["features"]
@@ -369,18 +375,19 @@ class DFlash2Module(pl.LightningModule):
             # the greedy token only at the positions the blocks read, the head never over all S positions.
             keep = self.objective.token_loss == "kd" or (walk and self.val_metrics.sampled is not None)
             full = keep or not tgt.greedy_from_hidden
+            layer_ids = self.draft_config.target_layer_ids
+            if layer_ids is None:
+                raise RuntimeError("the draft's target_layer_ids are unset (DraftConfig resolves them when made)")
             with torch.no_grad():
-                out = tgt.features(
-                    batch["input_ids"],
-                    attention_mask,
-                    self.draft_config.target_layer_ids,
-                    logits=full,
-                    last_hidden=not full,
-                )
+                out = tgt.features(batch["input_ids"], attention_mask, layer_ids, logits=full, last_hidden=not full)
             features = out.features
             if full:
+                if out.logits is None:
+                    raise RuntimeError("the target returned no logits, though asked for them")
                 teacher = Teacher(logits=out.logits if keep else None, greedy=out.logits.max(-1).indices)
             else:
+                if out.last_hidden is None:
+                    raise RuntimeError("the target returned no last hidden state, though asked for it")
                 rows = source_rows(*anchors_cpu, batch["input_ids"].shape[1], self.draft_config.block_size)
                 teacher = Teacher(greedy=tgt.greedy_at(out.last_hidden, rows.to(self.device, non_blocking=True)))
         features = features.to(self.draft.fc.weight.dtype)
@@ -527,14 +534,15 @@ class DFlash2Module(pl.LightningModule):
             )
         return groups
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         hp = self.options.optimizer
         # Fused AdamW (one kernel for all parameters) on CUDA. Not on the CPU, where torch 2.13 also has a
         # fused kernel: it rounds differently from the for-each one, and the shipped CPU runs (tiny,
         # quickstart) must stay bit-for-bit what they were.
         fused = self.device.type == "cuda"
+        beta1, beta2 = hp.betas  # a list when read from YAML; two values (checked by OptimizerOptions)
         optimizer = torch.optim.AdamW(
-            self.parameter_groups(), lr=hp.lr, betas=tuple(hp.betas), **({"fused": True} if fused else {})
+            self.parameter_groups(), lr=hp.lr, betas=(beta1, beta2), **({"fused": True} if fused else {})
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = hp.warmup_steps if hp.warmup_steps is not None else int(round(hp.warmup_ratio * total))
@@ -638,6 +646,13 @@ def _rate(hit: Tensor | None, valid: Tensor) -> Tensor:
     if hit is None:
         return torch.zeros((), device=valid.device)
     return (hit & valid).sum().float() / valid.sum().clamp(min=1).float()
+
+
+def _tensor(value: Tensor | torch.nn.Module, what: str) -> Tensor:
+    """``value``, a module's weight or bias (typed ``Tensor | Module`` by ``nn.Module``), as the tensor it is."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{what} is a {type(value).__name__}, not a tensor")
+    return value
 
 
 def _seed_of(data: bytes) -> int:

@@ -76,6 +76,12 @@ class ObjectiveError(UserError, ValueError):
     """An objective setting or a batch is outside its allowed range (the message names field and bound)."""
 
 
+KD_NEEDS_TEACHER = (
+    "token_loss='kd' needs the target's logits (online) or the cached "
+    "teacher_topk_values/teacher_topk_indices (offline); the batch has neither"
+)
+
+
 # ----------------------------------------------------------------------------- anchors
 def sample_anchors(
     loss_mask: Tensor,
@@ -281,6 +287,12 @@ class Teacher:
     topk_indices: Tensor | None = None
     greedy: Tensor | None = None
 
+    def topk(self) -> tuple[Tensor, Tensor]:
+        """The cached ``(topk_values, topk_indices)``; an :class:`ObjectiveError` when the batch has none."""
+        if self.topk_values is None or self.topk_indices is None:
+            raise ObjectiveError(KD_NEEDS_TEACHER)
+        return self.topk_values, self.topk_indices
+
 
 @dataclass
 class ObjectiveOutput:
@@ -440,10 +452,7 @@ class DraftObjective:
             and teacher.logits is None
             and (teacher.topk_values is None or teacher.topk_indices is None)
         ):
-            raise ObjectiveError(
-                "token_loss='kd' needs the target's logits (online) or the cached "
-                "teacher_topk_values/teacher_topk_indices (offline); the batch has neither"
-            )
+            raise ObjectiveError(KD_NEEDS_TEACHER)
         rows = b * n * (bs - 1)
         if keep_logits or rows * cfg.vocab_size <= self.logits_chunk_elements:
             # In one piece, as it always was.
@@ -491,6 +500,8 @@ class DraftObjective:
             teacher=teacher,
         )
         if selector is not None:
+            if unary is None or cand is None:  # top_k is the selector's, >= 1
+                raise RuntimeError("the draft logits' top-k candidates were not computed for the selector")
             self._selector_terms(out, selector, hidden, unary, cand, gold_unary, walk)
         return out
 
@@ -500,9 +511,8 @@ class DraftObjective:
             return hard_cross_entropy(logits, labels)
         if teacher.logits is not None:
             return soft_cross_entropy(logits, gather_positions(teacher.logits, sources))
-        return sparse_soft_cross_entropy(
-            logits, gather_positions(teacher.topk_values, sources), gather_positions(teacher.topk_indices, sources)
-        )
+        values, indices = teacher.topk()
+        return sparse_soft_cross_entropy(logits, gather_positions(values, sources), gather_positions(indices, sources))
 
     def _chunked_head(
         self, head: Fn, hidden: Tensor, blocks: Blocks, teacher: Teacher, top_k: int, insert_gold: bool, chunk_rows: int
@@ -529,7 +539,8 @@ class DraftObjective:
             elif teacher.logits is not None:
                 loss = soft_cross_entropy(logits, teacher.logits[smp, src])
             else:
-                loss = sparse_soft_cross_entropy(logits, teacher.topk_values[smp, src], teacher.topk_indices[smp, src])
+                values, indices = teacher.topk()
+                loss = sparse_soft_cross_entropy(logits, values[smp, src], indices[smp, src])
             outs = [loss, logits.max(-1).indices]
             if top_k:
                 outs.extend(logits.topk(top_k, dim=-1))
@@ -579,6 +590,8 @@ class DraftObjective:
         sel_weight = blocks.valid.float()
         if self.gold_outside_topk == "insert_last":
             # Score the gold token as the last candidate, with its own draft logit as unary.
+            if gold_unary is None:  # computed whenever insert_last is set
+                raise RuntimeError("gold_outside_topk='insert_last' needs the gold token's draft logit")
             gold_score = selector.score_candidates(gold[..., None], gold_unary, hidden, blocks.predecessors)
             last = torch.zeros_like(gold_in)
             last[..., -1] = True

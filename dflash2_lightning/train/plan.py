@@ -465,8 +465,10 @@ def draft_activations(run: RunSetup, anchors: int) -> tuple[int, int]:
     mixed = a != s
     b, c, r = run.batch_size, run.batch_size * run.seq_len, run.batch_size * anchors * d.block_size
     slots = run.batch_size * anchors * (d.block_size - 1)
-    h, i, nt = d.hidden_size, d.intermediate_size, d.num_target_features
-    q_width, kv_width = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    h, i, nt, head_dim = d.hidden_size, d.intermediate_size, d.num_target_features, d.head_dim
+    if i is None or head_dim is None:
+        raise RuntimeError("the draft's intermediate_size / head_dim are unset (DraftConfig derives them when made)")
+    q_width, kv_width = d.num_attention_heads * head_dim, d.num_key_value_heads * head_dim
     gqa_copy = d.num_attention_heads // d.num_key_value_heads if run.accelerator == "cuda" else 1  # see backbone
     hidden_rows = (5.5 * 4 + 8.5 * a) if mixed else 9.5 * s
     kv_full = 2 * (c + r) * kv_width * gqa_copy * a  # K and V over context + block, as SDPA saves them
@@ -578,8 +580,8 @@ def device_memory(run: RunSetup, option: str | None) -> tuple[str, int | None]:
         return f"{words}, --plan.device_memory", parse_bytes(option) // run.world_size
     from dflash2_lightning.target.cpu_linear import available_memory
 
-    free = available_memory()
-    return f"{words}: available RAM", None if free is None else free // run.world_size
+    available = available_memory()
+    return f"{words}: available RAM", None if available is None else available // run.world_size
 
 
 def parse_bytes(text: str) -> int:

@@ -16,6 +16,7 @@ before Lightning's setup rewrites anything in the run directory (``config.yaml``
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ def check_resume(
             raise CheckpointError(f"{name} holds a draft of another geometry or target: {shown}; {start_new}")
 
 
-def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dirs: list[str | os.PathLike]) -> Path | None:
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dirs: Sequence[str | os.PathLike]) -> Path | None:
     """The file ``--ckpt_path`` names for a fit: ``last`` -> the newest ``last*.ckpt``, a path -> itself.
 
     ``None`` (a fresh run, or ``last`` with nothing to resume) and Lightning's special values ``hpc`` /

@@ -65,9 +65,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """:class:`TorchCheckpointIO` whose local saves are atomic (temporary file in place + rename)."""
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options; got {storage_options!r}")
         if not _is_local(path):
@@ -75,7 +73,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(
-        self, path: str | os.PathLike, map_location: Any | None = None, weights_only: bool | None = None
+        self, path: str | Path, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Lightning's loader, but a damaged file is a :class:`CheckpointError` naming it (not a traceback)."""
         try:
@@ -142,6 +140,8 @@ class ResumableCSVLogger(CSVLogger):
     logs a moment later is then skipped.
     """
 
+    _early_row: tuple[int, dict[str, Any]] | None  # the row log_early wrote (unset until it writes one)
+
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         row = (step, dict(metrics))
         if step is not None and row == getattr(self, "_early_row", None):
@@ -165,7 +165,10 @@ class ResumableCSVLogger(CSVLogger):
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
-        return self._experiment
+        writer = self._experiment
+        if not isinstance(writer, ExperimentWriter):  # CSVLogger types its writer as Fabric's base class
+            raise TypeError(f"the CSV logger's writer is a {type(writer).__name__}, not an ExperimentWriter")
+        return writer
 
     @rank_zero_only
     def drop_rows_from(self, step: int, validation_at: int | None = None) -> None:

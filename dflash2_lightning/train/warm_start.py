@@ -64,8 +64,9 @@ def init_from_target(draft: DraftModel, hf: nn.Module) -> list[int]:
                         f"{index}'s has {tuple(theirs[name].shape)}: keep the target's geometry"
                     )
                 p.copy_(full_tensor(theirs[name]).to(p.dtype))
-    draft.hidden_norm.weight.copy_(full_tensor(layers[first].input_layernorm.weight).to(draft.hidden_norm.weight.dtype))
-    draft.norm.weight.copy_(full_tensor(final_norm.weight).to(draft.norm.weight.dtype))
+    input_norm = layers[first].get_parameter("input_layernorm.weight")
+    draft.hidden_norm.weight.copy_(full_tensor(input_norm).to(draft.hidden_norm.weight.dtype))
+    draft.norm.weight.copy_(full_tensor(final_norm.get_parameter("weight")).to(draft.norm.weight.dtype))
     h = cfg.hidden_size
     fc = torch.zeros_like(draft.fc.weight)
     fc[:, -h:] = torch.eye(h, dtype=fc.dtype)  # features are concatenated in target_layer_ids order

@@ -257,6 +257,14 @@ def test_lightnings_own_fsdp_precision_refuses_norm_clipping() -> None:
         DraftFSDPPrecision("bf16-mixed").clip_grad_by_norm(None, 1.0)
 
 
+def test_clipping_with_a_root_that_is_not_the_fsdp_unit_says_so() -> None:
+    """A model that came to the strategy already wrapped leaves a plain root: clipping names that, in one line."""
+    plugin = DraftFSDPPrecision("bf16-mixed")
+    plugin.root = torch.nn.Linear(1, 1)
+    with pytest.raises(RuntimeError, match=r"needs the FSDP root unit.*already wrapped \(Linear\)"):
+        plugin.clip_grad_by_norm(None, 1.0)
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
 def test_the_batch_keeps_its_dtype_where_lightnings_fsdp_plugin_casts_it_to_float32(precision: str) -> None:
     """Offline bf16 features and teacher logits reach the step in bf16 (as under DDP), not doubled to float32."""

@@ -129,6 +129,8 @@ class OrtDrafter:
     def new_cache(self, batch: int, capacity: int) -> DraftCache:
         """An empty preallocated cache of ``capacity`` context positions in the graphs' dtype (CPU)."""
         cfg = self.config
+        if cfg.head_dim is None:
+            raise RuntimeError("the draft's head_dim is unset (DraftConfig derives it when made)")
         return DraftCache(
             cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity, cfg.block_size, self.dtype
         )

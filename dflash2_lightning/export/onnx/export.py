@@ -17,7 +17,6 @@ The precision is that of the graph (fp32, fp16 or bf16): TensorRT 11 builds what
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import json
 import os
@@ -41,6 +40,7 @@ from dflash2_lightning.export.onnx.graphs import (
     DraftStepGraph,
     context_io,
     draft_step_io,
+    eval_copy,
 )
 from dflash2_lightning.files import atomic_write, atomic_write_text
 from dflash2_lightning.model import DraftModel
@@ -156,6 +156,8 @@ def _to_onnx(
             custom_translation_table=ops.translation_table(),
             verbose=False,
         )
+    if program is None:  # dynamo=True always returns the program
+        raise RuntimeError("torch.onnx.export returned no ONNX program")
     return program.model_proto
 
 
@@ -243,7 +245,9 @@ def export_drafter(
         )
     cfg = draft.config
     torch_dtype = TORCH_DTYPES[dtype]
-    draft, embed, head = (copy.deepcopy(m).to(device="cpu", dtype=torch_dtype).eval() for m in (draft, embed, head))
+    draft = eval_copy(draft, torch_dtype, "cpu")
+    embed = eval_copy(embed, torch_dtype, "cpu")
+    head = eval_copy(head, torch_dtype, "cpu")
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     metadata = {
@@ -271,6 +275,8 @@ def export_drafter(
         result.graphs["context"] = _finish(model, "context", directory, metadata)
 
     if "draft_step" in graphs:  # k_i, v_i [B, nkv, N, hd], length, anchor, start (+ context_positions) -> tokens
+        if cfg.head_dim is None:
+            raise RuntimeError("the draft's head_dim is unset (DraftConfig derives it when made)")
         kv = [
             torch.randn(b, cfg.num_key_value_heads, c, cfg.head_dim, generator=gen).to(torch_dtype)
             for _ in range(2 * layers)
@@ -311,7 +317,7 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-def target_embedding_and_head(target: Any, dtype: torch.dtype | None = None) -> tuple[nn.Module, nn.Module]:
+def target_embedding_and_head(target: Any, dtype: torch.dtype | None = None) -> tuple[nn.Embedding, nn.Linear]:
     """The frozen ``embed_tokens`` / ``lm_head`` of a project ``Target`` or HF causal LM, as exportable modules."""
     from dflash2_lightning.export.onnx.graphs import frozen_embedding_and_head
 
@@ -327,7 +333,7 @@ def target_embedding_and_head(target: Any, dtype: torch.dtype | None = None) -> 
 
 def random_embedding_and_head(
     vocab_size: int, hidden_size: int, seed: int = 0, std: float = 0.02
-) -> tuple[nn.Module, nn.Module]:
+) -> tuple[nn.Embedding, nn.Linear]:
     """A seeded random embedding and head of the draft's geometry (``--target tiny``: no target needed)."""
     from dflash2_lightning.export.onnx.graphs import frozen_embedding_and_head
 

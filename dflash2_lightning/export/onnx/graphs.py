@@ -17,6 +17,9 @@ heads instead of repeated K/V), so nothing is aliased and the same device memory
 
 from __future__ import annotations
 
+import copy
+from typing import TypeVar
+
 import torch
 from torch import Tensor, nn
 
@@ -24,6 +27,13 @@ from dflash2_lightning.model import DraftModel
 from dflash2_lightning.model.backbone import BufferedKV
 
 BATCH, CONTEXT, CAPACITY = "batch", "context", "capacity"
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def eval_copy(module: ModuleT, dtype: torch.dtype, device: str | torch.device | None = None) -> ModuleT:
+    """A deep copy of ``module`` in ``dtype`` (and on ``device``), in eval mode: the caller's module stays as is."""
+    return copy.deepcopy(module).to(device=device, dtype=dtype).eval()
 
 
 def kv_names(num_layers: int) -> list[str]:
@@ -79,6 +89,8 @@ class DraftStepGraph(nn.Module):
         valid = (slots[None] < length[:, None])[:, None]  # [B, 1, N]
         block_valid = None
         if cfg.sliding_window is not None:  # both ways, as sliding_window_mask: |q - k| < window
+            if context_positions is None:
+                raise ValueError("a sliding-window draft's step needs context_positions (the cache's positions)")
             distance = positions[:, :, None] - context_positions[:, None, :]
             valid = valid & (distance.abs() < cfg.sliding_window)  # [B, Q, N]
             block_valid = (offsets[:, None] - offsets[None, :]).abs() < cfg.sliding_window

@@ -15,7 +15,6 @@ checked for structure only (onnxruntime's CPU provider has no bf16 kernels). The
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash2_lightning.export.onnx.drafter import TORCH_DTYPES, OrtDrafter, read_manifest
-from dflash2_lightning.export.onnx.graphs import DraftStepGraph
+from dflash2_lightning.export.onnx.graphs import DraftStepGraph, eval_copy
 from dflash2_lightning.model import ContextKV, DraftModel
 from dflash2_lightning.ops import edge_scores
 
@@ -97,6 +96,8 @@ class VerifyReport:
     def describe(self) -> str:
         if not self.cases:
             return f"verification ({self.dtype}): {self.note}"
+        if self.tolerance is None:  # verify_export compares cases only within a tolerance
+            raise ValueError(f"a verification of {len(self.cases)} case(s) without its tolerance")
         lines = [f"onnxruntime vs torch ({self.dtype}; {self.tolerance.describe()}):"]
         for c in self.cases:
             hidden = "-" if c.hidden_error is None else f"{c.hidden_error:.2e}"
@@ -175,7 +176,7 @@ class _TorchSide:
 
     def __init__(self, draft: DraftModel, embed: nn.Module, head: nn.Module, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.draft, self.embed, self.head = (copy.deepcopy(m).to(dtype).eval() for m in (draft, embed, head))
+        self.draft, self.embed, self.head = eval_copy(draft, dtype), eval_copy(embed, dtype), eval_copy(head, dtype)
         self.step = DraftStepGraph(self.draft, self.embed, self.head).eval()
 
     def run(self, features: Tensor, positions: Tensor, anchor: Tensor, start: Tensor) -> tuple[ContextKV, Tensor]:

@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dflash2_lightning.ops.tensorrt_common import TENSORRT_REQUIREMENT, tensorrt_version_problem
 
@@ -162,7 +163,8 @@ def profile_shapes(
             else:
                 unknown.append(key)
                 per_dim.append((1, 1, 1))
-        shapes[name] = tuple(tuple(r[i] for r in per_dim) for i in range(3))
+        lo, opt, hi = (tuple(r[i] for r in per_dim) for i in range(3))
+        shapes[name] = (lo, opt, hi)
     if unknown:
         raise ValueError(
             f"no profile range for dynamic dimension(s) {sorted(set(unknown))}: pass --dim NAME=min,opt,max for each"
@@ -185,7 +187,9 @@ def with_aot_attribute(path: Path) -> bytes:
     return model.SerializeToString()
 
 
-def build_engine(graph: GraphFiles, shapes: dict, timing_cache: Path, tf32: bool, workspace_gib: float):
+def build_engine(
+    graph: GraphFiles, shapes: dict, timing_cache: Path, tf32: bool, workspace_gib: float
+) -> tuple[bytes, dict[str, Any]]:
     """Parse ``graph.trt_path`` with the plugins loaded and build a serialized engine; returns (plan, summary)."""
     import tensorrt as trt
 

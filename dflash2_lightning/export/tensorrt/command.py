@@ -127,7 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_BUILD
         from dflash2_lightning.files import atomic_write
 
-        atomic_write(engine_path, lambda tmp, plan=plan: Path(tmp).write_bytes(plan))
+        def write_plan(tmp: str, plan: bytes = plan) -> None:  # bound now, not when the loop has moved on
+            Path(tmp).write_bytes(plan)
+
+        atomic_write(engine_path, write_plan)
         print(
             f"  TensorRT {summary['tensorrt']}: {len(summary['plugin_layers'])} plugin layer(s) for "
             f"{custom_nodes} dflash node(s); "

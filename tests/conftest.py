@@ -182,3 +182,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             f"{item.nodeid} needs {missing}, and `-m {asked}` asked for it on a machine without it", pytrace=False
         )
     pytest.skip(f"needs {missing} (run with `pytest -m gpu` where it exists)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The first test file that uses ``trained_smollm2_draft`` runs first, so its minutes of training start at once,
+    and the other files that use it run from the middle of the collection on, by when the draft is trained.
+
+    Under ``make test`` (pytest-xdist, whole files per worker, handed out in collection order) they would otherwise
+    start beside the training and hold a worker idle on its lock.
+    """
+    users = [item.path for item in items if "trained_smollm2_draft" in getattr(item, "fixturenames", ())]
+    if not users:
+        return
+    first, later = users[0], set(users[1:]) - {users[0]}
+    front = [item for item in items if item.path == first]
+    waiting = [item for item in items if item.path in later]
+    rest = [item for item in items if item.path != first and item.path not in later]
+    middle = len(rest) // 2
+    items[:] = front + rest[:middle] + waiting + rest[middle:]

@@ -108,6 +108,24 @@ class Target(nn.Module):
         """The target's head as the draft calls it: whole on every process, also when sharded."""
         return self.whole_head if self.whole_head is not None else self.hf.get_output_embeddings()
 
+    def embedding_weight(self) -> torch.Tensor:
+        """The weight of :meth:`input_embeddings` (vocabulary x hidden), refused in one line if it is no tensor."""
+        return _weight_of(self.input_embeddings(), "embedding")
+
+    def head_weight(self) -> torch.Tensor:
+        """The weight of :meth:`output_embeddings` (vocabulary x hidden), refused in one line if it is no tensor."""
+        return _weight_of(self.output_embeddings(), "head")
+
+    def head_bias(self) -> torch.Tensor | None:
+        """The bias of :meth:`output_embeddings` (None without one), refused in one line if it is no tensor."""
+        head = self.output_embeddings()
+        bias = getattr(head, "bias", None)
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TargetError(
+                f"the target's head ({type(head).__name__}) has a bias that is no tensor: use a target whose head is a plain linear layer"
+            )
+        return bias
+
     @property
     def config(self) -> Any:
         """The HF config of the target."""
@@ -124,7 +142,7 @@ class Target(nn.Module):
     @property
     def vocab_size(self) -> int:
         """Rows of the embedding matrix (may exceed the tokenizer's vocabulary)."""
-        return int(_weight_of(self.input_embeddings(), "embedding").shape[0])
+        return int(self.embedding_weight().shape[0])
 
     @property
     def context_length(self) -> int | None:
@@ -141,11 +159,11 @@ class Target(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return _weight_of(self.input_embeddings(), "embedding").dtype
+        return self.embedding_weight().dtype
 
     @property
     def device(self) -> torch.device:
-        return _weight_of(self.input_embeddings(), "embedding").device
+        return self.embedding_weight().device
 
     @property
     def eos_token_ids(self) -> list[int]:

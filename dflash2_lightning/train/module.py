@@ -212,7 +212,7 @@ class DFlash2Module(pl.LightningModule):
             assert self.draft.candidate_selector is not None  # checked when the module was made
             share = init_selector_from_embedding(
                 self.draft.candidate_selector,
-                _tensor(self.target.input_embeddings().weight, "the target's embedding weight").cpu(),
+                self.target.embedding_weight().cpu(),
                 self.draft_config.initializer_range,
             )
             rank_zero_info(
@@ -278,8 +278,8 @@ class DFlash2Module(pl.LightningModule):
             if not torch.is_autocast_enabled(device):
                 return tgt.head(hidden.to(tgt.dtype))
             weight = self._autocast_head_weight(tgt, torch.get_autocast_dtype(device))
-            bias = tgt.output_embeddings().bias
-            cast_bias = None if bias is None else _tensor(bias, "the target's head bias").to(weight.dtype)
+            bias = tgt.head_bias()
+            cast_bias = None if bias is None else bias.to(weight.dtype)
             return F.linear(hidden.contiguous().to(weight.dtype), weight, cast_bias)
 
         return embed, head
@@ -290,7 +290,7 @@ class DFlash2Module(pl.LightningModule):
         What autocast would compute (it caches casts only of weights that require grad, so it re-casts the
         frozen 49152 x 576 head at every forward: ~6% of a CPU step); re-cast when the weight moves or changes.
         """
-        weight = _tensor(tgt.output_embeddings().weight, "the target's head weight")
+        weight = tgt.head_weight()
         if weight.dtype == dtype:
             return weight
         key = (weight.data_ptr(), weight.device, weight._version, dtype)
@@ -646,13 +646,6 @@ def _rate(hit: Tensor | None, valid: Tensor) -> Tensor:
     if hit is None:
         return torch.zeros((), device=valid.device)
     return (hit & valid).sum().float() / valid.sum().clamp(min=1).float()
-
-
-def _tensor(value: Tensor | torch.nn.Module, what: str) -> Tensor:
-    """``value``, a module's weight or bias (typed ``Tensor | Module`` by ``nn.Module``), as the tensor it is."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{what} is a {type(value).__name__}, not a tensor")
-    return value
 
 
 def _seed_of(data: bytes) -> int:

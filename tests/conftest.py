@@ -133,6 +133,27 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def no_rendezvous_left_behind():
+    """Fails a test that leaves torch.distributed's rendezvous variables in the worker's environment (as a
+    ``ddp_spawn`` Trainer in the test's process does): every later job of the worker would inherit them, and its
+    port, free again, may belong to another socket on the machine by then. Multi-process tests use
+    ``gloo_ranks.run_ranks`` or a subprocess with its own environment."""
+    before = {name: os.environ.get(name) for name in RENDEZVOUS}
+    yield
+    changed = [name for name in RENDEZVOUS if os.environ.get(name) != before[name]]
+    for name in changed:
+        if before[name] is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before[name]
+    if changed:
+        pytest.fail(f"the test left {', '.join(changed)} changed in the worker's environment (restored)")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         DRY_RUN_OPTION,

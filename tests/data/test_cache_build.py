@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
@@ -76,13 +76,13 @@ class CountingFeatures:
 
 
 def worker(
-    rank: int, port: int, data: str, cache: str, out: str, fail_rank: int | None, target: TargetSpec | None
+    rank: int, init: str, data: str, cache: str, out: str, fail_rank: int | None, target: TargetSpec | None
 ) -> None:
     """One rank of a 2-process gloo job: build the cache through the hooks; write what happened to ``out``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     counter = CountingFeatures(
         fail_at=2 if rank == fail_rank else None, error=DataError(f"injected failure on rank {rank}")
     )
@@ -109,14 +109,13 @@ def worker(
 def run_two_ranks(
     tmp_path: Path, data: str, cache: Path, fail_rank: int | None = None, target: TargetSpec | None = None
 ) -> list[dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The ranks meet through a file: a port picked here could be handed to another socket before rank 0 binds it.
+    init = f"file://{tempfile.mkdtemp(prefix='gloo-', dir=tmp_path)}/init"
     out = tmp_path / "outcome"
     out.mkdir(exist_ok=True)
     ctx = multiprocessing.get_context("spawn")
     procs = [
-        ctx.Process(target=worker, args=(r, port, data, str(cache), str(out), fail_rank, target)) for r in range(2)
+        ctx.Process(target=worker, args=(r, init, data, str(cache), str(out), fail_rank, target)) for r in range(2)
     ]
     for p in procs:
         p.start()

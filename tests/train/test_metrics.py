@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -166,45 +169,72 @@ def test_dflash_baseline_has_no_selector_metrics():
     assert not any("selector" in key for key in values)
 
 
-@pytest.mark.slow
-def test_ddp_two_processes_count_the_same_totals_as_one(tmp_path):
-    """Validation with Lightning's ddp_spawn on 2 CPU processes (gloo) == one process, over the same data."""
-    from lightning.pytorch import Trainer
+def validate(model: Any, tmp_path: Path, tag: str, **trainer_kwargs: Any) -> dict[str, float]:
+    """The tiny target's held-out validation of ``model``; its logged metrics. Each rank writes the world size it
+    ran in and the samples it saw itself to ``tmp_path/{tag}.rank{r}.json``."""
+    from lightning.pytorch import Callback, Trainer
 
     from dflash2_lightning.data.datamodule import DraftDataModule
+
+    class SeenSamples(Callback):
+        def __init__(self) -> None:
+            self.samples = 0
+
+        def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, *args: Any) -> None:
+            self.samples += batch["input_ids"].shape[0]
+
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            seen = {"world": trainer.world_size, "samples": self.samples}
+            (tmp_path / f"{tag}.rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+    data = DraftDataModule(
+        target=model.target_spec,
+        max_samples=40,
+        val_fraction=0.1,
+        seq_len=32,
+        block_size=4,
+        batch_size=2,
+        target_layer_ids=model.draft_config.target_layer_ids,
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[SeenSamples()],
+        **trainer_kwargs,
+    )
+    return trainer.validate(model, datamodule=data, verbose=False)[0]
+
+
+def validate_on_rank(rank: int, model: Any, tmp_path: Path) -> None:
+    """One of two DDP ranks (gloo, CPU) validating; rank 0 writes what it logged."""
+    values = validate(model, tmp_path, "ddp", devices=2, strategy="ddp")
+    if rank == 0:
+        (tmp_path / "ddp.json").write_text(json.dumps(values))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_count_the_same_totals_as_one(tmp_path):
+    """Validation under DDP on 2 CPU processes (gloo) == one process, over the same data and the same weights."""
+    from gloo_ranks import run_ranks
+
     from dflash2_lightning.target.spec import TargetSpec
     from dflash2_lightning.train.module import DFlash2Module
 
-    spec = TargetSpec(tiny={})
     # selector_top_k = half the vocabulary, so coverage is far from 0 and 1 and tells totals apart.
     model = DFlash2Module(
-        target=spec,
+        target=TargetSpec(tiny={}),
         draft={"block_size": 4, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 256},
         objective={"num_anchors": 6},
     )
-
-    def run(**trainer_kwargs):
-        data = DraftDataModule(
-            target=spec,
-            max_samples=40,
-            val_fraction=0.1,
-            seq_len=32,
-            block_size=4,
-            batch_size=2,
-            target_layer_ids=model.draft_config.target_layer_ids,
-        )
-        trainer = Trainer(
-            accelerator="cpu",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-            **trainer_kwargs,
-        )
-        return trainer.validate(model, datamodule=data, verbose=False)[0]
-
-    single = run(devices=1)
-    double = run(devices=2, strategy="ddp_spawn")
+    single = validate(model, tmp_path, "one", devices=1)
+    run_ranks(validate_on_rank, model, tmp_path, directory=tmp_path)
+    double = json.loads((tmp_path / "ddp.json").read_text())
+    seen = [json.loads((tmp_path / f"{tag}.json").read_text()) for tag in ("one.rank0", "ddp.rank0", "ddp.rank1")]
+    assert [s["world"] for s in seen] == [1, 2, 2]  # the ranks joined one group
+    assert seen[1]["samples"] == seen[2]["samples"] == seen[0]["samples"] // 2 > 0  # and split the held-out data
     assert single["val/num_positions"] > 0
     keys = [k for k in single if k != "val/loss"]  # val/loss is a mean of per-rank means, not a count ratio
     counts = [k for k in keys if not k.startswith("val/t1/")]  # integer counts: exactly equal

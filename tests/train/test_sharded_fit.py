@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 from hf_families import save_tiny_hf
 from lightning.pytorch import Callback, Trainer, seed_everything
 
@@ -43,13 +44,13 @@ class LossFile(Callback):
         path.write_text(json.dumps({"losses": self.losses, "sharded": module.target.sharded}))
 
 
-def fit(spec: TargetSpec, root: Path, tag: str, experimental: dict[str, Any] | None = None) -> None:
-    """Rank-0's export at the end asks for an acceptance record only when sharded: skipped there with a warning
-    (the record's target forwards on rank 0 alone would wait for rank 1 forever)."""
+def fit_on_rank(rank: int, spec: TargetSpec, root: Path, tag: str, experimental: dict[str, Any]) -> None:
+    """One of two DDP ranks (gloo, CPU) fitting. Rank 0's export at the end asks for an acceptance record only when
+    sharded: skipped there with a warning (the record's target forwards on rank 0 alone would wait for rank 1 forever)."""
     seed_everything(0)
     export = {"acceptance_prompts": 2 if spec.shard == "fsdp" else 0, "dir": str(root / f"{tag}-hf")}
     module = DFlash2Module(
-        target=spec, draft=DRAFT, objective={"num_anchors": 6}, export=export, experimental=experimental or {}
+        target=spec, draft=DRAFT, objective={"num_anchors": 6}, export=export, experimental=experimental
     )
     data = DraftDataModule(
         target=spec,
@@ -63,7 +64,7 @@ def fit(spec: TargetSpec, root: Path, tag: str, experimental: dict[str, Any] | N
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp_spawn",
+        strategy="ddp",
         max_steps=STEPS,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -85,8 +86,10 @@ def test_a_sharded_target_fits_like_a_whole_one(tmp_path: Path, warm: bool) -> N
     sharded target gives in the module's setup, before DDP copies rank 0's draft to the other."""
     directory = str(save_tiny_hf("llama", tmp_path / "llama", seed=2))
     experimental = WARM if warm else {}
-    fit(TargetSpec(path=directory), tmp_path, "whole", experimental)
-    fit(TargetSpec(path=directory, shard="fsdp"), tmp_path, "sharded", experimental)
+    run_ranks(fit_on_rank, TargetSpec(path=directory), tmp_path, "whole", experimental, directory=tmp_path)
+    run_ranks(
+        fit_on_rank, TargetSpec(path=directory, shard="fsdp"), tmp_path, "sharded", experimental, directory=tmp_path
+    )
     for rank in range(2):
         whole = json.loads((tmp_path / f"whole.rank{rank}.json").read_text())
         sharded = json.loads((tmp_path / f"sharded.rank{rank}.json").read_text())

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -36,6 +36,7 @@ import yaml
 from cli_helpers import run_here
 from llamacpp_helpers import vocab_gguf
 from module_helpers import data_args
+from serving_fakes import LocalServer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -885,11 +886,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class FlakyServer(ThreadingHTTPServer):
+class FlakyServer(LocalServer):
     """An OpenAI-style server whose first ``ok`` completions answer (slowly), then every one fails with HTTP 500."""
 
     def __init__(self, ok: int) -> None:
-        super().__init__(("127.0.0.1", 0), _FlakyHandler)
+        super().__init__(_FlakyHandler)
         self.ok, self.calls, self.answered, self.lock = ok, 0, 0, threading.Lock()
 
 
@@ -949,13 +950,11 @@ def test_regen_server_failures(tmp_path, base):
         "server running",
     )
     server = FlakyServer(ok=19)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server.start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        done = run([*args, "--server", url], tmp_path, base["cache"])
+        done = run([*args, "--server", f"{server.url}/v1"], tmp_path, base["cache"])
     finally:
-        server.shutdown()
+        server.stop()
     line = assert_user_error(done, "answered HTTP 500", f"{server.answered} of 60 responses are kept", "rerun")
     assert server.answered == 19, line
     records = [json.loads(x) for x in (tmp_path / "r.jsonl.partial").read_text().splitlines()[1:]]

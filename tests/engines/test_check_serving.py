@@ -470,6 +470,20 @@ def test_a_slow_server_is_said_to_be_slow_and_detection_honours_the_timeout(reco
     one_error_line(err, f"{hung.url}/metrics", "0.5 s (--timeout)")
 
 
+def test_a_server_given_up_on_leaves_nothing_behind_its_block(capsys):
+    """The fake's handler of a request the client gave up on ends with the ``with`` block: its late answer used
+    to hit the closed socket after the test and print BrokenPipeError into a later test's stderr."""
+    import threading
+    import urllib.request
+
+    with Broken({"GET /v1/models": MODELS}, delay=30.0) as hung:
+        with pytest.raises(OSError):  # TimeoutError, or URLError wrapping it
+            urllib.request.urlopen(f"{hung.url}/v1/models", timeout=0.2)
+        handlers = [t for t in threading.enumerate() if "process_request_thread" in t.name]
+    assert handlers and not [t.name for t in handlers if t.is_alive()]
+    assert capsys.readouterr().err == ""
+
+
 MALFORMED = [
     ({"GET /v1/models": "[]"}, "/v1/models", "the answer is a list ([]), not an object"),
     ({"GET /v1/models": '{"data": [1]}'}, "/v1/models", "data[0] is a number (1), not a model object"),

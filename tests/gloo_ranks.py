@@ -36,8 +36,12 @@ def _rank_main(rank: int, world: int, init: str, work: Callable[..., None], args
         dist.destroy_process_group()
 
 
+def file_rendezvous(directory: Path) -> str:
+    """An ``init_method`` for one group: a file store in a new folder under ``directory`` (no port to pick)."""
+    return f"file://{tempfile.mkdtemp(prefix='gloo-', dir=directory)}/init"
+
+
 def run_ranks(work: Callable[..., None], *args: Any, directory: Path, world: int = 2) -> None:
-    """``work(rank, *args)`` on ``world`` spawned processes (gloo over a file store in a new folder under
-    ``directory``); returns when all have ended, raises if any failed. ``work`` and ``args`` must pickle."""
-    init = Path(tempfile.mkdtemp(prefix="gloo-", dir=directory)) / "init"
-    mp.spawn(_rank_main, args=(world, f"file://{init}", work, args), nprocs=world, join=True)
+    """``work(rank, *args)`` on ``world`` spawned processes (gloo over :func:`file_rendezvous`); returns when all
+    have ended, raises if any failed. ``work`` and ``args`` must pickle."""
+    mp.spawn(_rank_main, args=(world, file_rendezvous(directory), work, args), nprocs=world, join=True)

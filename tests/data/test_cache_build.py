@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from gloo_ranks import file_rendezvous
 
 from dflash2_lightning.data.cache_build import DONE, build_dir_of
 from dflash2_lightning.data.datamodule import DraftDataModule
@@ -110,7 +110,7 @@ def run_two_ranks(
     tmp_path: Path, data: str, cache: Path, fail_rank: int | None = None, target: TargetSpec | None = None
 ) -> list[dict[str, Any]]:
     # The ranks meet through a file: a port picked here could be handed to another socket before rank 0 binds it.
-    init = f"file://{tempfile.mkdtemp(prefix='gloo-', dir=tmp_path)}/init"
+    init = file_rendezvous(tmp_path)
     out = tmp_path / "outcome"
     out.mkdir(exist_ok=True)
     ctx = multiprocessing.get_context("spawn")
